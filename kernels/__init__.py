@@ -1,0 +1,1 @@
+"""livemoe kernels: each op beside its plain-PyTorch reference, with one dispatching entry per op."""

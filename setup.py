@@ -1,0 +1,48 @@
+"""Builds csrc/ as one torch extension, `kernels._C`.
+
+Every csrc/*.cpp is compiled (CPU ops, OpenMP); csrc/*.cu only where a CUDA toolkit and a CUDA build of
+torch are both present. Ops register themselves with TORCH_LIBRARY_FRAGMENT(livemoe, ...), so adding an
+op is adding a file: nothing here changes. Set LIVEMOE_NO_EXT=1 to install without the extension (the
+Python code then falls back to PyTorch).
+"""
+import glob
+import os
+import sys
+
+from setuptools import setup
+
+
+def extensions():
+    if os.environ.get("LIVEMOE_NO_EXT") == "1":
+        return [], {}
+    import torch
+    from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    cpp = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
+    cu = sorted(glob.glob(os.path.join("csrc", "*.cu")))
+    use_cuda = torch.version.cuda is not None and CUDA_HOME is not None and os.environ.get("LIVEMOE_NO_CUDA") != "1"
+    cxx = ["-O3", "-std=c++17"] + ([] if sys.platform == "darwin" else ["-fopenmp"])
+    link = [] if sys.platform == "darwin" else ["-fopenmp"]
+    include = [os.path.join(here, "csrc")]
+    if use_cuda:
+        arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
+        nvcc = ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo"]
+        if not arch:  # build for the GPU that is here (fast build), else a portable default
+            if torch.cuda.is_available():
+                major, minor = torch.cuda.get_device_capability()
+                suffix = "a" if major == 9 else ""
+                nvcc += [f"-gencode=arch=compute_{major}{minor}{suffix},code=sm_{major}{minor}{suffix}"]
+            else:
+                os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0a"
+        ext = CUDAExtension("kernels._C", cpp + cu, include_dirs=include,
+                            define_macros=[("LIVEMOE_WITH_CUDA", "1")],
+                            extra_compile_args={"cxx": cxx, "nvcc": nvcc}, extra_link_args=link)
+    else:
+        ext = CppExtension("kernels._C", cpp, include_dirs=include,
+                           extra_compile_args={"cxx": cxx}, extra_link_args=link)
+    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
+
+
+ext_modules, cmdclass = extensions()
+setup(ext_modules=ext_modules, cmdclass=cmdclass)
