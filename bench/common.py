@@ -1,0 +1,144 @@
+"""What every benchmark suite shares: timing, peak memory, and the results writer.
+
+A suite times our op and its baseline in the same process (this machine is noisy: ratios, not
+absolute figures, are what a CPU run can claim) and records one row per case with `record(...)`.
+At the end of the session the rows are written to bench/out/results.{json,md} and a PNG chart.
+"""
+import gc
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+OUT_DIR = os.environ.get("LIVEMOE_BENCH_OUT", os.path.join(os.path.dirname(__file__), "out"))
+ROWS: list["Row"] = []
+
+
+@dataclass
+class Row:
+    suite: str
+    case: str
+    metric: str  # what `ours` and `baseline` measure, e.g. "ms", "MiB", "tok/s"
+    ours: float
+    baseline: float | None = None
+    baseline_name: str = ""
+    higher_is_better: bool = False
+    floor: float | None = None  # the hardware bound for this case, same unit (GPU only)
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def speedup(self) -> float | None:
+        """>1 means ours is better, whatever the metric's direction."""
+        if self.baseline is None or self.ours == 0 or self.baseline == 0:
+            return None
+        return self.ours / self.baseline if self.higher_is_better else self.baseline / self.ours
+
+
+def record(**kw) -> Row:
+    row = Row(**kw)
+    ROWS.append(row)
+    return row
+
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(fn, device="cpu", warmup: int = 1, reps: int = 5) -> float:
+    """Median wall time of fn() in seconds."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def peak_memory(fn, device="cpu") -> int:
+    """Peak bytes allocated while fn() runs, above what was allocated before (CUDA: the allocator's
+    peak; CPU: torch's profiler memory accounting)."""
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    # walk the allocation events in order, tracking the live total
+    live = peak = 0
+    for evt in sorted(prof.events(), key=lambda e: e.time_range.start):
+        delta = evt.cpu_memory_usage if evt.cpu_memory_usage else 0
+        if evt.cpu_children and delta:  # parents report their children's allocations too
+            continue
+        live += delta
+        peak = max(peak, live)
+    return peak
+
+
+def environment() -> dict:
+    env = {"python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine(),
+           "cpu_threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d")}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+        env["cuda"] = torch.version.cuda
+    return env
+
+
+def write_results(mode: str) -> list[str]:
+    if not ROWS:
+        return []
+    os.makedirs(OUT_DIR, exist_ok=True)
+    env = environment()
+    rows = [{**asdict(r), "speedup": r.speedup} for r in ROWS]
+    paths = [os.path.join(OUT_DIR, n) for n in ("results.json", "results.md", "results.png")]
+    with open(paths[0], "w") as f:
+        json.dump({"mode": mode, "environment": env, "rows": rows}, f, indent=1)
+    with open(paths[1], "w") as f:
+        f.write(f"# livemoe benchmarks ({mode} mode)\n\n")
+        f.write(", ".join(f"{k} {v}" for k, v in env.items()) + "\n\n")
+        f.write("| suite | case | metric | ours | baseline | vs | ours better by | of floor |\n")
+        f.write("| --- | --- | --- | ---: | ---: | --- | ---: | ---: |\n")
+        for r in ROWS:
+            base = "" if r.baseline is None else f"{r.baseline:.4g}"
+            sp = "" if r.speedup is None else f"{r.speedup:.2f}x"
+            fl = "" if r.floor is None or not r.ours else f"{(r.ours / r.floor if r.higher_is_better else r.floor / r.ours):.0%}"
+            f.write(f"| {r.suite} | {r.case} | {r.metric} | {r.ours:.4g} | {base} | {r.baseline_name} | {sp} | {fl} |\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        ranked = [r for r in ROWS if r.speedup is not None]
+        fig, ax = plt.subplots(figsize=(9, 0.35 * len(ranked) + 1.5))
+        labels = [f"{r.suite}: {r.case} ({r.metric})" for r in ranked]
+        ax.barh(labels, [r.speedup for r in ranked], color=["tab:green" if r.speedup >= 1 else "tab:red" for r in ranked])
+        ax.axvline(1.0, color="k", lw=0.8)
+        ax.set_xlabel("ours better than baseline by (x)")
+        ax.set_title(f"livemoe benchmarks, {mode} mode, {env.get('gpu', 'CPU')}")
+        fig.tight_layout()
+        fig.savefig(paths[2], dpi=100)
+        plt.close(fig)
+    except ImportError:
+        paths.pop()
+    return paths
