@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.cu csrc
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade "setuptools>=64" wheel
 	bash scripts/install_torch.sh $(PY)
-	$(PY) -m pip install -q -e ".[test]" --no-build-isolation
+	$(PY) -m pip install -q -e ".[test]" --no-build-isolation --config-settings editable_mode=compat
 	touch $@
 
 demo: setup

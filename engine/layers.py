@@ -1,0 +1,82 @@
+"""The building blocks of a Qwen3 decoder layer, written to match transformers' numerics."""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.moe import fused_moe
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Default (unscaled) RoPE with the rotate-half convention; cos/sin computed in fp32."""
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq.float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, T, heads, D]; cos/sin [B, T, D]."""
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class MLP(nn.Module):
+    """Dense SwiGLU MLP (hub keys gate_proj / up_proj / down_proj)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)), None
+
+
+class Experts(nn.Module):
+    """Experts held stacked, as the MoE kernels want them: gate_up_proj [E, 2I, H] (gate rows first),
+    down_proj [E, H, I]. The names are transformers-v5's fused keys."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+
+class SparseMoeBlock(nn.Module):
+    """Router (hub key mlp.gate.weight) + experts; the expert computation is kernels.moe.fused_moe."""
+
+    def __init__(self, hidden_size: int, num_experts: int, intermediate_size: int, top_k: int, norm_topk_prob: bool):
+        super().__init__()
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.experts = Experts(num_experts, hidden_size, intermediate_size)
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        router_logits = self.gate(flat)
+        out = fused_moe(flat, self.experts.gate_up_proj, self.experts.down_proj, router_logits,
+                        self.top_k, self.norm_topk_prob)
+        return out.reshape(shape), router_logits

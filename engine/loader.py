@@ -1,0 +1,276 @@
+"""Loading and saving Hugging Face checkpoints (config.json + safetensors, single or sharded).
+
+Loading streams tensor by tensor into a model allocated once on the target device and dtype (no second
+full copy in memory). Experts are accepted in the hub's per-expert layout
+(mlp.experts.{j}.gate_proj.weight, ...) and in transformers-v5's fused layout (mlp.experts.gate_up_proj,
+mlp.experts.down_proj). Every problem raises one CheckpointError naming the file, tensor or field; the
+half-built model is dropped, never returned.
+"""
+import json
+import os
+import re
+import shutil
+import tempfile
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from engine.config import ModelConfig, load_config
+from engine.errors import CheckpointError
+from engine.layers import RotaryEmbedding
+from engine.model import Qwen3ForCausalLM
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
+_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+def resolve_dtype(dtype, cfg: ModelConfig | None = None) -> torch.dtype:
+    """None -> the checkpoint's dtype (fp32 if it names none); a torch.dtype or a name otherwise."""
+    if dtype is None:
+        dtype = (cfg.dtype if cfg else None) or "float32"
+    if isinstance(dtype, torch.dtype):
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+        return dtype
+    if str(dtype).removeprefix("torch.") not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}")
+    return _DTYPES[str(dtype).removeprefix("torch.")]
+
+
+def resolve_device(device) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> Qwen3ForCausalLM:
+    """The model with uninitialised storage on the device (allocated once, no init pass)."""
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(cfg)
+    model.to(dtype)  # on meta: free; storage is allocated once, in the final dtype
+    model.to_empty(device=device)
+    model.model.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta).to(device)  # buffers were meta
+    return model
+
+
+def init_model(cfg: ModelConfig, dtype=torch.float32, device=None, seed: int = 0, std: float = 0.02):
+    """A randomly initialised model made on the device (benchmarks, tests: nothing downloaded)."""
+    model = empty_model(cfg, resolve_dtype(dtype), resolve_device(device))
+    gen = torch.Generator(device=model.lm_head_weight.device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std, generator=gen)
+    return model.eval()
+
+
+def _weight_files(path: str) -> list[str]:
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.exists(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({e!r})") from None
+        files = sorted(set(weight_map.values()))
+        for name in files:
+            if not os.path.exists(os.path.join(path, name)):
+                raise CheckpointError(f"{index}: lists shard {name!r}, which is not in {path}")
+        return [os.path.join(path, n) for n in files]
+    single = os.path.join(path, SINGLE_FILE)
+    if not os.path.exists(single):
+        raise CheckpointError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors checkpoints load)")
+    return [single]
+
+
+class _Targets:
+    """Maps checkpoint keys to (parameter, slice) and tracks that each part is written exactly once."""
+
+    def __init__(self, model: Qwen3ForCausalLM):
+        self.params = dict(model.named_parameters())
+        self.tied = model.config.tie_word_embeddings
+        self.needed = {n: (2 * p.shape[0] if n.endswith("gate_up_proj") else p.shape[0])
+                       if n.endswith(("experts.gate_up_proj", "experts.down_proj")) else 1
+                       for n, p in self.params.items()}
+        self.filled: dict[str, set] = {n: set() for n in self.params}
+
+    def resolve(self, key: str):
+        """-> (param name, index into the parameter, part id) or None for keys to ignore."""
+        if _IGNORED.search(key) or (self.tied and key == "lm_head.weight"):
+            return None
+        m = _PER_EXPERT.match(key)
+        if m:
+            prefix, j, proj = m.group(1), int(m.group(2)), m.group(3)
+            name = f"{prefix}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"
+            if name not in self.params:
+                return name, None, None
+            num_experts = self.params[name].shape[0]
+            if j >= num_experts:
+                raise CheckpointError(f"tensor {key!r}: expert {j} but the config has num_experts={num_experts}")
+            if proj == "down_proj":
+                return name, (j,), (j,)
+            half = self.params[name].shape[1] // 2
+            rows = slice(0, half) if proj == "gate_proj" else slice(half, 2 * half)
+            return name, (j, rows), (j, proj)
+        return key, (), "whole"
+
+    def missing(self) -> list[str]:
+        out = []
+        for name, parts in self.filled.items():
+            if "whole" not in parts and len(parts) < self.needed[name]:
+                out.append(name)
+        return out
+
+
+def load_model(path: str, dtype=None, device=None) -> Qwen3ForCausalLM:
+    """Loads a Qwen3 / Qwen3-MoE checkpoint directory; returns the model in eval mode."""
+    cfg = load_config(path)
+    dtype, device = resolve_dtype(dtype, cfg), resolve_device(device)
+    files = _weight_files(path)
+    model = empty_model(cfg, dtype, device)
+    targets = _Targets(model)
+    for file in files:
+        try:
+            handle = safe_open(file, framework="pt", device="cpu")
+        except Exception as e:  # safetensors raises its own error types for truncated/corrupt headers
+            raise CheckpointError(f"{file}: unreadable safetensors file ({e})") from None
+        with handle as f:
+            for key in f.keys():
+                target = targets.resolve(key)
+                if target is None:
+                    continue
+                name, index, part = target
+                if name not in targets.params:
+                    raise CheckpointError(f"{file}: unexpected tensor {key!r} (no such parameter in a "
+                                          f"{cfg.model_type} model with this config)")
+                if part in targets.filled[name] or "whole" in targets.filled[name] or (
+                        part == "whole" and targets.filled[name]):
+                    raise CheckpointError(f"{file}: tensor {key!r} given twice")
+                dest = targets.params[name].data[index] if index else targets.params[name].data
+                try:
+                    shape = tuple(f.get_slice(key).get_shape())
+                    if shape != tuple(dest.shape):
+                        raise CheckpointError(f"{file}: tensor {key!r} has shape {shape}, expected "
+                                              f"{tuple(dest.shape)} from config.json")
+                    dest.copy_(f.get_tensor(key))
+                except CheckpointError:
+                    raise
+                except Exception as e:
+                    raise CheckpointError(f"{file}: cannot read tensor {key!r} ({e})") from None
+                targets.filled[name].add(part)
+    missing = targets.missing()
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise CheckpointError(f"{path}: missing tensors: {shown}")
+    model.source_dir = os.path.abspath(path)
+    return model.eval()
+
+
+def hub_state_dict(model: Qwen3ForCausalLM, layout: str = "per_expert") -> dict[str, torch.Tensor]:
+    """The model's tensors under hub keys; per_expert splits the stacked experts (views, no copies)."""
+    if layout not in ("per_expert", "fused"):
+        raise ValueError(f"layout must be 'per_expert' or 'fused', got {layout!r}")
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.detach()
+        if layout == "per_expert" and name.endswith("experts.gate_up_proj"):
+            prefix, half = name.removesuffix(".gate_up_proj"), t.shape[1] // 2
+            for j in range(t.shape[0]):
+                out[f"{prefix}.{j}.gate_proj.weight"] = t[j, :half]
+                out[f"{prefix}.{j}.up_proj.weight"] = t[j, half:]
+        elif layout == "per_expert" and name.endswith("experts.down_proj"):
+            prefix = name.removesuffix(".down_proj")
+            for j in range(t.shape[0]):
+                out[f"{prefix}.{j}.down_proj.weight"] = t[j]
+        else:
+            out[name] = t
+    return out
+
+
+def _shards(state: dict, max_shard_bytes: int) -> list[dict]:
+    shards, current, size = [], {}, 0
+    for key, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if current and size + nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[key] = t
+        size += nbytes
+    if current or not shards:
+        shards.append(current)
+    return shards
+
+
+def save_model(model: Qwen3ForCausalLM, path: str, *, max_shard_size: int = 5 * 2**30, layout: str = "per_expert",
+               tokenizer=None) -> str:
+    """Writes config.json + safetensors (sharded above max_shard_size bytes, with an index) + the tokenizer
+    files (of `tokenizer`, else copied from the checkpoint the model was loaded from). transformers'
+    AutoModelForCausalLM.from_pretrained loads the result. The directory appears whole or not at all."""
+    path = os.path.abspath(path)
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
+    try:
+        state = hub_state_dict(model, layout)
+        shards = _shards(state, max_shard_size)
+        dtype = next(iter(state.values())).dtype
+        if len(shards) == 1:
+            save_file({k: v.contiguous().cpu() for k, v in shards[0].items()}, os.path.join(tmp, SINGLE_FILE),
+                      metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for i, shard in enumerate(shards):
+                name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                save_file({k: v.contiguous().cpu() for k, v in shard.items()}, os.path.join(tmp, name),
+                          metadata={"format": "pt"})
+                weight_map.update(dict.fromkeys(shard, name))
+            total = sum(t.numel() * t.element_size() for t in state.values())
+            with open(os.path.join(tmp, INDEX_FILE), "w") as f:
+                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        config = model.config.to_dict()
+        config["dtype"] = str(dtype).removeprefix("torch.")
+        config.setdefault("architectures", ["Qwen3MoeForCausalLM" if model.config.num_experts else "Qwen3ForCausalLM"])
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        else:
+            source = getattr(model, "source_dir", None)
+            for name in TOKENIZER_FILES:
+                if source and os.path.exists(os.path.join(source, name)):
+                    shutil.copy(os.path.join(source, name), os.path.join(tmp, name))
+        _replace_dir(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def _replace_dir(src: str, dst: str) -> None:
+    """Moves the finished directory into place; an existing one is set aside first, then removed."""
+    old = None
+    if os.path.exists(dst):
+        old = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.old-", dir=os.path.dirname(dst))
+        os.rmdir(old)
+        os.rename(dst, old)
+    os.rename(src, dst)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def load_tokenizer(path: str):
+    """The checkpoint's tokenizer (transformers), or None when it ships none."""
+    if not any(os.path.exists(os.path.join(path, n)) for n in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)

@@ -1,0 +1,84 @@
+"""SamplingParams: how one request is decoded. Validated at construction (RequestError, a ValueError).
+
+Filtering order (what `sampler.py` does, and what "processed" logprobs see):
+  logits / temperature -> top_k (keep the k largest) -> top_p (the smallest set, largest first, whose
+  probability under the top-k-renormalised distribution reaches top_p; the token that crosses top_p is
+  kept) -> min_p (keep tokens with p >= min_p * p_max).
+temperature == 0 is greedy (argmax of the raw logits; filters are then irrelevant).
+
+logprobs_mode:
+  "raw"       log_softmax(logits / temperature) before any filtering (log_softmax(logits) when greedy):
+              what an RL trainer recomputes from the same weights, so old_logprobs match.
+  "processed" log_softmax of the filtered logits (tokens outside the kept set get -inf).
+"""
+from dataclasses import dataclass, field
+
+LOGPROBS_MODES = ("raw", "processed")
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve as asked (bad prompt or sampling params); the message names it."""
+
+
+@dataclass(slots=True, kw_only=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_k: int = -1  # -1 or 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None  # per-request generator: same tokens whatever else is in the batch
+    max_tokens: int = 16
+    min_tokens: int = 0  # stop conditions are ignored until this many tokens exist
+    stop: list[str] = field(default_factory=list)  # stop strings (not included in the text)
+    stop_token_ids: list[int] = field(default_factory=list)  # included in token_ids, not in text
+    ignore_eos: bool = False
+    n: int = 1
+    logprobs: int | None = None  # None: none; 0: the sampled token's; N: also the top-N
+    logprobs_mode: str = "raw"
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+
+        def fail(msg):
+            raise RequestError(f"SamplingParams: {msg}")
+
+        if not _is_number(self.temperature) or self.temperature < 0:
+            fail(f"temperature must be a number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            fail(f"top_k must be an integer >= 1, or -1/0 to disable, got {self.top_k!r}")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            fail(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            fail(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
+            fail(f"seed must be a non-negative integer or None, got {self.seed!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            fail(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            fail(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            fail(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            fail(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if not _is_int(self.n) or self.n < 1:
+            fail(f"n must be an integer >= 1, got {self.n!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            fail(f"logprobs must be None or an integer >= 0, got {self.logprobs!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            fail(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # x == x rejects NaN

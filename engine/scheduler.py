@@ -1,0 +1,116 @@
+"""Scheduler: continuous batching with chunked prefill and preemption by recompute.
+
+Each step gets a token budget (max_num_batched_tokens). Running sequences go first, in arrival order:
+a decode takes one token, an unfinished prefill takes the next chunk that fits. What budget is left
+admits waiting sequences (their first chunk), so a long prompt is spread over several steps while the
+streams already in flight keep decoding. When blocks run out, the most recently admitted running
+sequence is preempted: its blocks are freed (keeping their prefix-cache hashes) and it is recomputed
+later from its tokens. The scheduler never touches a tensor.
+"""
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)  # tokens each seq computes this step
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(n == 1 for n in self.num_new_tokens)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        assert seq.status == SequenceStatus.WAITING and not seq.block_table, seq
+        self.waiting.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            assert n > 0, seq
+            while not self.block_manager.can_append(seq, n):
+                victim = self.running.pop()  # the newest; never one scheduled already (those are < i)
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                self.block_manager.append_slots(seq, n)
+                out.seqs.append(seq)
+                out.num_new_tokens.append(n)
+                budget -= n
+                i += 1
+                continue
+            break
+        # admitting new work right after a preemption would only thrash
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = self.block_manager.allocate(seq, budget)
+            if n == 0:
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.seqs.append(seq)
+            out.num_new_tokens.append(n)
+            budget -= n
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def update_computed(self, out: SchedulerOutput) -> list[bool]:
+        """After the step ran: marks the computed tokens, caches full blocks, and says which seqs
+        reached their end (and so sampled a token)."""
+        sampled = []
+        for seq, n in zip(out.seqs, out.num_new_tokens):
+            seq.num_computed_tokens += n
+            assert seq.num_computed_tokens <= len(seq), seq
+            self.block_manager.cache_blocks(seq)
+            sampled.append(seq.num_computed_tokens == len(seq))
+        return sampled
+
+    def finish(self, seq: Sequence) -> None:
+        """Frees a finished or aborted seq, wherever it is."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SequenceStatus.WAITING:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass  # not yet added
+        if seq.block_table:
+            self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
