@@ -1,0 +1,102 @@
+"""Scheduler: token budget, chunked prefill mixed with decodes, max_num_seqs, preemption by recompute."""
+from engine.block_manager import BlockManager
+from engine.sampling import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SequenceStatus
+
+BS = 4
+
+
+def make(num_blocks=64, max_num_seqs=8, max_tokens=16):
+    return Scheduler(BlockManager(num_blocks, BS), max_num_seqs, max_tokens)
+
+
+def seq(n, start=0):
+    return Sequence(list(range(start, start + n)), SamplingParams())
+
+
+def step(sched, fake_token=1):
+    """Runs one step with a fake model: every seq that reaches its end samples fake_token."""
+    out = sched.schedule()
+    sampled = sched.update_computed(out)
+    for s, did in zip(out.seqs, sampled):
+        if did:
+            s.append_token(fake_token)
+    return out
+
+
+def test_long_prompt_is_chunked_and_decodes_keep_running():
+    sched = make(max_tokens=8)
+    a = seq(3)
+    sched.add(a)
+    out = step(sched)
+    assert out.num_new_tokens == [3] and len(a) == 4  # a prefilled and sampled
+    b = seq(20, start=100)
+    sched.add(b)
+    out = step(sched)
+    # a decodes (1 token) and b gets the rest of the budget as its first chunk
+    assert out.seqs == [a, b] and out.num_new_tokens == [1, 7]
+    assert len(b) == 20  # b did not sample mid-prompt
+    out = step(sched)
+    assert out.num_new_tokens == [1, 7]
+    out = step(sched)
+    assert out.num_new_tokens == [1, 6] and len(b) == 21  # b's last chunk sampled
+    out = step(sched)
+    assert out.num_new_tokens == [1, 1] and out.is_decode_only
+
+
+def test_max_num_seqs():
+    sched = make(max_num_seqs=2, max_tokens=100)
+    seqs = [seq(3, start=10 * i) for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    out = step(sched)
+    assert out.seqs == seqs[:2] and len(sched.waiting) == 1
+
+
+def test_budget_limits_decodes():
+    sched = make(max_tokens=2)
+    seqs = [seq(1, start=10 * i) for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    assert step(sched).seqs == seqs[:2]
+    out = step(sched)
+    assert out.seqs == seqs[:2]  # running seqs first; the third still waits for budget
+    assert seqs[2].status == SequenceStatus.WAITING
+
+
+def test_preemption_when_blocks_run_out_and_recompute():
+    sched = make(num_blocks=4, max_tokens=64)
+    a, b = seq(4, start=0), seq(4, start=50)
+    sched.add(a)
+    sched.add(b)
+    step(sched)  # 4 prompt tokens: one block each
+    assert len(a.block_table) == 1 and len(b.block_table) == 1
+    # decode until blocks run out: each seq needs a new block every 4 tokens
+    for _ in range(4):
+        step(sched)
+    out = step(sched)
+    assert sched.num_preemptions >= 1 and b.status == SequenceStatus.WAITING and b.num_computed_tokens == 0
+    assert b.num_preemptions == 1 and out.seqs == [a]
+    # b comes back once a finishes, recomputing its prompt and generated tokens together
+    sched.finish(a)
+    assert sched.block_manager.num_free_blocks == 4
+    n_before = len(b)
+    out = step(sched)
+    # its full blocks were freed with their hashes: the recompute hits them (counted apart)
+    bm = sched.block_manager
+    assert bm.stats.recompute_hits > 0 and bm.stats.recompute_hits % BS == 0
+    assert out.seqs == [b] and out.num_new_tokens == [n_before - bm.stats.recompute_hits]
+    assert len(b) == n_before + 1
+
+
+def test_abort_frees_blocks():
+    sched = make()
+    a, b = seq(9), seq(5, start=40)
+    sched.add(a)
+    sched.add(b)
+    step(sched)
+    sched.finish(a)
+    assert a.status == SequenceStatus.FINISHED and a not in sched.running
+    sched.finish(b)
+    assert sched.block_manager.num_free_blocks == 64 and not sched.has_unfinished()
