@@ -5,6 +5,7 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <vector>
 
 namespace {
@@ -15,7 +16,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_align_cpu(
   TORCH_CHECK(num_experts > 0 && block_size > 0, "moe_align: num_experts and block_size must be > 0");
   auto ids = topk_ids.contiguous().to(at::kLong);
   const int64_t n = ids.numel();
-  const int64_t max_padded = n + num_experts * (block_size - 1);
+  const int64_t max_padded = n + std::min(num_experts, n) * (block_size - 1);  // <= min(E, n) non-empty experts
   const int64_t num_blocks = (max_padded + block_size - 1) / block_size;
   auto opts = topk_ids.options().dtype(at::kInt);
   auto sorted_token_ids = at::full({num_blocks * block_size}, static_cast<int>(n), opts);

@@ -5,8 +5,9 @@ Contract (shared by the PyTorch reference here, the C++ op csrc/moe_align.cpp an
                      expert_ids       int32 [num_blocks]
                      tokens_per_expert int32 [E]
                      num_tokens_post_padded int32 [1]
-with num_blocks = ceil((T*k + E*(block_size-1)) / block_size), a bound known without looking at the
-data (static shapes: no host sync, CUDA-graph safe). sorted_token_ids holds flat indices token*k+slot;
+with num_blocks = ceil((T*k + min(E, T*k)*(block_size-1)) / block_size), a bound known without looking
+at the data (static shapes: no host sync, CUDA-graph safe; at most min(E, T*k) experts are non-empty,
+and an empty expert owns no block, which keeps decode grids small). sorted_token_ids holds flat indices token*k+slot;
 padding slots hold the sentinel T*k (padding lives in indices only). expert_ids is -1 for blocks past
 num_tokens_post_padded. Within an expert, pairs are in ascending flat index (deterministic).
 """
@@ -16,7 +17,7 @@ from kernels import _ext
 
 
 def num_align_blocks(num_pairs: int, num_experts: int, block_size: int) -> int:
-    return -(-(num_pairs + num_experts * (block_size - 1)) // block_size)
+    return -(-(num_pairs + min(num_experts, num_pairs) * (block_size - 1)) // block_size)
 
 
 def moe_align_reference(topk_ids: torch.Tensor, num_experts: int, block_size: int):
@@ -40,7 +41,11 @@ def moe_align_reference(topk_ids: torch.Tensor, num_experts: int, block_size: in
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_size: int):
-    """Dispatch: the C++ op on the CPU when built, else the reference (the GPU op arrives with the kernels)."""
+    """Dispatch: the Triton op on CUDA (no host sync), the C++ op on the CPU when built, else the reference."""
+    if topk_ids.device.type == "cuda":
+        from kernels.moe.align_triton import moe_align_triton
+
+        return moe_align_triton(topk_ids, num_experts, block_size)
     if topk_ids.device.type == "cpu" and _ext.has_op("moe_align"):
         return _ext.op("moe_align")(topk_ids, num_experts, block_size)
     return moe_align_reference(topk_ids, num_experts, block_size)
