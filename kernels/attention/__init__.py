@@ -1,0 +1,53 @@
+"""Paged-KV attention ops: store K/V by slot mapping, paged decode (split-KV, GQA packed), and causal
+prefill over a cached paged prefix. Each public function dispatches: Triton where the tensors are on a
+GPU (or backend="triton", e.g. under TRITON_INTERPRET=1), the PyTorch reference path otherwise."""
+import torch
+
+from kernels.attention.reference import (gather_kv, paged_attention_reference, paged_decode_torch,
+                                         store_kvcache_reference)
+
+
+def _use_triton(t: torch.Tensor, backend: str) -> bool:
+    assert backend in ("auto", "triton", "reference"), backend
+    return backend == "triton" or (backend == "auto" and t.is_cuda)
+
+
+def store_kvcache(k, v, k_cache, v_cache, slot_mapping, backend: str = "auto") -> None:
+    """k/v [N, Hkv, D] into caches [num_blocks, block_size, Hkv, D] at flat slots [N] (-1: skip)."""
+    if _use_triton(k, backend):
+        from kernels.attention.store_kvcache import store_kvcache_triton
+
+        store_kvcache_triton(k, v, k_cache, v_cache, slot_mapping)
+    else:
+        store_kvcache_reference(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits: int | None = None,
+                           backend: str = "auto", out=None):
+    """q [B, Hq, D] (one new token per sequence) -> [B, Hq, D]."""
+    if _use_triton(q, backend):
+        from kernels.attention.decode import choose_num_splits, paged_decode_triton
+
+        if num_splits is None:
+            max_ctx = k_cache.shape[1] * block_tables.shape[1]
+            num_splits = choose_num_splits(q.shape[0], k_cache.shape[2], max_ctx, k_cache.shape[1])
+        return paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, out)
+    result = paged_decode_torch(q, k_cache, v_cache, block_tables, context_lens, scale)
+    if out is not None:
+        out.copy_(result)
+        return out
+    return result
+
+
+def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale,
+                            max_seqlen_q: int, backend: str = "auto"):
+    """q [N, Hq, D] (the new tokens of S sequences, concatenated) -> [N, Hq, D], causal over the cache."""
+    if _use_triton(q, backend):
+        from kernels.attention.prefill import paged_prefill_triton
+
+        return paged_prefill_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, max_seqlen_q)
+    return paged_attention_reference(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale)
+
+
+__all__ = ["store_kvcache", "paged_decode_attention", "paged_prefill_attention", "store_kvcache_reference",
+           "paged_attention_reference", "paged_decode_torch", "gather_kv"]

@@ -1,0 +1,68 @@
+"""Plain PyTorch references for the paged-KV ops (fp32 math, short and obviously right).
+
+Cache layout (one layer): k_cache / v_cache [num_blocks, block_size, num_kv_heads, head_dim]; token at
+position p of a sequence lives in block block_table[p // block_size], slot p % block_size, i.e. at
+flat slot block_table[p // block_size] * block_size + p % block_size.
+"""
+import torch
+
+
+def store_kvcache_reference(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """k/v [N, Hkv, D] written at flat slots slot_mapping [N]; slot -1 (a padded row) is skipped."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+
+
+def gather_kv(cache, block_table, length: int):
+    """The first `length` tokens of one sequence from the paged cache: [length, Hkv, D]."""
+    block_size = cache.shape[1]
+    n = -(-length // block_size)
+    return cache[block_table[:n].long()].flatten(0, 1)[:length]
+
+
+def paged_attention_reference(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale):
+    """Causal attention of each sequence's new queries over its whole cached context.
+
+    q [N, Hq, D] (the new tokens of all sequences, concatenated); cu_seqlens_q [S + 1]; context_lens [S]
+    (cached tokens including the new ones); block_tables [S, max_blocks]. Query i of a sequence with
+    q_len new tokens sits at position context_len - q_len + i and sees positions <= its own.
+    Decode is the case q_len == 1. Returns [N, Hq, D] in q's dtype.
+    """
+    out = torch.empty_like(q)
+    hq, hkv = q.shape[1], k_cache.shape[2]
+    cu = cu_seqlens_q.tolist()
+    for s, ctx in enumerate(context_lens.tolist()):
+        q_s = q[cu[s]:cu[s + 1]].float()  # [T, Hq, D]
+        T = q_s.shape[0]
+        if T == 0:
+            continue
+        k = gather_kv(k_cache, block_tables[s], ctx).float().repeat_interleave(hq // hkv, dim=1)
+        v = gather_kv(v_cache, block_tables[s], ctx).float().repeat_interleave(hq // hkv, dim=1)
+        scores = torch.einsum("thd,khd->htk", q_s, k) * scale
+        q_pos = torch.arange(ctx - T, ctx, device=q.device)
+        mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+        out[cu[s]:cu[s + 1]] = torch.einsum("htk,khd->thd", probs, v).to(q.dtype)
+    return out
+
+
+def paged_decode_torch(q, k_cache, v_cache, block_tables, context_lens, scale):
+    """Decode (one query per sequence) batched in PyTorch, the CPU's fast path: q [B, Hq, D] -> [B, Hq, D].
+
+    Same math as the reference, vectorised over the batch by padding every context to the longest.
+    """
+    B, hq, D = q.shape
+    block_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    max_ctx = int(context_lens.max()) if B else 0
+    n = -(-max_ctx // block_size)
+    tables = block_tables[:, :n].long().clamp(min=0)
+    k = k_cache[tables].flatten(1, 2)[:, :max_ctx]  # [B, L, Hkv, D]
+    v = v_cache[tables].flatten(1, 2)[:, :max_ctx]
+    qg = q.view(B, hkv, hq // hkv, D)
+    scores = torch.einsum("bhgd,blhd->bhgl", qg.to(k.dtype), k).float() * scale
+    valid = torch.arange(max_ctx, device=q.device)[None, :] < context_lens[:, None]
+    probs = scores.masked_fill(~valid[:, None, None, :], float("-inf")).softmax(-1)
+    out = torch.einsum("bhgl,blhd->bhgd", probs.to(v.dtype), v)
+    return out.reshape(B, hq, D).to(q.dtype)
