@@ -68,3 +68,38 @@ def test_extension_is_built_in_a_normal_install():
     if os.environ.get("LIVEMOE_NO_EXT") == "1":
         pytest.skip("LIVEMOE_NO_EXT=1: installed without the extension on purpose")
     assert _ext.available(), f"kernels._C failed to import: {_ext.EXT_ERROR}"
+
+
+def test_block_bound_uses_only_experts_that_can_be_hit():
+    # T*k pairs touch at most min(E, T*k) experts, and an empty expert owns no block: decode grids stay small
+    assert num_align_blocks(8, 128, 16) == 8
+    assert num_align_blocks(100, 4, 16) == -(-(100 + 4 * 15) // 16)
+    out = moe_align_reference(torch.tensor([[5, 77, 3]]), 128, 16)
+    check_invariants(torch.tensor([[5, 77, 3]]), 128, 16, out)
+    assert out[1].tolist() == [3, 5, 77]
+
+
+# (T, k, E, block, chunk): one chunk (decode: no count launch) and several chunks (counts carried across)
+TRITON_CASES = [(1, 1, 4, 16, None), (7, 2, 5, 4, None), (33, 4, 13, 16, 16), (64, 8, 8, 8, 32),
+                (5, 3, 3, 64, None), (100, 3, 17, 16, 64)]
+
+
+@pytest.mark.parametrize("T,k,E,block,chunk", TRITON_CASES)
+def test_triton_op_equals_reference(T, k, E, block, chunk):
+    from kernels.moe.align_triton import moe_align_triton
+
+    g = torch.Generator().manual_seed(T * 7 + E)
+    topk_ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    got = moe_align_triton(topk_ids, E, block, chunk=chunk)
+    for a, b in zip(got, moe_align_reference(topk_ids, E, block)):
+        assert torch.equal(a, b)
+    check_invariants(topk_ids, E, block, got)
+
+
+def test_triton_op_all_tokens_one_expert():
+    from kernels.moe.align_triton import moe_align_triton
+
+    topk_ids = torch.full((40, 1), 2)
+    got = moe_align_triton(topk_ids, 7, 16, chunk=16)
+    check_invariants(topk_ids, 7, 16, got)
+    assert got[2].tolist() == [0, 0, 40, 0, 0, 0, 0] and got[3].item() == 48
