@@ -28,7 +28,6 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None  # per-request generator: same tokens whatever else is in the batch
     max_tokens: int = 16
-    min_tokens: int = 0  # stop conditions are ignored until this many tokens exist
     stop: list[str] = field(default_factory=list)  # stop strings (not included in the text)
     stop_token_ids: list[int] = field(default_factory=list)  # included in token_ids, not in text
     ignore_eos: bool = False
@@ -58,8 +57,6 @@ class SamplingParams:
             fail(f"seed must be a non-negative integer or None, got {self.seed!r}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             fail(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
-            fail(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
             fail(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):

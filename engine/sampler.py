@@ -1,0 +1,102 @@
+"""Sampler: logits of the sampling rows -> next tokens (+ logprobs), per-row parameters in one batch.
+
+Filters (see engine.sampling for the order) become -inf logits; sampling is the exponential race
+argmax(p / E), E ~ Exp(1), with E drawn from the row's own generator when the request has a seed, so a
+seeded request gets the same tokens whatever else is in the batch.
+"""
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling import SamplingParams
+
+
+@dataclass(slots=True)
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None]  # per row: {sampled token: lp, top-1: lp, ...} or None
+
+
+def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] (already divided by temperature); top_k [B] (<= 0: off), top_p [B], min_p [B].
+    Returns logits with the tokens outside each row's kept set at -inf."""
+    V = logits.shape[-1]
+    out = logits
+    need_sort = bool(((top_k > 0) & (top_k < V)).any() or (top_p < 1.0).any())
+    if need_sort:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        rank = torch.arange(V, device=logits.device)
+        k = torch.where(top_k > 0, top_k, V).clamp(max=V)
+        remove = rank[None, :] >= k[:, None]
+        sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+        probs = sorted_logits.softmax(-1)
+        before = probs.cumsum(-1) - probs  # probability of the tokens ranked above
+        remove = remove | (before >= top_p[:, None])  # the token that crosses top_p has before < top_p
+        out = logits.masked_fill(remove.scatter(1, order, remove), float("-inf"))
+    if bool((min_p > 0).any()):
+        # p_i >= min_p * p_max  <=>  logit_i >= logit_max + log(min_p): no softmax needed
+        threshold = out.max(-1, keepdim=True).values + torch.log(min_p.clamp(min=1e-30))[:, None]
+        out = out.masked_fill(out < threshold, float("-inf"))
+    return out
+
+
+class Sampler:
+    def __init__(self, seed: int = 0):
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}  # for requests without a seed
+
+    def _shared_generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return self._generators[device]
+
+    @torch.no_grad()
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
+                 generators: list[torch.Generator | None]) -> SampleResult:
+        """logits [B, V]; params and generators (None: the shared one) per row."""
+        B, V = logits.shape
+        assert len(params) == B == len(generators)
+        logits = logits.float()
+        device = logits.device
+        temperature = torch.tensor([p.temperature for p in params], device=device)
+        greedy = temperature == 0
+        scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
+        any_filter = any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params)
+        if any_filter:
+            filtered = filter_logits(
+                scaled, torch.tensor([0 if p.greedy else p.top_k for p in params], device=device),
+                torch.tensor([1.0 if p.greedy else p.top_p for p in params], device=device),
+                torch.tensor([0.0 if p.greedy else p.min_p for p in params], device=device))
+        else:
+            filtered = scaled
+
+        tokens = logits.argmax(-1)
+        sample_rows = [i for i in range(B) if not params[i].greedy]
+        if sample_rows:
+            noise = torch.empty(len(sample_rows), V, device=device)
+            shared = [j for j, i in enumerate(sample_rows) if generators[i] is None]
+            if shared:
+                noise[shared] = torch.empty(len(shared), V, device=device).exponential_(
+                    generator=self._shared_generator(device))
+            for j, i in enumerate(sample_rows):
+                if generators[i] is not None:
+                    noise[j].exponential_(generator=generators[i])
+            probs = filtered[sample_rows].softmax(-1)
+            tokens[sample_rows] = (probs / noise).argmax(-1)
+
+        token_ids = tokens.tolist()
+        logprobs: list[dict[int, float] | None] = [None] * B
+        rows = [i for i in range(B) if params[i].logprobs is not None]
+        if rows:
+            raw = scaled[rows].log_softmax(-1)
+            processed = filtered[rows].log_softmax(-1) if any_filter else raw
+            for j, i in enumerate(rows):
+                dist = raw[j] if params[i].logprobs_mode == "raw" else processed[j]
+                entry = {token_ids[i]: float(dist[token_ids[i]])}
+                n = min(params[i].logprobs, V)
+                if n:
+                    top_lp, top_ids = dist.topk(n)
+                    for t, lp in zip(top_ids.tolist(), top_lp.tolist()):
+                        entry.setdefault(t, lp)
+                logprobs[i] = entry
+        return SampleResult(token_ids, logprobs)
