@@ -26,6 +26,19 @@ def device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@pytest.fixture(scope="session")
+def ceilings(device, bench_mode):
+    """Measured copy GB/s and bf16 GEMM TFLOP/s on a GPU (None on the CPU); recorded as rows too."""
+    from bench.ceilings import measure_ceilings
+    from bench.common import record
+
+    c = measure_ceilings(device) if bench_mode == "full" else None
+    if c:
+        record(suite="ceiling", case="device-to-device copy", metric="GB/s", ours=c["copy_GBps"], higher_is_better=True)
+        record(suite="ceiling", case="bf16 GEMM 8192^3", metric="TFLOP/s", ours=c["bf16_gemm_TFLOPs"], higher_is_better=True)
+    return c
+
+
 def pytest_sessionfinish(session, exitstatus):
     from bench.common import write_results
 
