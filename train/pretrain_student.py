@@ -1,0 +1,141 @@
+"""Builds the embedded default's base student: `python -m train.pretrain_student --output_dir train/assets/student`.
+
+1. a byte-level BPE tokenizer trained on the synthetic world's text, with a Qwen3-style chat template;
+2. a tiny Qwen3-MoE (transformers' own implementation, so the checkpoint is the hub's layout);
+3. pre-training on lookup conversations of the world (train.synthetic.corpus): the product list, then
+   several attribute questions, each answered with the bare fact. The loss is on the answers only: a
+   random-init model needs thousands of steps before in-context lookup appears (issue 9 measured
+   ~3,500 steps of batch 32), and masking the unpredictable product lists spends every step on it.
+Writes the checkpoint (config.json, model.safetensors, tokenizer) and pretrain_report.json with the
+figures reached (lookup exact-match on held-out rooms, loss, steps, minutes).
+"""
+import argparse
+import json
+import math
+import os
+import random
+import time
+
+import torch
+
+from train.synthetic.corpus import lookup_conversation, tokenizer_corpus
+from train.synthetic.tokenizer import train_tokenizer
+from train.synthetic.world import WorldConfig, make_rooms
+
+MODEL = dict(hidden_size=96, intermediate_size=192, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=24, num_experts=4, num_experts_per_tok=2,
+             moe_intermediate_size=96, norm_topk_prob=True, max_position_embeddings=1024,
+             rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, router_aux_loss_coef=0.01)
+
+
+def encode_conversation(msgs, tok) -> tuple:
+    """input_ids and a 0/1 mask that is 1 on assistant answer tokens (and their <|im_end|>)."""
+    ids, mask = [], []
+    for i, m in enumerate(msgs):
+        text = tok.apply_chat_template([m], tokenize=False)
+        piece = tok(text, add_special_tokens=False)["input_ids"]
+        if m["role"] == "assistant":
+            head = len(tok("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"])
+            mask += [0] * head + [1] * (len(piece) - head - 1) + [0]  # answer + <|im_end|>, not the "\n"
+        else:
+            mask += [0] * len(piece)
+        ids += piece
+    return ids, mask
+
+
+def batch(rooms, rng, tok, turns):
+    seqs = [encode_conversation(lookup_conversation(r, rng, turns), tok) for r in rooms]
+    n = max(len(s[0]) for s in seqs)
+    ids = torch.full((len(seqs), n), tok.pad_token_id)
+    mask = torch.zeros((len(seqs), n))
+    for i, (s, m) in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s)
+        mask[i, : len(m)] = torch.tensor(m, dtype=torch.float)
+    return ids, mask
+
+
+def answer_loss(model, ids, mask, aux_coef=0.0):
+    out = model(input_ids=ids, output_router_logits=aux_coef > 0)
+    logits = out.logits[:, :-1].float()
+    target, w = ids[:, 1:], mask[:, 1:]
+    nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, reduction="none")
+    loss = (nll * w).sum() / w.sum()
+    correct = ((logits.argmax(-1) == target) | (w == 0)).all(dim=1).float().mean()  # whole answers right
+    aux = out.aux_loss if aux_coef > 0 and out.aux_loss is not None else torch.zeros(())
+    return loss, aux, correct
+
+
+@torch.no_grad()
+def lookup_accuracy(model, rooms, tok, seed=0):
+    """Fraction of held-out single-question conversations whose whole answer is predicted exactly."""
+    model.eval()
+    ids, mask = batch(rooms, random.Random(seed), tok, turns=1)
+    _, _, acc = answer_loss(model, ids, mask)
+    model.train()
+    return acc.item()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--output_dir", default="train/assets/student")
+    ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument("--batch_size", type=int, default=16)
+    ap.add_argument("--turns", type=int, default=6, help="questions per pre-training conversation")
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--vocab_size", type=int, default=1024)
+    ap.add_argument("--max_minutes", type=float, default=15.0, help="stop early (and save) after this long")
+    ap.add_argument("--eval_every", type=int, default=250)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    t0 = time.time()
+    tok = train_tokenizer(tokenizer_corpus(), vocab_size=args.vocab_size)
+    cfg = Qwen3MoeConfig(vocab_size=len(tok), bos_token_id=None, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id, **MODEL)
+    model = AutoModelForCausalLM.from_config(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"tokenizer {len(tok)} tokens; model {n_params / 1e6:.2f}M parameters", flush=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / args.warmup) * 0.5 * (
+        1 + math.cos(math.pi * min(1.0, s / args.steps))) * 0.9 + 0.1)
+    rng = random.Random(args.seed)
+    wcfg = WorldConfig()
+    held_out = make_rooms(256, seed=10_000 + args.seed, cfg=wcfg, prefix="heldout")
+    history, step, loss_ema = [], 0, None
+    model.train()
+    for step in range(1, args.steps + 1):
+        rooms = make_rooms(args.batch_size, seed=rng.randrange(1 << 30), cfg=wcfg)
+        ids, mask = batch(rooms, rng, tok, args.turns)
+        loss, aux, acc = answer_loss(model, ids, mask, aux_coef=cfg.router_aux_loss_coef)
+        (loss + cfg.router_aux_loss_coef * aux).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step(), sched.step(), opt.zero_grad(set_to_none=True)
+        loss_ema = loss.item() if loss_ema is None else 0.98 * loss_ema + 0.02 * loss.item()
+        minutes = (time.time() - t0) / 60
+        if step % args.eval_every == 0 or step == args.steps or minutes > args.max_minutes:
+            acc_h = lookup_accuracy(model, held_out, tok)
+            history.append({"step": step, "loss": round(loss_ema, 4), "train_exact": round(acc.item(), 3),
+                            "heldout_lookup_exact": round(acc_h, 3), "minutes": round(minutes, 2)})
+            print(json.dumps(history[-1]), flush=True)
+        if minutes > args.max_minutes:
+            break
+    model.eval()
+    os.makedirs(args.output_dir, exist_ok=True)
+    model.save_pretrained(args.output_dir)
+    tok.save_pretrained(args.output_dir)
+    report = {"command": "python -m train.pretrain_student " + " ".join(argv or []), "args": vars(args),
+              "parameters": n_params, "steps": step, "minutes": round((time.time() - t0) / 60, 2),
+              "final_heldout_lookup_exact": history[-1]["heldout_lookup_exact"] if history else None,
+              "history": history}
+    with open(os.path.join(args.output_dir, "pretrain_report.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"saved {args.output_dir}: held-out lookup exact {report['final_heldout_lookup_exact']}")
+
+
+if __name__ == "__main__":
+    main()

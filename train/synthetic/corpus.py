@@ -1,0 +1,34 @@
+"""Text of the synthetic world: what the student's tokenizer is trained on and pre-trained with.
+
+Pre-training conversations are the base skill a real student brings: in-context lookup, in the chat
+layout, answered with the bare fact (correct but not yet helpful, no thought, no handling of missing
+products or repeated questions). RFT has to teach the rest.
+"""
+import random
+
+from train.data import build_messages
+from train.synthetic.teacher import ScriptedTeacher
+from train.synthetic.world import WorldConfig, attribute_question, fact, make_rooms, products_of
+
+
+def lookup_conversation(room: dict, rng: random.Random, turns: int) -> list:
+    """The room's product list, then `turns` attribute questions answered with the bare fact."""
+    products = products_of(room)
+    msgs = build_messages({**room, "history": [], "question": "?"})[:1]
+    for _ in range(turns):
+        p = rng.choice(products)
+        attr = rng.choice(sorted(p.attributes))
+        msgs += [{"role": "user", "content": attribute_question(rng, p, attr)},
+                 {"role": "assistant", "content": fact(p, attr)}]
+    return msgs
+
+
+def tokenizer_corpus(n_rooms: int = 2000, seed: int = 1234):
+    """Texts covering every word the world, its prompts and its teacher use."""
+    rooms = make_rooms(n_rooms, seed=seed, cfg=WorldConfig(), prefix="corpus")
+    teacher = ScriptedTeacher(seed=seed)
+    for room in rooms:
+        for m in build_messages(room):
+            yield f"{m['role']}\n{m['content']}"
+        yield room["reference"]
+        yield from teacher.sample([room], k=2)[0]
