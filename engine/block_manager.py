@@ -145,6 +145,7 @@ class BlockManager:
         else:
             self.stats.queries += seq.num_prompt_tokens
             self.stats.hits += num_cached
+            seq.num_cached_prompt_tokens = num_cached
         return num_new
 
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:

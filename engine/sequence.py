@@ -41,6 +41,7 @@ class Sequence:
         self.generator: torch.Generator | None = None  # made on the sampling device at first use
         self.logprobs: list[dict] = []  # per output token: {token_id: logprob, ...} (sampled first)
         self.num_preemptions = 0
+        self.num_cached_prompt_tokens = 0  # prefix-cache hit at first scheduling
         self.text = ""  # detokenized output, kept only when stop strings need it
         # metrics
         self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time

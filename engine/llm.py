@@ -1,0 +1,361 @@
+"""LLM: the decoder's API. `generate` for offline batches; `add_request` / `step` / `abort` for callers
+that drive the loop themselves (the GRPO trainer, the streaming server).
+
+    llm = LLM("path/to/checkpoint", max_num_seqs=64)
+    outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+
+In-process use by a trainer (no weight copy): `LLM.from_model(model, tokenizer)`. The KV cache can be
+released around a training update (`release_kv_cache()`, or `with llm.kv_cache_released(): ...`) and
+comes back at the next step. Cached prefixes are dropped automatically when the weights change (any
+in-place update of a parameter bumps its version counter, which each step checks).
+"""
+import contextlib
+import logging
+import time
+from itertools import count
+
+import torch
+
+from engine import flops
+from engine.block_manager import BlockManager
+from engine.engine_config import EngineConfig
+from engine.model_runner import ModelRunner
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.sampler import Sampler
+from engine.sampling import RequestError, SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SequenceStatus
+
+log = logging.getLogger(__name__)
+
+
+class Request:
+    def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
+                 seqs: list[Sequence]):
+        self.request_id, self.prompt, self.prompt_ids, self.params, self.seqs = request_id, prompt, prompt_ids, params, seqs
+        self.arrival_time = seqs[0].arrival_time
+        self.finish_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+class LLM:
+    def __init__(self, model_path: str, dtype=None, device=None, **options):
+        from engine.loader import load_model, load_tokenizer
+
+        config = EngineConfig.from_options(**options)  # bad options fail before the weights load
+        self._setup(load_model(model_path, dtype=dtype, device=device), load_tokenizer(model_path), config)
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module, tokenizer=None, **options) -> "LLM":
+        """An engine over an existing module (shared, not copied: the trainer's updates are seen)."""
+        llm = cls.__new__(cls)
+        llm._setup(model, tokenizer, EngineConfig.from_options(**options))
+        return llm
+
+    def _setup(self, model, tokenizer, config: EngineConfig):
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        mc = model.config
+        limit = mc.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > limit:
+            raise RequestError(f"max_model_len {config.max_model_len} exceeds the model's "
+                               f"max_position_embeddings {limit}")
+        self.max_model_len = config.max_model_len or limit
+        self.vocab_size = mc.vocab_size
+        self.eos_token_ids = set(mc.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(tokenizer.eos_token_id)
+        self.runner = ModelRunner(model, config, self.max_model_len)
+        self.sampler = Sampler(config.seed)
+        self.block_manager: BlockManager | None = None
+        self.scheduler: Scheduler | None = None
+        self.requests: dict[str, Request] = {}
+        self._pending: list[RequestOutput] = []  # finished outside the caller's generate(): next step() returns them
+        self._ids = count()
+        self._weights_version = self._param_version()
+        self.num_steps = 0
+        self.num_prefix_cache_resets = 0
+        self.reserve_kv_cache()
+
+    # -- KV cache lifetime --------------------------------------------------------------------------
+
+    def reserve_kv_cache(self, num_blocks: int | None = None) -> None:
+        """Allocates the KV cache (the configured budget unless num_blocks is given)."""
+        if self.runner.kv_cache is not None:
+            return
+        num_blocks = num_blocks or self.runner.budget_num_blocks()
+        self.runner.allocate_kv_cache(num_blocks)
+        self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        self._weights_version = self._param_version()
+
+    def release_kv_cache(self) -> None:
+        """Frees the KV cache memory (e.g. for a training update); the next request brings it back."""
+        if self.requests:
+            raise RuntimeError(f"release_kv_cache: {len(self.requests)} request(s) in flight; finish or abort them")
+        self.runner.free_kv_cache()
+        self.block_manager = self.scheduler = None
+
+    @contextlib.contextmanager
+    def kv_cache_released(self):
+        self.release_kv_cache()
+        try:
+            yield
+        finally:
+            self.reserve_kv_cache()
+
+    def reset_prefix_cache(self) -> None:
+        if self.block_manager is not None:
+            self.block_manager.reset_prefix_cache()
+        self.num_prefix_cache_resets += 1
+
+    def _param_version(self) -> int:
+        return sum(p._version for p in self.model.parameters())
+
+    # -- requests -----------------------------------------------------------------------------------
+
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("a text prompt needs a tokenizer, and this checkpoint has none; pass token ids")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        if isinstance(prompt, torch.Tensor) and prompt.dim() == 1:
+            return None, prompt.tolist()
+        raise RequestError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise RequestError("the prompt is empty")
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"prompt token ids must be integers in [0, {self.vocab_size}); got {bad[:5]}")
+        if len(ids) >= self.max_model_len:
+            raise RequestError(f"the prompt has {len(ids)} tokens; the model's context is {self.max_model_len} "
+                               f"(max_model_len), which leaves no room to generate")
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
+        bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad_stop:
+            raise RequestError(f"stop_token_ids out of the vocabulary [0, {self.vocab_size}): {bad_stop}")
+        if params.stop and self.tokenizer is None:
+            raise RequestError("stop strings need a tokenizer, and this checkpoint has none; use stop_token_ids")
+        longest = min(len(ids) + params.max_tokens, self.max_model_len)
+        capacity = self.block_manager.num_blocks * self.config.block_size
+        if longest > capacity:
+            raise RequestError(f"the request needs up to {longest} tokens of KV cache but the cache holds only "
+                               f"{capacity}; raise the KV budget or lower max_tokens")
+
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Queues a request (validated first: a bad one raises RequestError and changes nothing)."""
+        params = SamplingParams() if params is None else params
+        if self.scheduler is None:
+            self.reserve_kv_cache()
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in flight")
+        text, ids = self._tokenize(prompt)
+        self._validate(ids, params)
+        now = time.perf_counter()
+        seqs = [Sequence(ids, params, request_id, i, None if params.seed is None else params.seed + i, now)
+                for i in range(params.n)]
+        self.requests[request_id] = Request(request_id, text, ids, params, seqs)
+        for seq in seqs:
+            self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Stops a request and frees its blocks; False if it is not in flight."""
+        req = self.requests.pop(str(request_id), None)
+        if req is None:
+            return False
+        for seq in req.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- the loop -----------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one scheduled step; returns an output for each request that got tokens or finished
+        (cumulative; `finished` says whether it is the last)."""
+        pending, self._pending = self._pending, []
+        if not self.requests:
+            return pending
+        version = self._param_version()
+        if version != self._weights_version:
+            self._weights_version = version
+            self.reset_prefix_cache()
+        out = self.scheduler.schedule()
+        if not out.seqs:
+            raise RuntimeError("scheduler found nothing to run although requests are waiting (KV cache too small?)")
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            logits, sampling = self.runner.run(out)
+        finally:
+            self.model.train(was_training)
+        self.scheduler.update_computed(out)
+        self.num_steps += 1
+        seqs = [out.seqs[i] for i in sampling]
+        for seq in seqs:
+            if seq.generator is None and seq.seed is not None:
+                seq.generator = torch.Generator(device=logits.device).manual_seed(seq.seed)
+        result = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        now = time.perf_counter()
+        touched: dict[str, Request] = {}
+        for seq, token, lp in zip(seqs, result.token_ids, result.logprobs):
+            seq.append_token(token, now)
+            if lp is not None:
+                seq.logprobs.append(lp)
+            self._check_stop(seq)
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
+            touched[seq.request_id] = self.requests[seq.request_id]
+        outputs = pending
+        for req in touched.values():
+            if req.finished:
+                req.finish_time = now
+                del self.requests[req.request_id]
+            outputs.append(self._output(req))
+        return outputs
+
+    def _check_stop(self, seq: Sequence) -> None:
+        p = seq.params
+        token = seq.token_ids[-1]
+        if not p.ignore_eos and token in self.eos_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif token in p.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif p.stop:
+            text = self._decode(seq.output_token_ids, p)
+            # only a stop string ending in the newest text can be new
+            tail_from = max(0, len(seq.text) - max(map(len, p.stop)))
+            hits = [(i, s) for s in p.stop if (i := text.find(s, tail_from)) >= 0]
+            seq.text = text
+            if hits:
+                i, s = min(hits)
+                seq.text = text[:i]
+                seq.finish_reason, seq.stop_reason = "stop", s
+        if seq.finish_reason is None and (seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len):
+            seq.finish_reason = "length"
+
+    def _decode(self, ids: list[int], params: SamplingParams) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
+
+    def _output(self, req: Request) -> RequestOutput:
+        completions = []
+        for seq in req.seqs:
+            ids = seq.output_token_ids
+            if seq.stop_reason is not None and isinstance(seq.stop_reason, str):
+                text = seq.text
+            else:
+                ended_by_token = seq.finish_reason == "stop" and isinstance(seq.stop_reason, int)
+                text = self._decode(ids[:-1] if ended_by_token else ids, req.params)
+            completions.append(CompletionOutput(seq.index, text, list(ids), seq.finish_reason, seq.stop_reason,
+                                                list(seq.logprobs) if req.params.logprobs is not None else None))
+        return RequestOutput(req.request_id, req.prompt, req.prompt_ids, completions, req.finished, self._metrics(req))
+
+    def _metrics(self, req: Request) -> RequestMetrics:
+        firsts = [s.first_token_time for s in req.seqs if s.first_token_time is not None]
+        n_out = sum(s.num_output_tokens for s in req.seqs)
+        m = RequestMetrics(arrival_time=req.arrival_time, finish_time=req.finish_time,
+                           num_prompt_tokens=len(req.prompt_ids), num_output_tokens=n_out,
+                           num_cached_tokens=max(s.num_cached_prompt_tokens for s in req.seqs),
+                           num_preemptions=sum(s.num_preemptions for s in req.seqs),
+                           decode_flops=flops.decode_flops(self.model.config, n_out))
+        if firsts:
+            m.first_token_time = min(firsts)
+            m.ttft = m.first_token_time - req.arrival_time
+            spans = [(s.last_token_time - s.first_token_time, s.num_output_tokens - 1) for s in req.seqs
+                     if s.first_token_time is not None and s.num_output_tokens > 1]
+            if spans:
+                m.tpot = sum(t for t, _ in spans) / sum(n for _, n in spans)
+        return m
+
+    # -- offline API --------------------------------------------------------------------------------
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool | None = None) -> list[RequestOutput]:
+        """prompts: a string, a list of strings, a list of token ids, or a list of token-id lists.
+        Returns one finished RequestOutput per prompt, in input order. Every prompt is validated before
+        any is queued, so a bad one raises RequestError and leaves the engine as it was."""
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = SamplingParams() if params is None else params
+        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(params) != len(prompts):
+            raise RequestError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
+        if self.scheduler is None:
+            self.reserve_kv_cache()
+        for prompt, p in zip(prompts, params):
+            self._validate(self._tokenize(prompt)[1], p)
+        ids = [self.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+        mine = set(ids)
+        results: dict[str, RequestOutput] = {}
+        show = self.config.use_tqdm if use_tqdm is None else use_tqdm
+        bar = None
+        if show and len(prompts) > 16:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(prompts), desc="generate", unit="req")
+        try:
+            while len(results) < len(ids):
+                for o in self.step():
+                    if o.request_id in mine:
+                        if o.finished:
+                            results[o.request_id] = o
+                            if bar is not None:
+                                bar.update(1)
+                    elif o.finished:
+                        self._pending.append(o)  # someone else's: the next step() returns it
+        except BaseException:
+            for rid in ids:
+                self.abort(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[i] for i in ids]
+
+    def chat(self, conversations, params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool | None = None) -> list[RequestOutput]:
+        """conversations: one list of {"role", "content"} messages, or a list of them; the checkpoint's
+        chat template (with the generation prompt) makes each prompt."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise RequestError("chat needs a tokenizer with a chat template, and this checkpoint has none")
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        prompts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
+                   for c in conversations]
+        return self.generate(prompts, params, use_tqdm)
+
+    # -- introspection ------------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return dict(
+            num_requests=len(self.requests),
+            num_running=len(self.scheduler.running) if self.scheduler else 0,
+            num_waiting=len(self.scheduler.waiting) if self.scheduler else 0,
+            kv_blocks_total=bm.num_blocks if bm else 0,
+            kv_blocks_used=bm.num_used_blocks if bm else 0,
+            prefix_cache_queries=bm.stats.queries if bm else 0,
+            prefix_cache_hits=bm.stats.hits if bm else 0,
+            prefix_cache_hit_rate=bm.stats.hit_rate if bm else 0.0,
+            recompute_hits=bm.stats.recompute_hits if bm else 0,
+            num_preemptions=self.scheduler.num_preemptions if self.scheduler else 0,
+            num_eager_fallbacks=self.runner.num_eager_fallbacks,
+            num_graph_replays=self.runner.num_graph_replays,
+            num_steps=self.num_steps,
+        )

@@ -1,0 +1,222 @@
+"""ModelRunner: owns the KV cache, turns a scheduled step into tensors (slot_mapping, block tables,
+context lens, cu_seqlens), runs the engine model under a step Context, and returns logits only for
+the rows that sample. Decode steps replay CUDA graphs captured over a ladder of batch sizes; every
+decode step that cannot (batch too large) runs eagerly and is counted and logged.
+"""
+import logging
+import math
+
+import torch
+
+from engine.attention import Attention
+from engine.context import Context, reset_context, set_context
+from engine.engine_config import EngineConfig, EngineConfigError
+from engine.scheduler import SchedulerOutput
+from kernels.attention.decode import choose_num_splits
+
+log = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, config: EngineConfig, max_model_len: int):
+        self.model = model
+        self.config = config
+        self.max_model_len = max_model_len
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.block_size = config.block_size
+        backend = config.attention_backend
+        if backend == "auto":
+            backend = "triton" if self.device.type == "cuda" else "reference"
+        if backend == "triton" and self.block_size < 16:
+            raise EngineConfigError(f"EngineConfig: the Triton attention kernels need block_size >= 16, "
+                                    f"got {self.block_size}")
+        self.backend = backend
+        self.attn_layers = sorted((m for m in model.modules() if isinstance(m, Attention)), key=lambda m: m.layer_idx)
+        assert self.attn_layers, "the model has no engine.attention.Attention layers"
+        a = self.attn_layers[0]
+        self.num_kv_heads, self.head_dim = a.num_kv_heads, a.head_dim
+        self.max_blocks_per_seq = math.ceil(max_model_len / self.block_size)
+        self.kv_cache: torch.Tensor | None = None
+        self.num_blocks = 0
+        self.use_cuda_graphs = self.device.type == "cuda" and not config.enforce_eager
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graph_vars: dict[str, torch.Tensor] = {}
+        self.graph_pool = None
+        self.num_eager_fallbacks = 0
+        self.num_graph_replays = 0
+
+    # -- KV cache -----------------------------------------------------------------------------------
+
+    @property
+    def block_bytes(self) -> int:
+        """K and V of one block across all layers."""
+        return 2 * len(self.attn_layers) * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    def budget_num_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        if self.device.type == "cuda":
+            num = self._profile_gpu_blocks()
+            budget = "gpu_memory_utilization"
+        else:
+            num = cfg.kv_cache_bytes // self.block_bytes
+            budget = "kv_cache_bytes"
+        if num < 1:
+            raise EngineConfigError(f"EngineConfig: {budget} leaves no room for one KV block "
+                                    f"({self.block_bytes} bytes)")
+        return int(num)
+
+    @torch.inference_mode()
+    def _profile_gpu_blocks(self) -> int:
+        """Free memory after a warm-up forward of a full token budget, as a fraction of the device."""
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        n = min(self.config.max_num_batched_tokens, self.max_model_len)
+        ids = torch.zeros(1, n, dtype=torch.long, device=self.device)
+        hidden = self.model.forward_hidden(ids)
+        self.model.compute_logits(hidden[0, : self.config.max_num_seqs])
+        del hidden
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        used = total - free
+        activations = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
+        available = total * self.config.gpu_memory_utilization - used - activations
+        return int(available // self.block_bytes)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        assert self.kv_cache is None, "KV cache already allocated"
+        shape = (2, len(self.attn_layers), num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.num_blocks = num_blocks
+        for i, attn in enumerate(self.attn_layers):
+            attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.block_size,
+                 self.kv_cache.numel() * self.dtype.itemsize / 2**20)
+
+    def free_kv_cache(self) -> None:
+        for attn in self.attn_layers:
+            attn.k_cache = attn.v_cache = None
+        self.kv_cache = None
+        self.num_blocks = 0
+        self.graphs.clear()  # they hold pointers into the freed cache
+        self.graph_vars.clear()
+        self.graph_pool = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # -- a step -------------------------------------------------------------------------------------
+
+    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, Context, list[int]]:
+        """(input_ids [N], positions [N], Context, sample row indices in N order)."""
+        bs = self.block_size
+        input_ids, positions, slots, cu, context_lens, sample_rows = [], [], [], [0], [], []
+        for seq, n in zip(out.seqs, out.num_new_tokens):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            cu.append(cu[-1] + n)
+            context_lens.append(end)
+            if end == len(seq):
+                sample_rows.append(cu[-1] - 1)
+        width = max(len(seq.block_table) for seq in out.seqs)
+        tables = [seq.block_table + [-1] * (width - len(seq.block_table)) for seq in out.seqs]
+
+        def t(data, dtype=torch.int32):
+            return torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
+
+        is_decode = out.is_decode_only
+        ctx = Context(slot_mapping=t(slots, torch.long), context_lens=t(context_lens), block_tables=t(tables),
+                      cu_seqlens_q=t(cu), max_seqlen_q=max(out.num_new_tokens), is_decode=is_decode,
+                      backend=self.backend)
+        return t(input_ids, torch.long), t(positions, torch.long), ctx, sample_rows
+
+    @torch.inference_mode()
+    def run(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
+        """Runs one step; returns (logits [num_sampling_seqs, V] fp32, indices into out.seqs that sample)."""
+        input_ids, positions, ctx, sample_rows = self.prepare(out)
+        sampling_seqs = [i for i, (seq, n) in enumerate(zip(out.seqs, out.num_new_tokens))
+                         if seq.num_computed_tokens + n == len(seq)]
+        if ctx.is_decode and self.use_cuda_graphs:
+            hidden = self._run_decode_graph(input_ids, positions, ctx)
+        else:
+            hidden = self._run_eager(input_ids, positions, ctx)
+        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows)).float()
+        return logits, sampling_seqs
+
+    def _run_eager(self, input_ids, positions, ctx: Context) -> torch.Tensor:
+        set_context(ctx)
+        try:
+            return self.model.forward_hidden(input_ids[None], positions[None])[0]
+        finally:
+            reset_context()
+
+    # -- CUDA graphs (decode) -----------------------------------------------------------------------
+
+    def graph_batch_sizes(self) -> list[int]:
+        top = min(self.config.max_num_seqs, self.config.max_graph_batch_size)
+        sizes = [b for b in (1, 2, 4, 8) if b <= top] + list(range(16, top + 1, 16))
+        if sizes[-1] != top:
+            sizes.append(top)
+        return sizes
+
+    @torch.inference_mode()
+    def capture_cuda_graphs(self) -> None:
+        assert self.kv_cache is not None and self.device.type == "cuda"
+        sizes = self.graph_batch_sizes()
+        top = sizes[-1]
+        hidden_size = self.model.config.hidden_size
+        dev = self.device
+        v = self.graph_vars = dict(
+            input_ids=torch.zeros(top, dtype=torch.long, device=dev),
+            positions=torch.zeros(top, dtype=torch.long, device=dev),
+            slot_mapping=torch.full((top,), -1, dtype=torch.long, device=dev),
+            context_lens=torch.zeros(top, dtype=torch.int32, device=dev),
+            block_tables=torch.full((top, self.max_blocks_per_seq), -1, dtype=torch.int32, device=dev),
+            hidden=torch.zeros(top, hidden_size, dtype=self.dtype, device=dev),
+        )
+        for b in reversed(sizes):  # largest first, so the pool is sized once
+            ctx = Context(slot_mapping=v["slot_mapping"][:b], context_lens=v["context_lens"][:b],
+                          block_tables=v["block_tables"][:b], is_decode=True, backend=self.backend,
+                          num_splits=choose_num_splits(b, self.num_kv_heads, self.max_model_len, self.block_size))
+            set_context(ctx)
+            try:
+                v["hidden"][:b] = self.model.forward_hidden(v["input_ids"][:b][None], v["positions"][:b][None])[0]
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, self.graph_pool):
+                    v["hidden"][:b] = self.model.forward_hidden(v["input_ids"][:b][None], v["positions"][:b][None])[0]
+            finally:
+                reset_context()
+            if self.graph_pool is None:
+                self.graph_pool = graph.pool()
+            self.graphs[b] = graph
+        torch.cuda.synchronize()
+        log.info("captured %d decode CUDA graphs for batch sizes %s", len(sizes), sizes)
+
+    def _run_decode_graph(self, input_ids, positions, ctx: Context) -> torch.Tensor:
+        B = input_ids.shape[0]
+        if not self.graphs:
+            self.capture_cuda_graphs()
+        if B > max(self.graphs):
+            self.num_eager_fallbacks += 1
+            log.warning("decode batch %d exceeds the largest CUDA graph (%d): running eagerly "
+                        "(eager fallbacks so far: %d)", B, max(self.graphs), self.num_eager_fallbacks)
+            return self._run_eager(input_ids, positions, ctx)
+        size = min(b for b in self.graphs if b >= B)
+        v = self.graph_vars
+        v["input_ids"][:B] = input_ids
+        v["positions"][:B] = positions
+        v["slot_mapping"][:size].fill_(-1)
+        v["slot_mapping"][:B] = ctx.slot_mapping
+        v["context_lens"][:size].zero_()
+        v["context_lens"][:B] = ctx.context_lens
+        width = ctx.block_tables.shape[1]
+        v["block_tables"][:B, :width] = ctx.block_tables
+        self.graphs[size].replay()
+        self.num_graph_replays += 1
+        return v["hidden"][:B]
