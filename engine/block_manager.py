@@ -6,8 +6,12 @@ can take them back; a new block is taken least-recently-freed first, which evict
 At least one prompt token is always recomputed (its logits start the output), so a cache hit never
 covers the last prompt token and a step never writes into a shared block.
 
+A block is registered as soon as it is allocated for tokens that fill it: its K/V are written in that
+same step, and every layer stores the whole step's K/V before it attends, so a sequence admitted in
+the same step may already share it.
+
 Pure bookkeeping: no tensors. The scheduler calls `allocate` (first chunk of a waiting sequence),
-`append_slots` (each later step), `cache_blocks` (after a step) and `free`.
+`append_slots` (each later step) and `free`.
 """
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -86,12 +90,14 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def cache_blocks(self, seq: Sequence) -> None:
-        """Registers the hashes of seq's blocks that became full of computed tokens."""
+    def cache_blocks(self, seq: Sequence, num_tokens: int | None = None) -> None:
+        """Registers the hashes of seq's blocks that are full within its first num_tokens tokens
+        (default: the computed ones)."""
         if not self.enable_prefix_caching:
             return
+        num_tokens = seq.num_computed_tokens if num_tokens is None else num_tokens
         h = seq.block_hashes[-1] if seq.block_hashes else None
-        for i in range(len(seq.block_hashes), seq.num_computed_tokens // self.block_size):
+        for i in range(len(seq.block_hashes), num_tokens // self.block_size):
             tokens = tuple(seq.block_tokens(i, self.block_size))
             h = chain_hash(tokens, h)
             seq.block_hashes.append(h)
@@ -139,6 +145,7 @@ class BlockManager:
         seq.block_hashes = [self.blocks[b].hash for b in hits]
         for _ in range(self.blocks_needed(seq, num_new)):
             seq.block_table.append(self._take_free_block())
+        self.cache_blocks(seq, num_cached + num_new)
         if seq.num_preemptions:
             self.stats.recompute_queries += len(seq)
             self.stats.recompute_hits += num_cached
@@ -158,6 +165,7 @@ class BlockManager:
         assert needed <= self.num_free_blocks, (needed, self.num_free_blocks)
         for _ in range(needed):
             seq.block_table.append(self._take_free_block())
+        self.cache_blocks(seq, seq.num_computed_tokens + num_new_tokens)
 
     def free(self, seq: Sequence) -> None:
         # last blocks first, so a sequence's tail is evicted before its (more shareable) head

@@ -132,7 +132,8 @@ class LLM:
             raise RequestError("the prompt is empty")
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
         if bad:
-            raise RequestError(f"prompt token ids must be integers in [0, {self.vocab_size}); got {bad[:5]}")
+            raise RequestError(f"prompt token ids must be integers in the vocabulary [0, {self.vocab_size}); "
+                               f"got {bad[:5]}")
         if len(ids) >= self.max_model_len:
             raise RequestError(f"the prompt has {len(ids)} tokens; the model's context is {self.max_model_len} "
                                f"(max_model_len), which leaves no room to generate")

@@ -92,13 +92,12 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def update_computed(self, out: SchedulerOutput) -> list[bool]:
-        """After the step ran: marks the computed tokens, caches full blocks, and says which seqs
-        reached their end (and so sampled a token)."""
+        """After the step ran: marks the computed tokens and says which seqs reached their end (and so
+        sampled a token)."""
         sampled = []
         for seq, n in zip(out.seqs, out.num_new_tokens):
             seq.num_computed_tokens += n
             assert seq.num_computed_tokens <= len(seq), seq
-            self.block_manager.cache_blocks(seq)
             sampled.append(seq.num_computed_tokens == len(seq))
         return sampled
 

@@ -188,3 +188,21 @@ def test_random_workload_invariants(seed):
                 if bm.blocks[b].hash is not None:
                     assert bm.blocks[b].token_ids == tuple(s.block_tokens(i, BS))
         check_invariants(bm, live)
+
+
+def test_same_step_sharing():
+    """Blocks are registered when allocated (their K/V are written in that step, before any attention),
+    so a sequence admitted in the same step shares them."""
+    bm = BlockManager(16, BS)
+    a = seq(range(10))
+    assert bm.allocate(a, 100) == 10 and a.num_computed_tokens == 0  # not computed yet
+    b = seq(list(range(8)) + [50, 51])
+    bm.allocate(b, 100)
+    assert b.num_computed_tokens == 8 and b.block_table[:2] == a.block_table[:2]
+    # a chunk registers only the blocks it fills
+    c = seq(range(100, 120))
+    bm.allocate(c, 6)
+    assert len(c.block_hashes) == 1
+    c.num_computed_tokens += 6
+    bm.append_slots(c, 6)
+    assert len(c.block_hashes) == 3
