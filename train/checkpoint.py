@@ -21,10 +21,11 @@ MANIFEST = "manifest.json"
 
 
 def _default_save_model(model, path):
-    try:
-        from engine import save_model
-    except ImportError:  # the engine's loader is not there: a transformers model saves itself
+    """The engine's own models through engine.save_model (HF layout); a transformers model saves itself."""
+    if hasattr(model, "save_pretrained"):
         return model.save_pretrained(path)
+    from engine import save_model
+
     return save_model(model, path)
 
 

@@ -1,0 +1,81 @@
+"""Run configs: flags, YAML, flags win, validation in one place, save and read back."""
+import pytest
+
+from train.config import ConfigError, RFTConfig, RunConfig, format_config, parse_config, save_config
+
+
+def test_defaults_follow_the_seed():
+    cfg = parse_config(RFTConfig, [])
+    assert (cfg.k, cfg.temperature, cfg.lambda_aux) == (4, 0.7, 0.01)
+
+
+def test_flags_and_types():
+    cfg = parse_config(RFTConfig, ["--k", "2", "--lr", "3e-4", "--tensorboard", "--progress", "false",
+                                   "--data", __file__, "--teacher_url_unused_is_not_a_flag"][:-1])
+    assert cfg.k == 2 and cfg.lr == 3e-4 and cfg.tensorboard is True and cfg.progress is False
+    assert cfg.data == __file__
+
+
+def test_yaml_then_flags_win(tmp_path):
+    y = tmp_path / "c.yaml"
+    y.write_text("k: 8\nlr: 0.01\noutput_dir: from_yaml\ngradient_checkpointing: true\n")
+    cfg = parse_config(RFTConfig, ["--config", str(y), "--k", "3"])
+    assert cfg.k == 3 and cfg.lr == 0.01 and cfg.output_dir == "from_yaml" and cfg.gradient_checkpointing
+
+
+def test_saved_config_reads_back(tmp_path):
+    cfg = parse_config(RFTConfig, ["--k", "5", "--output_dir", str(tmp_path / "o")])
+    path = save_config(cfg, cfg.output_dir)
+    assert parse_config(RFTConfig, ["--config", path]) == cfg
+    assert "k " in format_config(cfg) and ": 5" in format_config(cfg)
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--k", "0"], "--k must be >= 1"),
+    (["--k", "two"], "k must be int"),
+    (["--batch_size", "0"], "--batch_size must be >= 1"),
+    (["--lr", "-1"], "--lr must be >= 0"),
+    (["--batching", "ragged"], "--batching must be one of"),
+    (["--wrong_link_rate", "0.7", "--deflect_rate", "0.5"], "must be <= 1"),
+    (["--teacher", "nowhere"], "--teacher 'nowhere'"),
+    (["--data", "/no/such.jsonl"], "--data /no/such.jsonl: no such file"),
+    (["--judge", "llm"], "--judge llm needs --judge_url"),
+    (["--resume", "/no/ckpt"], "--resume '/no/ckpt'"),
+    (["--tensorboard", "perhaps"], None),  # argparse's own error: exits
+])
+def test_bad_values_name_the_option(argv, msg):
+    if msg is None:
+        with pytest.raises(SystemExit):
+            parse_config(RFTConfig, argv)
+        return
+    with pytest.raises(ConfigError, match=msg.replace("(", r"\(")):
+        parse_config(RFTConfig, argv)
+
+
+def test_yaml_errors(tmp_path):
+    y = tmp_path / "c.yaml"
+    y.write_text("kk: 1\n")
+    with pytest.raises(ConfigError, match="unknown key\\(s\\) kk"):
+        parse_config(RFTConfig, ["--config", str(y)])
+    y.write_text("- a\n")
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        parse_config(RFTConfig, ["--config", str(y)])
+    with pytest.raises(ConfigError, match="no such file"):
+        parse_config(RFTConfig, ["--config", str(tmp_path / "none.yaml")])
+
+
+def test_base_config_is_reusable():
+    from dataclasses import dataclass
+
+    @dataclass(kw_only=True)
+    class Other(RunConfig):
+        rollouts: int = 8
+
+        def validate(self):
+            super().validate()
+            if self.rollouts < 2:
+                raise ConfigError("--rollouts must be >= 2")
+
+    assert parse_config(Other, ["--rollouts", "4", "--lr", "0.5"]).rollouts == 4
+    with pytest.raises(ConfigError, match="rollouts"):
+        parse_config(Other, ["--rollouts", "1"])

@@ -1,0 +1,85 @@
+"""The synthetic world and its scripted teacher: deterministic, every kind present, failure rates honoured."""
+from collections import Counter
+
+import pytest
+
+from train.data import split_thought
+from train.judges import SyntheticJudge
+from train.synthetic import ScriptedTeacher, TeacherRates, WorldConfig, make_rooms
+from train.synthetic.world import KINDS, products_of
+
+
+def test_rooms_are_deterministic_and_distinct():
+    a, b, c = make_rooms(20, seed=1), make_rooms(20, seed=1), make_rooms(20, seed=2)
+    assert a == b
+    assert a != c
+    assert len({r["id"] for r in a}) == 20
+
+
+def test_rooms_cover_every_kind_and_are_consistent():
+    rooms = make_rooms(300, seed=0)
+    kinds = Counter(r["meta"]["kind"] for r in rooms)
+    assert set(kinds) == set(KINDS), kinds
+    for r in rooms:
+        products = products_of(r)
+        links = [p.link for p in products]
+        assert len(set(links)) == len(links) and len({p.name for p in products}) == len(products)
+        meta = r["meta"]
+        if meta["kind"] in ("attribute", "repeat"):
+            p = next(p for p in products if p.link == meta["link"])
+            assert p.attributes[meta["attribute"]] == meta["value"]
+        if meta["kind"] == "repeat":
+            assert r["question"] in [h["question"] for h in r["history"]]
+        if meta["kind"] == "attribute":  # a new question is never one already answered
+            assert r["question"] not in [h["question"] for h in r["history"]]
+        if meta["kind"] == "missing":
+            assert meta["name"] not in {p.name for p in products}
+        if meta["kind"] == "recommend":
+            assert meta["matches"] == [p.link for p in products if p.category == meta["category"]
+                                       and p.attributes[meta["attribute"]] == meta["value"]]
+
+
+def test_world_config_changes_room_size():
+    rooms = make_rooms(30, seed=0, cfg=WorldConfig(num_products=(3, 3)))
+    assert all(len(r["documents"]) == 3 for r in rooms)
+
+
+def test_teacher_is_deterministic_and_shaped():
+    rooms = make_rooms(10, seed=4)
+    t = ScriptedTeacher(seed=7)
+    a, b = t.sample(rooms, k=4), t.sample(rooms, k=4)
+    assert a == b and len(a) == 10 and all(len(c) == 4 for c in a)
+    for cands in a:
+        for c in cands:
+            assert c.startswith("<think>") and "</think>" in c
+            thought, response = split_thought(c)
+            assert thought and response
+    assert ScriptedTeacher(seed=8).sample(rooms, k=4) != a
+
+
+def test_teacher_failure_rates_show_up_in_the_judge():
+    """wrong_link -> incorrect, deflect -> unhelpful, at about the configured rates (400 draws)."""
+    rooms = make_rooms(100, seed=5)
+    judge = SyntheticJudge()
+    for rates, want_bad in ((TeacherRates(0, 0, 0), 0.0), (TeacherRates(0.5, 0.3, 0), 0.8)):
+        cands = ScriptedTeacher(rates, seed=1).sample(rooms, k=4)
+        verdicts = [judge(r, c) for r, cs in zip(rooms, cands) for c in cs]
+        bad = sum(not (v.correct and v.helpful) for v in verdicts) / len(verdicts)
+        # tolerance: binomial std at n=400, p=0.8 is 0.02; missing-kind deflections stay correct but unhelpful
+        assert bad == pytest.approx(want_bad, abs=0.08), (rates, bad)
+
+
+def test_verbose_thoughts_are_longer_but_judged_the_same():
+    rooms = make_rooms(50, seed=6)
+    t, judge = ScriptedTeacher(seed=0), SyntheticJudge()
+    for r in rooms:
+        short, long = t.answer(r, 0, "good", False), t.answer(r, 0, "good", True)
+        assert len(long) > len(short) + 100
+        assert split_thought(short)[1] == split_thought(long)[1]
+        v = judge(r, long)
+        assert v.correct and v.helpful, v.reason
+
+
+def test_bad_rates_are_rejected():
+    with pytest.raises(ValueError, match="wrong_link"):
+        TeacherRates(wrong_link=1.5)
