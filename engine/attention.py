@@ -39,7 +39,7 @@ class Attention(nn.Module):
         store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping, ctx.backend)
         if ctx.is_decode:
             out = paged_decode_attention(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.context_lens,
-                                         self.scale, ctx.num_splits, ctx.backend)
+                                         self.scale, ctx.num_splits, ctx.backend, scratch=ctx.scratch)
         else:
             out = paged_prefill_attention(q, self.k_cache, self.v_cache, ctx.cu_seqlens_q, ctx.context_lens,
                                           ctx.block_tables, self.scale, ctx.max_seqlen_q, ctx.backend)

@@ -1,6 +1,6 @@
 """The decoder step's attention metadata, set by the model runner around one forward and read by every
 engine.attention.Attention layer (the model itself never sees a request). No context: plain attention."""
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -15,6 +15,7 @@ class Context:
     is_decode: bool = True  # every sequence has exactly one new token (N == S)
     backend: str = "auto"  # kernels.attention backend: auto | triton | reference
     num_splits: int | None = None  # split-KV for decode; fixed for CUDA-graph replay
+    scratch: dict = field(default_factory=dict)  # per-step values the kernels compute once for all layers
 
 
 _CONTEXT: Context | None = None

@@ -74,7 +74,9 @@ class LLM:
         self.requests: dict[str, Request] = {}
         self._pending: list[RequestOutput] = []  # finished outside the caller's generate(): next step() returns them
         self._ids = count()
+        self._params = list(model.parameters())
         self._weights_version = self._param_version()
+        self._flops_per_token = flops.decode_flops(model.config, 1)
         self.num_steps = 0
         self.num_prefix_cache_resets = 0
         self.reserve_kv_cache()
@@ -112,7 +114,7 @@ class LLM:
         self.num_prefix_cache_resets += 1
 
     def _param_version(self) -> int:
-        return sum(p._version for p in self.model.parameters())
+        return sum(p._version for p in self._params)
 
     # -- requests -----------------------------------------------------------------------------------
 
@@ -187,6 +189,9 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         """Runs one scheduled step; returns an output for each request that got tokens or finished
         (cumulative; `finished` says whether it is the last)."""
+        return self._step(finished_only=False)
+
+    def _step(self, finished_only: bool) -> list[RequestOutput]:
         pending, self._pending = self._pending, []
         if not self.requests:
             return pending
@@ -198,11 +203,13 @@ class LLM:
         if not out.seqs:
             raise RuntimeError("scheduler found nothing to run although requests are waiting (KV cache too small?)")
         was_training = self.model.training
-        self.model.eval()
+        if was_training:  # a trainer's module: decode in eval mode, hand it back as it came
+            self.model.eval()
         try:
             logits, sampling = self.runner.run(out)
         finally:
-            self.model.train(was_training)
+            if was_training:
+                self.model.train()
         self.scheduler.update_computed(out)
         self.num_steps += 1
         seqs = [out.seqs[i] for i in sampling]
@@ -225,7 +232,9 @@ class LLM:
             if req.finished:
                 req.finish_time = now
                 del self.requests[req.request_id]
-            outputs.append(self._output(req))
+                outputs.append(self._output(req))
+            elif not finished_only:
+                outputs.append(self._output(req))
         return outputs
 
     def _check_stop(self, seq: Sequence) -> None:
@@ -273,7 +282,7 @@ class LLM:
                            num_prompt_tokens=len(req.prompt_ids), num_output_tokens=n_out,
                            num_cached_tokens=max(s.num_cached_prompt_tokens for s in req.seqs),
                            num_preemptions=sum(s.num_preemptions for s in req.seqs),
-                           decode_flops=flops.decode_flops(self.model.config, n_out))
+                           decode_flops=self._flops_per_token * n_out)
         if firsts:
             m.first_token_time = min(firsts)
             m.ttft = m.first_token_time - req.arrival_time
@@ -312,7 +321,7 @@ class LLM:
             bar = tqdm(total=len(prompts), desc="generate", unit="req")
         try:
             while len(results) < len(ids):
-                for o in self.step():
+                for o in self._step(finished_only=True):
                     if o.request_id in mine:
                         if o.finished:
                             results[o.request_id] = o

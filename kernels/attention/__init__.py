@@ -3,8 +3,8 @@ prefill over a cached paged prefix. Each public function dispatches: Triton wher
 GPU (or backend="triton", e.g. under TRITON_INTERPRET=1), the PyTorch reference path otherwise."""
 import torch
 
-from kernels.attention.reference import (gather_kv, paged_attention_reference, paged_decode_torch,
-                                         store_kvcache_reference)
+from kernels.attention.reference import (decode_gather_index, gather_kv, paged_attention_reference,
+                                         paged_decode_torch, store_kvcache_reference)
 
 
 def _use_triton(t: torch.Tensor, backend: str) -> bool:
@@ -23,8 +23,9 @@ def store_kvcache(k, v, k_cache, v_cache, slot_mapping, backend: str = "auto") -
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits: int | None = None,
-                           backend: str = "auto", out=None):
-    """q [B, Hq, D] (one new token per sequence) -> [B, Hq, D]."""
+                           backend: str = "auto", out=None, scratch: dict | None = None):
+    """q [B, Hq, D] (one new token per sequence) -> [B, Hq, D]. `scratch`: a dict shared by the layers of
+    one step, where the PyTorch path keeps its gather index (the same for every layer)."""
     if _use_triton(q, backend):
         from kernels.attention.decode import choose_num_splits, paged_decode_triton
 
@@ -32,7 +33,12 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
             max_ctx = k_cache.shape[1] * block_tables.shape[1]
             num_splits = choose_num_splits(q.shape[0], k_cache.shape[2], max_ctx, k_cache.shape[1])
         return paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, out)
-    result = paged_decode_torch(q, k_cache, v_cache, block_tables, context_lens, scale)
+    gather = None
+    if scratch is not None:
+        gather = scratch.get("decode_gather")
+        if gather is None:
+            gather = scratch["decode_gather"] = decode_gather_index(block_tables, context_lens, k_cache.shape[1])
+    result = paged_decode_torch(q, k_cache, v_cache, block_tables, context_lens, scale, gather)
     if out is not None:
         out.copy_(result)
         return out
@@ -49,5 +55,5 @@ def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
     return paged_attention_reference(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale)
 
 
-__all__ = ["store_kvcache", "paged_decode_attention", "paged_prefill_attention", "store_kvcache_reference",
+__all__ = ["decode_gather_index", "store_kvcache", "paged_decode_attention", "paged_prefill_attention", "store_kvcache_reference",
            "paged_attention_reference", "paged_decode_torch", "gather_kv"]

@@ -9,10 +9,12 @@ import torch
 
 def store_kvcache_reference(k, v, k_cache, v_cache, slot_mapping) -> None:
     """k/v [N, Hkv, D] written at flat slots slot_mapping [N]; slot -1 (a padded row) is skipped."""
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+    slots = slot_mapping.long()
+    if bool((slots < 0).any()):
+        keep = slots >= 0
+        slots, k, v = slots[keep], k[keep], v[keep]
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
 
 
 def gather_kv(cache, block_table, length: int):
@@ -48,21 +50,30 @@ def paged_attention_reference(q, k_cache, v_cache, cu_seqlens_q, context_lens, b
     return out
 
 
-def paged_decode_torch(q, k_cache, v_cache, block_tables, context_lens, scale):
+def decode_gather_index(block_tables, context_lens, block_size: int):
+    """For the batched decode path: flat cache slots [B, L] of every context token (L = longest context,
+    shorter rows padded with slot 0) and the validity mask [B, L]. The same for every layer of a step,
+    so callers compute it once per step."""
+    max_ctx = int(context_lens.max()) if context_lens.numel() else 0
+    pos = torch.arange(max_ctx, device=block_tables.device)
+    valid = pos[None, :] < context_lens[:, None]
+    blocks = block_tables[:, pos // block_size].long().clamp(min=0)
+    slots = torch.where(valid, blocks * block_size + pos % block_size, 0)
+    return slots, valid
+
+
+def paged_decode_torch(q, k_cache, v_cache, block_tables, context_lens, scale, gather=None):
     """Decode (one query per sequence) batched in PyTorch, the CPU's fast path: q [B, Hq, D] -> [B, Hq, D].
 
-    Same math as the reference, vectorised over the batch by padding every context to the longest.
+    Same math as the reference, vectorised over the batch by padding every context to the longest;
+    `gather` is decode_gather_index(...) when the caller already has it.
     """
     B, hq, D = q.shape
-    block_size, hkv = k_cache.shape[1], k_cache.shape[2]
-    max_ctx = int(context_lens.max()) if B else 0
-    n = -(-max_ctx // block_size)
-    tables = block_tables[:, :n].long().clamp(min=0)
-    k = k_cache[tables].flatten(1, 2)[:, :max_ctx]  # [B, L, Hkv, D]
-    v = v_cache[tables].flatten(1, 2)[:, :max_ctx]
-    qg = q.view(B, hkv, hq // hkv, D)
-    scores = torch.einsum("bhgd,blhd->bhgl", qg.to(k.dtype), k).float() * scale
-    valid = torch.arange(max_ctx, device=q.device)[None, :] < context_lens[:, None]
-    probs = scores.masked_fill(~valid[:, None, None, :], float("-inf")).softmax(-1)
-    out = torch.einsum("bhgl,blhd->bhgd", probs.to(v.dtype), v)
+    hkv = k_cache.shape[2]
+    slots, valid = decode_gather_index(block_tables, context_lens, k_cache.shape[1]) if gather is None else gather
+    k = k_cache.view(-1, hkv, D)[slots]  # [B, L, Hkv, D]
+    v = v_cache.view(-1, hkv, D)[slots]
+    qg = q.view(B, hkv, hq // hkv, D).float()  # the GQA group as query rows of one KV head
+    out = torch.nn.functional.scaled_dot_product_attention(
+        qg, k.transpose(1, 2).float(), v.transpose(1, 2).float(), attn_mask=valid[:, None, None, :], scale=scale)
     return out.reshape(B, hq, D).to(q.dtype)

@@ -1,0 +1,160 @@
+"""The decoder end to end: offline throughput, TTFT and TPOT of `engine.LLM` against transformers'
+`generate` on the same model in the same process.
+
+CPU: the tiny random Qwen3-MoE of tests/tiny_models.py, 64 requests with prompts of 8-48 tokens
+(quick: 8), greedy with ignore_eos. Baselines: one batched, left-padded `generate` call (its strongest
+offline mode) with equal output lengths and with a mix of output lengths, and `generate` one request
+at a time. Both sides run single-threaded: on this shared 2-core machine OpenMP spin-waits otherwise
+dominate tiny matmuls, for both sides alike.
+GPU: a Qwen3-30B-A3B-shaped model with random bf16 weights made on the device; batch 1, 8, 64 at
+contexts 1k and 4k (quick: batch 1 at 1k); ms per decode step against the memory-bound floor (the
+weights a step touches plus the KV it reads, at the measured copy bandwidth).
+"""
+import time
+
+import pytest
+import torch
+
+from bench.common import record
+
+SUITE = "decode"
+
+
+@pytest.fixture(scope="module")
+def one_thread(device):
+    n = torch.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def random_prompts(num, lo, hi, vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi + 1, (num,), generator=g).tolist()
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+def hf_generate(hf, prompts, new_tokens):
+    """One left-padded batch through transformers' generate; returns (seconds, seconds to first token)."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    kw = dict(attention_mask=mask, do_sample=False, pad_token_id=0)
+    t0 = time.perf_counter()
+    hf.generate(ids, max_new_tokens=1, **kw)
+    ttft = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    out = hf.generate(ids, max_new_tokens=new_tokens, **kw)
+    total = time.perf_counter() - t0
+    assert out.shape[1] == width + new_tokens
+    return total, ttft
+
+
+def hf_sequential(hf, prompts, max_tokens):
+    """Each request alone through generate (how a service without batching runs it); seconds."""
+    t0 = time.perf_counter()
+    for p, n in zip(prompts, max_tokens):
+        hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return time.perf_counter() - t0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU suite; the GPU suite is test_decode_gpu")
+def test_decode_tiny_moe_cpu(benchmark, bench_mode, tmp_path_factory, one_thread):
+    from engine.llm import LLM
+    from engine.sampling import SamplingParams
+    from tiny_models import make_checkpoint
+
+    path, hf = make_checkpoint(tmp_path_factory.mktemp("bench_decode") / "moe", moe=True)
+    hf.generation_config.eos_token_id = None  # both sides generate exactly the tokens asked
+    num, new = (64, 32) if bench_mode == "full" else (8, 8)
+    prompts = random_prompts(num, 8, 48, hf.config.vocab_size)
+    # the serving mix: output lengths differ per request (uniform in [new/8, 2*new])
+    g = torch.Generator().manual_seed(1)
+    mixed = torch.randint(max(1, new // 8), 2 * new + 1, (num,), generator=g).tolist()
+    llm = LLM(path, dtype=torch.float32, device="cpu", num_kv_blocks=4096, use_tqdm=False)
+    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=2))  # warm-up
+    hf_generate(hf, prompts[:2], 2)
+
+    def run_ours(max_tokens):
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        t = time.perf_counter() - t0
+        assert [len(o.token_ids) for o in outs] == max_tokens
+        return outs, t
+
+    box = {}
+    benchmark.pedantic(lambda: box.update(equal=run_ours([new] * num)), rounds=1, iterations=1)
+    outs, t_ours = box["equal"]
+    t_hf, ttft_hf = hf_generate(hf, prompts, new)
+    base = "transformers generate (batched)"
+    case = f"tiny MoE, {num} requests x {new} tokens"
+    tokens = num * new
+    record(suite=SUITE, case=case, metric="tok/s", ours=tokens / t_ours, baseline=tokens / t_hf,
+           baseline_name=base, higher_is_better=True, extra={"ours_s": t_ours, "baseline_s": t_hf})
+    ttft = sum(o.metrics.ttft for o in outs) / num
+    tpot = sum(o.metrics.tpot for o in outs) / num
+    record(suite=SUITE, case=case, metric="TTFT ms (mean)", ours=ttft * 1e3, baseline=ttft_hf * 1e3, baseline_name=base)
+    record(suite=SUITE, case=case, metric="TPOT ms (mean)", ours=tpot * 1e3,
+           baseline=(t_hf - ttft_hf) / (new - 1) * 1e3, baseline_name=base)
+
+    # mixed output lengths: a padded batch runs every row to the longest; continuous batching does not
+    _, t_ours = run_ours(mixed)
+    t_hf, _ = hf_generate(hf, prompts, max(mixed))
+    case = f"tiny MoE, {num} requests, {min(mixed)}-{max(mixed)} tokens"
+    tokens = sum(mixed)
+    record(suite=SUITE, case=case, metric="useful tok/s", ours=tokens / t_ours, baseline=tokens / t_hf,
+           baseline_name=base, higher_is_better=True, extra={"ours_s": t_ours, "baseline_s": t_hf})
+    t_seq = hf_sequential(hf, prompts, mixed)
+    record(suite=SUITE, case=case, metric="useful tok/s", ours=tokens / t_ours, baseline=tokens / t_seq,
+           baseline_name="transformers generate (one request at a time)", higher_is_better=True,
+           extra={"ours_s": t_ours, "baseline_s": t_seq})
+
+
+def decode_floor_s(cfg, batch: int, context: int, bandwidth_Bps: float, dtype_bytes: int = 2) -> float:
+    """Bytes a decode step must read (shared weights, the experts its tokens touch, their KV) / bandwidth."""
+    from engine.flops import param_counts
+
+    c = param_counts(cfg)
+    weights = c["active_matmul"] - c["active_experts"]
+    if cfg.num_experts:
+        all_experts_per_expert = c["experts"] / cfg.num_experts
+        touched = cfg.num_experts * (1 - (1 - cfg.num_experts_per_tok / cfg.num_experts) ** batch)  # expected
+        weights += all_experts_per_expert * touched
+    kv = batch * context * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim
+    return (weights + kv) * dtype_bytes / bandwidth_Bps
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_decode_gpu(benchmark, bench_mode):
+    from bench.ceilings import measure_ceilings
+    from engine.flops import resolve_config
+    from engine.llm import LLM
+    from engine.loader import init_model
+    from engine.sampling import SamplingParams
+
+    ceil = measure_ceilings("cuda")
+    cfg = resolve_config("qwen3-30b-a3b")
+    model = init_model(cfg, dtype=torch.bfloat16, device="cuda")
+    cases = [(1, 1024)] if bench_mode == "quick" else [(b, c) for c in (1024, 4096) for b in (1, 8, 64)]
+    new = 32 if bench_mode == "quick" else 64
+    llm = LLM.from_model(model, None, max_num_seqs=64, max_model_len=4096 + 128, use_tqdm=False)
+    for batch, context in cases:
+        prompts = random_prompts(batch, context, context, cfg.vocab_size, seed=batch)
+        params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+        llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4))  # warm-up, graphs
+        box = {}
+
+        def ours():
+            box["outs"] = llm.generate(prompts, params)
+
+        if (batch, context) == cases[0]:
+            benchmark.pedantic(ours, rounds=1, iterations=1)
+        else:
+            ours()
+        tpot = sum(o.metrics.tpot for o in box["outs"]) / batch
+        floor = decode_floor_s(cfg, batch, context, ceil["copy_GBps"] * 1e9)
+        record(suite=SUITE, case=f"Qwen3-30B-A3B shape bf16, batch {batch}, context {context}", metric="ms/step",
+               ours=tpot * 1e3, floor=floor * 1e3,
+               extra={"eager_fallbacks": llm.stats()["num_eager_fallbacks"], "copy_GBps": ceil["copy_GBps"]})
