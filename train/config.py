@@ -43,7 +43,7 @@ class RunConfig:
     marker_weight: float = field(default=1.0, metadata={"help": "loss weight of marker tokens (1 = plain SFT)"})
     markers: str = field(default="<think>,</think>", metadata={"help": "comma-separated marker strings"})
     max_len: int = 1024
-    batching: str = field(default="bucket", metadata={"help": "bucket (length-bucketed) | padfree | pad"})
+    batching: str = field(default="bucket", metadata={"help": "bucket (length-bucketed) | pad (shuffled)"})
     bf16: str = field(default="auto", metadata={"help": "auto (on a GPU) | true | false"})
     gradient_checkpointing: bool = False
     # runs
@@ -74,7 +74,7 @@ class RunConfig:
             raise ConfigError("--epochs must be > 0 when --max_steps is 0")
         if self.marker_weight <= 0:
             raise ConfigError(f"--marker_weight must be > 0, got {self.marker_weight}")
-        _choice("batching", self.batching, ("bucket", "padfree", "pad"))
+        _choice("batching", self.batching, ("bucket", "pad"))
         _choice("bf16", self.bf16, ("auto", "true", "false"))
         _choice("device", self.device, ("auto", "cpu", "cuda"))
         _choice("judge_language", self.judge_language, ("en", "zh"))

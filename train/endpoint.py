@@ -16,6 +16,14 @@ class EndpointError(ValueError):
     """The endpoint is unreachable or keeps failing: the message names the URL."""
 
 
+def _text(choice: dict) -> str:
+    """The message content; reasoning returned apart (reasoning_content) goes back into <think>...</think>."""
+    msg = choice["message"]
+    content = msg.get("content") or ""
+    reasoning = msg.get("reasoning_content")
+    return f"<think>{reasoning}</think>{content}" if reasoning else content
+
+
 class ChatEndpoint:
     def __init__(self, url: str, model: str = "default", api_key: str | None = None, concurrency: int = 8,
                  retries: int = 3, backoff_s: float = 1.0, timeout_s: float = 60.0, max_tokens: int = 1024):
@@ -42,10 +50,9 @@ class ChatEndpoint:
                    "max_tokens": self.max_tokens}
         for attempt in range(self.retries + 1):
             try:
-                out = self._post(payload)
-                texts = [c["message"]["content"] or "" for c in out["choices"]]
+                texts = [_text(c) for c in self._post(payload)["choices"]]
                 while len(texts) < n:  # servers that ignore n: ask again for the rest
-                    texts += [c["message"]["content"] or "" for c in self._post({**payload, "n": 1})["choices"]]
+                    texts += [_text(c) for c in self._post({**payload, "n": 1})["choices"]]
                 return texts[:n]
             except urllib.error.HTTPError as e:
                 if e.code not in TRANSIENT or attempt == self.retries:

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import random
+import sys
 import time
 
 import torch
@@ -22,9 +23,9 @@ from train.synthetic.corpus import lookup_conversation, tokenizer_corpus
 from train.synthetic.tokenizer import train_tokenizer
 from train.synthetic.world import WorldConfig, make_rooms
 
-MODEL = dict(hidden_size=96, intermediate_size=192, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=24, num_experts=4, num_experts_per_tok=2,
-             moe_intermediate_size=96, norm_topk_prob=True, max_position_embeddings=1024,
+MODEL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+             moe_intermediate_size=64, norm_topk_prob=True, max_position_embeddings=1024,
              rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, router_aux_loss_coef=0.01)
 
 
@@ -78,16 +79,18 @@ def lookup_accuracy(model, rooms, tok, seed=0):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--output_dir", default="train/assets/student")
-    ap.add_argument("--steps", type=int, default=3000)
-    ap.add_argument("--batch_size", type=int, default=16)
-    ap.add_argument("--turns", type=int, default=6, help="questions per pre-training conversation")
+    ap.add_argument("--steps", type=int, default=3600)
+    ap.add_argument("--batch_size", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=8, help="questions per pre-training conversation")
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--vocab_size", type=int, default=1024)
-    ap.add_argument("--max_minutes", type=float, default=15.0, help="stop early (and save) after this long")
+    ap.add_argument("--max_minutes", type=float, default=40.0, help="stop early (and save) after this long")
     ap.add_argument("--eval_every", type=int, default=250)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=2)
+    # one thread: on a shared 2-core machine two threads per process oversubscribe and run ~5x slower
+    ap.add_argument("--threads", type=int, default=1)
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
@@ -122,9 +125,14 @@ def main(argv=None):
             history.append({"step": step, "loss": round(loss_ema, 4), "train_exact": round(acc.item(), 3),
                             "heldout_lookup_exact": round(acc_h, 3), "minutes": round(minutes, 2)})
             print(json.dumps(history[-1]), flush=True)
+            save(model, tok, args, argv, n_params, step, t0, history)  # usable at any time, even if stopped
         if minutes > args.max_minutes:
             break
-    model.eval()
+    save(model, tok, args, argv, n_params, step, t0, history)
+    print(f"saved {args.output_dir}: held-out lookup exact {history[-1]['heldout_lookup_exact'] if history else None}")
+
+
+def save(model, tok, args, argv, n_params, step, t0, history):
     os.makedirs(args.output_dir, exist_ok=True)
     model.save_pretrained(args.output_dir)
     tok.save_pretrained(args.output_dir)
@@ -134,7 +142,6 @@ def main(argv=None):
               "history": history}
     with open(os.path.join(args.output_dir, "pretrain_report.json"), "w") as f:
         json.dump(report, f, indent=1)
-    print(f"saved {args.output_dir}: held-out lookup exact {report['final_heldout_lookup_exact']}")
 
 
 if __name__ == "__main__":
