@@ -56,10 +56,11 @@ class IncrementalDetokenizer:
         full = self._decode(self.ids[self.prefix_offset:])
         pending = full[len(self.prefix_text):] if full.startswith(self.prefix_text) else full
         self.held_tokens += len(token_ids)
-        if pending.endswith(REPLACEMENT) and self.held_tokens < self.max_held_tokens:
+        if pending.endswith(REPLACEMENT):
             safe = pending[:-1]  # the incomplete character (one U+FFFD) waits
             if len(safe) > self.pending_sent:
-                self.held_tokens = 0
+                self.held_tokens = 0  # progress: the tail began in this push at the earliest
+        if pending.endswith(REPLACEMENT) and self.held_tokens < self.max_held_tokens:
             new, self.pending_sent = safe[self.pending_sent:], max(self.pending_sent, len(safe))
         else:  # complete (or invalid past the cap): the window can move on
             new = pending[self.pending_sent:]
@@ -87,9 +88,8 @@ class IncrementalDetokenizer:
         if not final_text.startswith(self.text):
             # cannot happen for byte-level or SentencePiece decoders; a text clean-up rule that looks
             # across the window edge could do it. Sent text cannot be taken back: say so.
-            log.warning("streamed text %r is not a prefix of the final text %r; sending the difference from "
-                        "the first mismatch is impossible, the stream's text will differ", self.text[-40:],
-                        final_text[-40:])
+            log.warning("streamed text ...%r is not a prefix of the final text ...%r; the stream's text will "
+                        "differ from it", self.text[-40:], final_text[-40:])
             return ""
         new, self.text = final_text[len(self.text):], final_text
         return new

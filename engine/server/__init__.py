@@ -1,4 +1,5 @@
 """The OpenAI-compatible HTTP server (run it with `python -m engine.serve`)."""
 from engine.server.app import build_app
+from engine.server.background import BackgroundServer
 
-__all__ = ["build_app"]
+__all__ = ["build_app", "BackgroundServer"]
