@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention import (paged_attention_reference, paged_decode_attention, paged_decode_torch,
-                               paged_prefill_attention, store_kvcache, store_kvcache_reference)
+                               paged_prefill_attention, paged_prefill_torch, store_kvcache,
+                               store_kvcache_reference)
 
 TOL = {torch.float32: 1e-4, torch.float16: 2e-2}
 
@@ -152,3 +153,17 @@ def test_store_then_attend_roundtrip():
     out = paged_prefill_attention(q, kc, vc, torch.tensor([0, T], dtype=torch.int32),
                                   torch.tensor([T], dtype=torch.int32), table, 0.25, T, backend="triton")
     torch.testing.assert_close(out, dense_causal(q, k, v, 0.25), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2)])
+def test_prefill_torch_fast_path(hq, hkv):
+    gen = torch.Generator().manual_seed(7)
+    bs, d, nb = 4, 8, 64
+    cached, new = [0, 9, 4, 0], [5, 3, 1, 12]
+    ctx = [c + n for c, n in zip(cached, new)]
+    kc, vc = make_cache(nb, bs, hkv, d, torch.float32, gen)
+    tables = random_tables(ctx, bs, nb, gen)
+    q = torch.randn(sum(new), hq, d, generator=gen)
+    cu = torch.tensor([0] + torch.tensor(new).cumsum(0).tolist())
+    args = (q, kc, vc, cu, torch.tensor(ctx), tables, 0.3)
+    torch.testing.assert_close(paged_prefill_torch(*args), paged_attention_reference(*args), atol=1e-5, rtol=1e-5)

@@ -4,7 +4,7 @@ GPU (or backend="triton", e.g. under TRITON_INTERPRET=1), the PyTorch reference 
 import torch
 
 from kernels.attention.reference import (decode_gather_index, gather_kv, paged_attention_reference,
-                                         paged_decode_torch, store_kvcache_reference)
+                                         paged_decode_torch, paged_prefill_torch, store_kvcache_reference)
 
 
 def _use_triton(t: torch.Tensor, backend: str) -> bool:
@@ -52,8 +52,8 @@ def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
         from kernels.attention.prefill import paged_prefill_triton
 
         return paged_prefill_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, max_seqlen_q)
-    return paged_attention_reference(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale)
+    return paged_prefill_torch(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale)
 
 
 __all__ = ["decode_gather_index", "store_kvcache", "paged_decode_attention", "paged_prefill_attention", "store_kvcache_reference",
-           "paged_attention_reference", "paged_decode_torch", "gather_kv"]
+           "paged_attention_reference", "paged_decode_torch", "paged_prefill_torch", "gather_kv"]

@@ -5,6 +5,7 @@ position p of a sequence lives in block block_table[p // block_size], slot p % b
 flat slot block_table[p // block_size] * block_size + p % block_size.
 """
 import torch
+import torch.nn.functional as F
 
 
 def store_kvcache_reference(k, v, k_cache, v_cache, slot_mapping) -> None:
@@ -74,6 +75,27 @@ def paged_decode_torch(q, k_cache, v_cache, block_tables, context_lens, scale, g
     k = k_cache.view(-1, hkv, D)[slots]  # [B, L, Hkv, D]
     v = v_cache.view(-1, hkv, D)[slots]
     qg = q.view(B, hkv, hq // hkv, D).float()  # the GQA group as query rows of one KV head
-    out = torch.nn.functional.scaled_dot_product_attention(
+    out = F.scaled_dot_product_attention(
         qg, k.transpose(1, 2).float(), v.transpose(1, 2).float(), attn_mask=valid[:, None, None, :], scale=scale)
     return out.reshape(B, hq, D).to(q.dtype)
+
+
+def paged_prefill_torch(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale):
+    """The CPU's fast path for steps with prefill chunks: per sequence, SDPA over its gathered context
+    (same math as paged_attention_reference, fused by SDPA instead of spelled out)."""
+    out = torch.empty_like(q)
+    cu = cu_seqlens_q.tolist()
+    for s, ctx in enumerate(context_lens.tolist()):
+        T = cu[s + 1] - cu[s]
+        if T == 0:
+            continue
+        qs = q[cu[s]:cu[s + 1]].transpose(0, 1)  # [Hq, T, D]
+        k = gather_kv(k_cache, block_tables[s], ctx).transpose(0, 1)  # [Hkv, L, D]
+        v = gather_kv(v_cache, block_tables[s], ctx).transpose(0, 1)
+        if T == ctx:
+            o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            mask = torch.ones(T, ctx, dtype=torch.bool, device=q.device).tril(ctx - T)
+            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[cu[s]:cu[s + 1]] = o.transpose(0, 1)
+    return out
