@@ -42,7 +42,8 @@ class Attention(nn.Module):
                                          self.scale, ctx.num_splits, ctx.backend, scratch=ctx.scratch)
         else:
             out = paged_prefill_attention(q, self.k_cache, self.v_cache, ctx.cu_seqlens_q, ctx.context_lens,
-                                          ctx.block_tables, self.scale, ctx.max_seqlen_q, ctx.backend)
+                                          ctx.block_tables, self.scale, ctx.max_seqlen_q, ctx.backend,
+                                          ctx.max_context_len)
         return out.unsqueeze(0)
 
 

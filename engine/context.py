@@ -12,6 +12,7 @@ class Context:
     block_tables: torch.Tensor  # [S, max_blocks] (int32; unused entries -1)
     cu_seqlens_q: torch.Tensor | None = None  # [S + 1] new tokens per sequence, cumulative (int32)
     max_seqlen_q: int = 1
+    max_context_len: int | None = None  # host copy of context_lens.max() (flash-attn wants it)
     is_decode: bool = True  # every sequence has exactly one new token (N == S)
     backend: str = "auto"  # kernels.attention backend: auto | triton | reference
     num_splits: int | None = None  # split-KV for decode; fixed for CUDA-graph replay

@@ -25,10 +25,8 @@ class ModelRunner:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.block_size = config.block_size
-        backend = config.attention_backend
-        if backend == "auto":
-            backend = "triton" if self.device.type == "cuda" else "reference"
-        if backend == "triton" and self.block_size < 16:
+        backend = config.attention_backend  # auto: the kernels dispatch (flash-attn/Triton on CUDA, torch on CPU)
+        if (backend == "triton" or (backend == "auto" and self.device.type == "cuda")) and self.block_size < 16:
             raise EngineConfigError(f"EngineConfig: the Triton attention kernels need block_size >= 16, "
                                     f"got {self.block_size}")
         self.backend = backend
@@ -132,7 +130,7 @@ class ModelRunner:
         is_decode = out.is_decode_only
         ctx = Context(slot_mapping=t(slots, torch.long), context_lens=t(context_lens), block_tables=t(tables),
                       cu_seqlens_q=t(cu), max_seqlen_q=max(out.num_new_tokens), is_decode=is_decode,
-                      backend=self.backend)
+                      backend=self.backend, max_context_len=max(context_lens))
         return t(input_ids, torch.long), t(positions, torch.long), ctx, sample_rows
 
     @torch.inference_mode()

@@ -167,3 +167,47 @@ def test_prefill_torch_fast_path(hq, hkv):
     cu = torch.tensor([0] + torch.tensor(new).cumsum(0).tolist())
     args = (q, kc, vc, cu, torch.tensor(ctx), tables, 0.3)
     torch.testing.assert_close(paged_prefill_torch(*args), paged_attention_reference(*args), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_triton_kernels_bf16_gpu(num_splits):
+    """Real shapes (Qwen3-30B-A3B attention: 32/4 heads, d 128) in bf16; tolerance of bf16 rounding."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    bs, hq, hkv, d, nb = 16, 32, 4, 128, 600
+    ctx = [1, 17, 1000, 4000 // 16 * 16 + 5]
+    kc = torch.randn(nb, bs, hkv, d, device="cuda", generator=gen).bfloat16()
+    vc = torch.randn(nb, bs, hkv, d, device="cuda", generator=gen).bfloat16()
+    tables = random_tables(ctx, bs, nb, torch.Generator().manual_seed(0)).cuda()
+    ctx_t = torch.tensor(ctx, dtype=torch.int32, device="cuda")
+    q = torch.randn(len(ctx), hq, d, device="cuda", generator=gen).bfloat16()
+    cu = torch.arange(len(ctx) + 1, dtype=torch.int32, device="cuda")
+    ref = paged_attention_reference(q.float(), kc.float(), vc.float(), cu, ctx_t, tables, d ** -0.5)
+    out = paged_decode_attention(q, kc, vc, tables, ctx_t, d ** -0.5, num_splits=num_splits, backend="triton")
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    new = [1, 17, 300, 64]
+    qp = torch.randn(sum(new), hq, d, device="cuda", generator=gen).bfloat16()
+    cup = torch.tensor([0] + torch.tensor(new).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    ref = paged_attention_reference(qp.float(), kc.float(), vc.float(), cup, ctx_t, tables, d ** -0.5)
+    out = paged_prefill_attention(qp, kc, vc, cup, ctx_t, tables, d ** -0.5, max(new), backend="triton")
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_flash_attn_prefill_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("flash_attn", reason="needs flash-attn (GPU only)")
+    gen = torch.Generator().manual_seed(9)
+    bs, hq, hkv, d, nb = 256, 8, 2, 128, 12
+    cached, new = [0, 300, 40], [50, 20, 1]
+    ctx = [c + n for c, n in zip(cached, new)]
+    kc, vc = (t.cuda() for t in make_cache(nb, bs, hkv, d, torch.bfloat16, gen))
+    tables = random_tables(ctx, bs, nb, gen).cuda()
+    tables[tables < 0] = 0
+    q = torch.randn(sum(new), hq, d, generator=gen).bfloat16().cuda()
+    cu = torch.tensor([0] + torch.tensor(new).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    ctx_t = torch.tensor(ctx, dtype=torch.int32, device="cuda")
+    ref = paged_attention_reference(q.float(), kc.float(), vc.float(), cu, ctx_t, tables, d ** -0.5)
+    out = paged_prefill_attention(q, kc, vc, cu, ctx_t, tables, d ** -0.5, max(new), max_context_len=max(ctx))
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)

@@ -45,9 +45,29 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     return result
 
 
+def _flash_attn_varlen():
+    """flash-attn's varlen function where the package is installed (GPU only), else None."""
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return None
+    return flash_attn_varlen_func
+
+
 def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale,
-                            max_seqlen_q: int, backend: str = "auto"):
-    """q [N, Hq, D] (the new tokens of S sequences, concatenated) -> [N, Hq, D], causal over the cache."""
+                            max_seqlen_q: int, backend: str = "auto", max_context_len: int | None = None):
+    """q [N, Hq, D] (the new tokens of S sequences, concatenated) -> [N, Hq, D], causal over the cache.
+
+    On a GPU with flash-attn installed, a 16-bit cache and block_size a multiple of 256 (flash-attn's
+    paged layout), flash-attn's varlen kernel reads the paged cache; otherwise the Triton kernel."""
+    flash = _flash_attn_varlen() if backend == "auto" and q.is_cuda else None
+    if (flash is not None and k_cache.shape[1] % 256 == 0 and q.dtype in (torch.float16, torch.bfloat16)
+            and max_context_len is not None):
+        cu_k = torch.zeros(context_lens.shape[0] + 1, dtype=torch.int32, device=q.device)
+        torch.cumsum(context_lens, 0, out=cu_k[1:])
+        # causal is bottom-right aligned when there are more keys than queries: the cached prefix
+        return flash(q, k_cache, v_cache, cu_seqlens_q, cu_k, max_seqlen_q, max_context_len,
+                     softmax_scale=scale, causal=True, block_table=block_tables)
     if _use_triton(q, backend):
         from kernels.attention.prefill import paged_prefill_triton
 
