@@ -16,9 +16,10 @@ def make_student(path, seed: int = 0):
     from train.synthetic.corpus import tokenizer_corpus
     from train.synthetic.tokenizer import train_tokenizer
 
-    tok = train_tokenizer(tokenizer_corpus(n_rooms=40), vocab_size=300)
+    tok = train_tokenizer(tokenizer_corpus(n_rooms=40), vocab_size=500)
     path, _ = make_checkpoint(path, moe=True, seed=seed, vocab_size=len(tok), eos_token_id=tok.eos_token_id,
-                              pad_token_id=tok.pad_token_id, bos_token_id=None, num_hidden_layers=2)
+                              pad_token_id=tok.pad_token_id, bos_token_id=None, num_hidden_layers=2,
+                              max_position_embeddings=2048)
     tok.save_pretrained(path)
     return path
 

@@ -1,0 +1,523 @@
+"""GRPO, stage 2 of the LiveThinking seed (its section 4.2, Table 2): `python -m train.grpo [flags]`.
+
+Each step: batch_size prompts -> K rollouts each from the engine's decoder running the very module
+being trained (train.rollout) -> rewards 0.4 correct + 0.3 helpful + 0.3 length (train.rewards) ->
+group-normalised advantages (train.advantages) -> the decoder's KV cache is released -> μ optimiser
+passes of the clipped policy loss (train.losses) on the fused log-probs, with k3 KL (β) to the frozen
+starting checkpoint and the MoE load-balancing loss (λ_aux). Multi-turn trajectories (--multi_turn)
+get turn- and trajectory-level credit (LiveAssistant's streaming GSPO; use it with
+--importance_sampling_level sequence).
+
+With no arguments it is the embedded default: it continues from the RFT default's student (running
+`train.rft`'s default first when that is missing), trains on the synthetic live-commerce rooms, and
+prints and saves a before/after table in the shape of the seed's Table 3 (before_after.md / .json).
+Everything is a --flag or a key of --config run.yaml (train.config); checkpoints are atomic and
+--resume auto continues exactly; the final model is exported in the HF layout to <output_dir>/final.
+"""
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine import flops
+from engine.loader import load_model, load_tokenizer, save_model
+from kernels.logprobs import fused_linear_logprobs
+from train.advantages import SCALE_REWARDS, group_advantages, multi_turn_advantages, token_advantages
+from train.checkpoint import latest_checkpoint, load_checkpoint, resolve_resume, save_checkpoint
+from train.config import ConfigError, RFTConfig, RunConfig, _choice, format_config, parse_config, save_config
+from train.data import build_prompt, load_jsonl, split_thought
+from train.judges import load_judge
+from train.losses import PolicyLossConfig, policy_loss
+from train.metrics import MetricsLogger
+from train.rewards import CompositeReward, RewardConfig, RewardError, load_reward_fns
+from train.rollout import Rollouts, collate, reference_lengths, shuffled_order
+
+
+@dataclass(kw_only=True)
+class GRPOConfig(RunConfig):
+    model: str = field(default="auto", metadata={"help": "checkpoint to start from; auto = the RFT default's student"})
+    output_dir: str = "runs/grpo"
+    rft_output: str = field(default="", metadata={"help": "where --model auto looks for the RFT student (default: RFT's output_dir)"})
+    lr: float = 2e-4
+    warmup_steps: int = 2
+    max_steps: int = 40
+    eval_rooms: int = 48
+    eval_max_new_tokens: int = 160
+    # rollouts
+    num_generations: int = field(default=8, metadata={"help": "K rollouts per prompt (seed: 8)"})
+    max_new_tokens: int = field(default=160, metadata={"help": "completion length limit of a rollout"})
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    rollout_kv_bytes: int = field(default=64 * 2**20, metadata={"help": "decoder KV-cache budget (CPU)"})
+    rollout_max_num_seqs: int = 256
+    # loss
+    beta: float = field(default=0.01, metadata={"help": "k3 KL weight to the starting checkpoint (seed: 0.01; 0 = no reference)"})
+    epsilon: float = field(default=0.2, metadata={"help": "clip η (seed: 0.2); the low side"})
+    epsilon_high: float | None = field(default=None, metadata={"help": "clip high side (default: --epsilon)"})
+    delta: float | None = field(default=None, metadata={"help": "dual clip c for negative advantages"})
+    loss_type: str = field(default="grpo", metadata={"help": "grpo | bnpo | dr_grpo | dapo"})
+    importance_sampling_level: str = field(default="token", metadata={"help": "token | sequence (GSPO)"})
+    num_iterations: int = field(default=1, metadata={"help": "μ: optimiser passes per rollout batch"})
+    micro_batch_size: int = field(default=32, metadata={"help": "completions per forward/backward"})
+    scale_rewards: str = field(default="group", metadata={"help": "group | batch | none"})
+    advantage_eps: float = 1e-4
+    drop_zero_variance: bool = field(default=False, metadata={"help": "leave groups with equal rewards out of the loss"})
+    mask_truncated: bool = field(default=False, metadata={"help": "leave completions cut at max_new_tokens out of the loss"})
+    old_logprobs: str = field(default="decoder", metadata={"help": "decoder (the sampled tokens' raw logprobs) | trainer"})
+    # rewards (seed's Table 2)
+    w_correct: float = 0.4
+    w_helpful: float = 0.3
+    w_length: float = 0.3
+    lambda_upper: float = 0.5
+    lambda_lower: float = 0.4
+    length_epsilon: float = field(default=0.1, metadata={"help": "ε of the length reward, a fraction of L_ref"})
+    reward_fns: str = field(default="", metadata={"help": "extra rewards: module:fn[=weight],... fn(record, completion, info)"})
+    # multi-turn (LiveAssistant)
+    multi_turn: bool = field(default=False, metadata={"help": "records' `followups` are later turns of one trajectory"})
+    turn_weight: float = field(default=0.5, metadata={"help": "turn-level vs trajectory-level credit"})
+    export_dir: str = field(default="", metadata={"help": "HF export of the final model (default <output_dir>/final)"})
+    plot: bool = field(default=True, metadata={"help": "PNG curves of every metric at the end (curves.png)"})
+
+    def validate(self) -> None:
+        super().validate()
+        for name in ("num_generations", "max_new_tokens", "num_iterations", "micro_batch_size",
+                     "rollout_max_num_seqs", "rollout_kv_bytes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_generations < 2:
+            raise ConfigError("--num_generations must be >= 2: GRPO compares rollouts of one prompt")
+        if self.temperature <= 0:
+            raise ConfigError(f"--temperature must be > 0 for rollouts, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"--top_p must be in (0, 1], got {self.top_p}")
+        _choice("scale_rewards", self.scale_rewards, SCALE_REWARDS)
+        _choice("old_logprobs", self.old_logprobs, ("decoder", "trainer"))
+        if not 0 <= self.turn_weight <= 1:
+            raise ConfigError(f"--turn_weight must be in [0, 1], got {self.turn_weight}")
+        if self.advantage_eps <= 0:
+            raise ConfigError(f"--advantage_eps must be > 0, got {self.advantage_eps}")
+        if self.model != "auto" and not os.path.isfile(os.path.join(self.model, "config.json")):
+            raise ConfigError(f"--model {self.model}: not a checkpoint directory (no config.json)")
+        try:
+            self.loss_config()
+            self.reward_config()
+            load_reward_fns(self.reward_fns)  # a bad dotted path fails here, not at the first step
+        except (ValueError, RewardError) as e:
+            raise ConfigError(str(e)) from None
+
+    def loss_config(self) -> PolicyLossConfig:
+        return PolicyLossConfig(beta=self.beta, epsilon_low=self.epsilon,
+                                epsilon_high=self.epsilon if self.epsilon_high is None else self.epsilon_high,
+                                delta=self.delta, importance_sampling_level=self.importance_sampling_level,
+                                loss_type=self.loss_type, max_completion_length=self.max_new_tokens)
+
+    def reward_config(self) -> RewardConfig:
+        return RewardConfig(w_correct=self.w_correct, w_helpful=self.w_helpful, w_length=self.w_length,
+                            lambda_upper=self.lambda_upper, lambda_lower=self.lambda_lower,
+                            length_epsilon=self.length_epsilon, reward_fns=self.reward_fns)
+
+
+# ------------------------------------------------------------------------------------------ the start
+def _model_dir(root: str):
+    """A checkpoint directory at or under root (final export, model/, root itself, latest checkpoint)."""
+    cands = [os.path.join(root, n) for n in ("final", "model", "export", "student")] + [root]
+    last = latest_checkpoint(root) if os.path.isdir(root) else None
+    cands += [os.path.join(last, "model")] if last else []
+    return next((c for c in cands if os.path.isfile(os.path.join(c, "config.json"))), None)
+
+
+def resolve_start(cfg: GRPOConfig) -> str:
+    """--model, or for `auto` the RFT default's student (running the RFT default first if missing)."""
+    if cfg.model != "auto":
+        return cfg.model
+    root = cfg.rft_output or RFTConfig().output_dir
+    found = _model_dir(root)
+    if found:
+        return found
+    try:
+        import train.rft as rft
+    except ImportError as e:
+        raise ConfigError(f"--model auto: no RFT student under {root} and train.rft cannot run ({e}); "
+                          "pass --model CHECKPOINT_DIR") from None
+    print(f"no RFT student under {root}: running the RFT default first (train.rft)", flush=True)
+    if hasattr(rft, "run_default"):
+        rft.run_default()
+    else:
+        rft.main([])
+    found = _model_dir(root)
+    if not found:
+        raise ConfigError(f"--model auto: the RFT default ran but left no checkpoint under {root}; "
+                          "pass --model or --rft_output")
+    return found
+
+
+def load_records(cfg: GRPOConfig) -> tuple:
+    from train.synthetic.world import make_rooms
+
+    if cfg.data:
+        train, _ = load_jsonl(cfg.data, cfg.skip_bad_lines)
+    else:
+        train = make_rooms(cfg.train_rooms, seed=cfg.seed)
+    if cfg.eval_data:
+        held_out, _ = load_jsonl(cfg.eval_data, cfg.skip_bad_lines)
+    else:
+        held_out = make_rooms(cfg.eval_rooms, seed=20_000 + cfg.seed, prefix="heldout")
+    if not train:
+        raise ConfigError("no training records")
+    if cfg.multi_turn and not any(r.get("followups") for r in train):
+        raise ConfigError("--multi_turn: no training record has `followups` (later user turns)")
+    return train, held_out
+
+
+def _turn_record(record: dict, turn: int, responses: list) -> dict:
+    """The judged record of turn `turn`: its question and meta, the trajectory's earlier turns as history."""
+    if turn == 0:
+        return record
+    f = record["followups"][turn - 1]
+    f = {"question": f} if isinstance(f, str) else f
+    qs = [record["question"]] + [(x if isinstance(x, str) else x["question"]) for x in record["followups"]]
+    history = list(record.get("history", [])) + [
+        {"question": q, "response": split_thought(r)[1]} for q, r in zip(qs[:turn], responses[:turn])]
+    return {**record, "id": f"{record['id']}#{turn}", "question": f["question"], "history": history,
+            "meta": f.get("meta", record.get("meta", {})), "reference": f.get("reference")}
+
+
+# ------------------------------------------------------------------------------------------ trainer
+class GRPOTrainer:
+    def __init__(self, cfg: GRPOConfig):
+        self.cfg = cfg
+        self.device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
+                                   ("cpu" if cfg.device == "auto" else cfg.device))
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("--device cuda: no CUDA device")
+        use_bf16 = cfg.bf16 == "true" or (cfg.bf16 == "auto" and self.device.type == "cuda")
+        self.dtype = torch.bfloat16 if use_bf16 else torch.float32
+        torch.manual_seed(cfg.seed)
+        self.resume_from = resolve_resume(cfg.resume, cfg.output_dir)
+        state = {}
+        if self.resume_from:
+            with open(os.path.join(self.resume_from, "trainer_state.json")) as f:
+                state = json.load(f)
+        self.start_model = state.get("start_model") or resolve_start(cfg)
+        model_path = os.path.join(self.resume_from, "model") if self.resume_from else self.start_model
+        self.model = load_model(model_path, dtype=self.dtype, device=self.device)
+        self.model.gradient_checkpointing = cfg.gradient_checkpointing
+        self.tokenizer = load_tokenizer(model_path) or load_tokenizer(self.start_model)
+        if self.tokenizer is None:
+            raise ConfigError(f"{self.start_model}: the checkpoint has no tokenizer (the prompts are text)")
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.ref_model = None
+        if cfg.beta > 0:  # the frozen starting checkpoint; not loaded at all when β = 0
+            self.ref_model = load_model(self.start_model, dtype=self.dtype, device=self.device)
+            self.ref_model.requires_grad_(False)
+        self.train_records, self.eval_records = load_records(cfg)
+        self.prompts = [build_prompt(r, self.tokenizer) for r in self.train_records]
+        self.judge = load_judge(cfg.judge, **({"url": cfg.judge_url, "model": cfg.judge_model,
+                                                "language": cfg.judge_language} if cfg.judge == "llm" else {}))
+        self.reward = CompositeReward(self.judge, cfg.reward_config())
+        self.loss_cfg = cfg.loss_config()
+        engine = dict(kv_cache_bytes=cfg.rollout_kv_bytes, max_num_seqs=cfg.rollout_max_num_seqs)
+        self.rollouts = Rollouts(self.model, self.tokenizer, num_generations=cfg.num_generations,
+                                 max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                                 top_k=cfg.top_k, seed=cfg.seed, **engine)
+        n = len(self.train_records)
+        self.total_steps = cfg.max_steps or math.ceil(cfg.epochs * n / cfg.batch_size)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        warm = cfg.warmup_steps * cfg.num_iterations
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / max(1, warm)))
+        self.step = 0
+        self.ref_lengths: dict = {}
+        self.before = None
+        if self.resume_from:
+            state = load_checkpoint(self.resume_from, self.optimizer, self.scheduler)
+            self.step, self.ref_lengths, self.before = state["step"], state["ref_lengths"], state.get("before")
+        self.metrics = MetricsLogger(cfg.output_dir, cfg.tensorboard, resume_step=self.step if self.resume_from else None)
+
+    # -- data ---------------------------------------------------------------------------------------
+    def batch_indices(self, step: int) -> list:
+        n, b = len(self.train_records), self.cfg.batch_size
+        out = []
+        for j in range(step * b, step * b + b):
+            out.append(shuffled_order(n, self.cfg.seed, j // n)[j % n])
+        return out
+
+    def compute_reference_lengths(self) -> None:
+        """L_ref of every training prompt (every turn, multi-turn), from the starting checkpoint,
+        before the first update; cached in the checkpoints so a resumed run keeps them."""
+        if self.cfg.multi_turn:
+            todo = [i for i, r in enumerate(self.train_records) if f"{r['id']}#0" not in self.ref_lengths]
+            if todo:
+                trajs = self._multi_turn_rollouts(todo, step=-1, greedy=True)
+                for i, group in zip(todo, trajs):
+                    c = group[0]
+                    for t, (s, e) in enumerate(c.turn_spans):
+                        self.ref_lengths[f"{self.train_records[i]['id']}#{t}"] = max(1, e - s - (0 if c.truncated else 1))
+        else:
+            reference_lengths(self.rollouts, self.train_records, self.prompts, self.ref_lengths)
+
+    def _multi_turn_rollouts(self, indices: list, step: int, greedy: bool = False) -> list:
+        firsts, nexts = [], []
+        for i in indices:
+            r = self.train_records[i]
+            firsts.append(self.prompts[i])
+            turns = []
+            for f in r.get("followups", []):
+                q = f if isinstance(f, str) else f["question"]
+                text = "\n" + self.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                                                  add_generation_prompt=True)
+                turns.append(text)
+            nexts.append(turns)
+        return self.rollouts.generate_multi_turn(firsts, nexts, step, greedy=greedy)
+
+    # -- rollouts and rewards -----------------------------------------------------------------------
+    def rollout_phase(self, step: int) -> tuple:
+        cfg, K = self.cfg, self.cfg.num_generations
+        idx = self.batch_indices(step)
+        t0 = time.perf_counter()
+        self.model.eval()
+        with torch.no_grad():
+            if cfg.multi_turn:
+                groups = self._multi_turn_rollouts(idx, step)
+            else:
+                groups = self.rollouts.generate([self.prompts[i] for i in idx], step)
+        self.rollouts.release()  # the update never shares memory with the KV cache
+        t_rollout = time.perf_counter() - t0
+        comps = [c for g in groups for c in g]
+        records = [self.train_records[i] for i in idx for _ in range(K)]
+        comp_values: dict = {}
+        if cfg.multi_turn:
+            turn_rewards, per_turn_recs = [], []
+            for rec, c in zip(records, comps):
+                recs = [_turn_record(rec, t, c.turn_texts) for t in range(len(c.turn_spans))]
+                lens = [max(0, e - s - (0 if c.truncated else 1)) for s, e in c.turn_spans]
+                refs = [self.ref_lengths[f"{rec['id']}#{t}"] for t in range(len(recs))]
+                res = self.reward(recs, c.turn_texts, lens, refs)
+                turn_rewards.append([x.reward for x in res])
+                per_turn_recs.append(res)
+                for x in res:
+                    for k, v in x.components.items():
+                        comp_values.setdefault(k, []).append(v)
+            rewards = torch.tensor([sum(t) / len(t) for t in turn_rewards])
+            adv_turns = multi_turn_advantages(turn_rewards, K, cfg.turn_weight, cfg.advantage_eps, cfg.scale_rewards)
+            advantages = [token_advantages(c.turn_spans, a, len(c.token_ids))[0] for c, a in zip(comps, adv_turns)]
+            _, keep, adv_stats = group_advantages(rewards, K, cfg.scale_rewards, cfg.advantage_eps, cfg.drop_zero_variance)
+        else:
+            refs = [self.ref_lengths[r["id"]] for r in records]
+            res = self.reward(records, [c.text for c in comps], [c.length for c in comps], refs)
+            rewards = torch.tensor([x.reward for x in res])
+            for x in res:
+                for k, v in x.components.items():
+                    comp_values.setdefault(k, []).append(v)
+            advantages, keep, adv_stats = group_advantages(rewards, K, cfg.scale_rewards, cfg.advantage_eps,
+                                                           cfg.drop_zero_variance)
+            advantages = advantages.tolist()
+        lengths = torch.tensor([float(c.length) for c in comps])
+        gen_tokens = sum(len(c.token_ids) for c in comps)
+        m = {"reward/mean": rewards.mean(), "reward/std": rewards.std()}
+        for k, v in comp_values.items():
+            t = torch.tensor(v, dtype=torch.float32)
+            m[f"reward/{k}/mean"], m[f"reward/{k}/std"] = t.mean(), t.std() if t.numel() > 1 else 0.0
+        m.update({"tpr/mean": lengths.mean(), "tpr/min": lengths.min(), "tpr/max": lengths.max(),
+                  "truncated_frac": sum(c.truncated for c in comps) / len(comps),
+                  "zero_variance_groups": adv_stats["zero_variance_groups"],
+                  "time/rollout_s": t_rollout, "rollout_tokens_per_s": gen_tokens / max(t_rollout, 1e-9),
+                  "decode_gflops_per_response": flops.decode_flops(self.model.config, float(lengths.mean())) / 1e9})
+        kept = [i for i in range(len(comps)) if keep[i]]
+        batch = None
+        if kept:
+            batch = collate([comps[i] for i in kept], [advantages[i] for i in kept], self.pad_id, cfg.mask_truncated)
+        return batch, m
+
+    # -- the update ---------------------------------------------------------------------------------
+    def _logprobs(self, model, mb, entropy: bool = False):
+        hidden, router_logits = model.forward_hidden(mb["input_ids"], attention_mask=mb["attention_mask"],
+                                                     return_router_logits=True)
+        out = fused_linear_logprobs(hidden[:, :-1], model.lm_head_weight, mb["targets"], self.rollouts.temperature,
+                                    mask=mb["completion_mask"] > 0, return_entropy=entropy)
+        return out, router_logits
+
+    def _micro_batches(self, batch) -> list:
+        n, size = batch["input_ids"].shape[0], self.cfg.micro_batch_size
+        out = []
+        for s in range(0, n, size):
+            mb = {k: v[s:s + size].to(self.device) for k, v in batch.items()}
+            width = int(mb["attention_mask"].sum(1).max())  # trim the right padding of this micro-batch
+            mb = {k: v[:, :width] if k in ("input_ids", "attention_mask") else v[:, :width - 1] for k, v in mb.items()}
+            out.append(mb)
+        return out
+
+    def update_phase(self, batch) -> dict:
+        cfg, model = self.cfg, self.model
+        t0 = time.perf_counter()
+        micro = self._micro_batches(batch)
+        n_items = sum(mb["completion_mask"].sum() for mb in micro)
+        with torch.no_grad():
+            for mb in micro:
+                if self.ref_model is not None:
+                    mb["ref_logprobs"] = self._logprobs(self.ref_model, mb)[0]
+                if cfg.old_logprobs == "trainer":
+                    mb["old_logprobs"] = self._logprobs(model, mb)[0]
+        model.train()
+        sums: dict = {}
+        diffs = []
+        for it in range(cfg.num_iterations):
+            self.optimizer.zero_grad(set_to_none=True)
+            for mb in micro:
+                (lp, ent), router_logits = self._logprobs(model, mb, entropy=True)
+                mask = mb["completion_mask"]
+                if it == 0:
+                    d = ((lp.detach() - mb["old_logprobs"]).abs() * mask)
+                    diffs.append((d.sum(), mask.sum(), d.max()))
+                loss, lm = policy_loss(lp, mb["old_logprobs"], mb["advantages"], mask,
+                                       ref_logprobs=mb.get("ref_logprobs"), entropy=ent, num_items_in_batch=n_items,
+                                       config=dataclasses.replace(self.loss_cfg, gradient_accumulation_steps=len(micro)))
+                aux = torch.zeros((), device=self.device)
+                if router_logits and cfg.lambda_aux > 0:
+                    aux = model.load_balancing_loss(router_logits, mb["attention_mask"]) / len(micro)
+                    loss = loss + cfg.lambda_aux * aux
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(f"step {self.step}: the loss is {loss.item()} (lower --lr?)")
+                loss.backward()
+                # loss and aux are already / len(micro): their sum over micro-batches is the step's
+                for k, v in {"loss": loss.detach() * len(micro), "aux_loss": aux.detach() * len(micro), **lm}.items():
+                    sums[k] = sums.get(k, 0.0) + float(v) / (len(micro) * cfg.num_iterations)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
+            sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(grad_norm) / cfg.num_iterations
+            self.optimizer.step()
+            self.scheduler.step()
+        model.eval()
+        total = sum(float(d[0]) for d in diffs)
+        count = sum(float(d[1]) for d in diffs)
+        sums["logprob_diff/mean"] = total / max(count, 1.0)
+        sums["logprob_diff/max"] = max(float(d[2]) for d in diffs)
+        sums["time/update_s"] = time.perf_counter() - t0
+        sums["lr"] = self.scheduler.get_last_lr()[0]
+        return sums
+
+    # -- evaluation ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, records: list) -> dict:
+        """Greedy answers to held-out records, judged: Correct. / Helpful. (or EM / F1), TPR, D. TFLOPs."""
+        prompts = [build_prompt(r, self.tokenizer) for r in records]
+        outs = []
+        for s in range(0, len(prompts), 64):
+            outs += self.rollouts.greedy(prompts[s:s + 64], self.cfg.eval_max_new_tokens)
+        self.rollouts.release()
+        verdicts = self.judge.judge_batch(records, [c.text for c in outs])
+        n = max(1, len(records))
+        tpr = sum(c.length for c in outs) / n
+        res = {"n": len(records), "correct": 100.0 * sum(v.correct for v in verdicts) / n,
+               "helpful": 100.0 * sum(v.helpful for v in verdicts) / n, "tpr": tpr,
+               "truncated": sum(c.truncated for c in outs) / n,
+               "decode_tflops": flops.decode_flops(self.model.config, tpr) / 1e12}
+        if any("em" in v.scores for v in verdicts):
+            res["em"] = 100.0 * sum(v.scores.get("em", 0.0) for v in verdicts) / n
+            res["f1"] = 100.0 * sum(v.scores.get("f1", 0.0) for v in verdicts) / n
+        return res
+
+    # -- the loop -----------------------------------------------------------------------------------
+    def train_step(self, step: int) -> dict:
+        batch, m = self.rollout_phase(step)
+        if batch is None:  # every group had zero variance and was dropped
+            m.update({"skipped_update": 1})
+        else:
+            m.update(self.update_phase(batch))
+        tokens = 0 if batch is None else float(batch["completion_mask"].sum())
+        m["tokens_per_s"] = tokens / max(m["time/rollout_s"] + m.get("time/update_s", 0.0), 1e-9)
+        return m
+
+    def save(self, step: int) -> str:
+        return save_checkpoint(os.path.join(self.cfg.output_dir, "checkpoints"), step, self.model, self.optimizer,
+                               self.scheduler, {"ref_lengths": self.ref_lengths, "start_model": self.start_model,
+                                                "before": self.before},
+                               keep_last=self.cfg.keep_last, save_model=lambda m, p: save_model(m, p, tokenizer=self.tokenizer))
+
+    def train(self, evaluate: bool = True) -> dict:
+        cfg = self.cfg
+        evaluate = evaluate and bool(self.eval_records)  # --eval_rooms 0 (no --eval_data): no table
+        save_config(cfg, cfg.output_dir)
+        self.compute_reference_lengths()
+        if evaluate and self.before is None:
+            self.before = self.evaluate(self.eval_records)
+            print(f"before: {json.dumps(_rounded(self.before))}", flush=True)
+        t_start = time.time()
+        last = None
+        while self.step < self.total_steps:
+            m = self.train_step(self.step)
+            self.step += 1
+            self.metrics.log(self.step, **m)
+            last = m
+            if cfg.progress and (self.step % cfg.log_every == 0 or self.step == self.total_steps):
+                print(f"step {self.step}/{self.total_steps} reward {float(m['reward/mean']):.3f} "
+                      f"tpr {float(m['tpr/mean']):.1f} correct {float(m.get('reward/correct/mean', 0)):.2f} "
+                      f"helpful {float(m.get('reward/helpful/mean', 0)):.2f} len_r {float(m['reward/length/mean']):.2f} "
+                      f"kl {float(m.get('kl', 0)):.4f} |dlogp| {float(m.get('logprob_diff/max', 0)):.1e} "
+                      f"({m['time/rollout_s']:.1f}+{m.get('time/update_s', 0):.1f}s)", flush=True)
+            if cfg.save_every and self.step % cfg.save_every == 0 and self.step < self.total_steps:
+                self.save(self.step)
+        self.save(self.step)
+        export = cfg.export_dir or os.path.join(cfg.output_dir, "final")
+        save_model(self.model, export, tokenizer=self.tokenizer)
+        self.metrics.close(plot=cfg.plot)
+        summary = {"steps": self.step, "train_minutes": (time.time() - t_start) / 60, "export": export,
+                   "start_model": self.start_model, "last": {k: float(v) for k, v in (last or {}).items()}}
+        if evaluate:
+            after = self.evaluate(self.eval_records)
+            summary.update(before=self.before, after=after)
+            table = format_table(self.before, after, self.model.config, cfg)
+            print(table, flush=True)
+            with open(os.path.join(cfg.output_dir, "before_after.md"), "w") as f:
+                f.write(table + "\n")
+        with open(os.path.join(cfg.output_dir, "before_after.json"), "w") as f:
+            json.dump(_rounded(summary), f, indent=1)
+        return summary
+
+
+def _rounded(x):
+    if isinstance(x, dict):
+        return {k: _rounded(v) for k, v in x.items()}
+    return round(x, 6) if isinstance(x, float) else x
+
+
+def format_table(before: dict, after: dict, model_cfg, cfg: GRPOConfig) -> str:
+    """The seed's Table 3 shape: parameters (total, active), quality, TPR, decoding cost per response."""
+    counts = flops.param_counts(model_cfg)
+    total, active = counts["total"] / 1e6, counts["active"] / 1e6
+    musique = "em" in before
+    q = ("EM", "F1") if musique else ("Correct.", "Helpful.")
+    keys = ("em", "f1") if musique else ("correct", "helpful")
+    data = "MuSiQue-format data" if musique else ("synthetic live-commerce rooms" if not cfg.eval_data else cfg.eval_data)
+    lines = [f"Before/after GRPO on {before['n']} held-out records ({data}); greedy decoding.",
+             "| Model | Total (M) | Active (M) | " + " | ".join(q) + " | TPR | D. TFLOPs |",
+             "|---|---|---|---|---|---|---|"]
+    for name, r in (("RFT student (start)", before), ("+ GRPO (this run)", after)):
+        lines.append(f"| {name} | {total:.2f} | {active:.2f} | {r[keys[0]]:.1f} | {r[keys[1]]:.1f} | "
+                     f"{r['tpr']:.1f} | {r['decode_tflops']:.2e} |")
+    drop = 100.0 * (1 - after["tpr"] / before["tpr"]) if before["tpr"] else float("nan")
+    lines.append(f"TPR {before['tpr']:.1f} -> {after['tpr']:.1f} ({drop:.1f}% shorter); "
+                 f"{q[0]} {after[keys[0]] - before[keys[0]]:+.1f}, {q[1]} {after[keys[1]] - before[keys[1]]:+.1f} points.")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        cfg = parse_config(GRPOConfig, argv, description=__doc__.split("\n")[0])
+        if cfg.progress:
+            print("GRPO config:\n" + format_config(cfg), flush=True)
+        GRPOTrainer(cfg).train()
+    except ValueError as e:  # ConfigError, RewardError, DataError, RequestError, CheckpointError...
+        print(f"error ({type(e).__name__}): {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
