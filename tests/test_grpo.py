@@ -71,10 +71,10 @@ def test_end_to_end_every_parameter_changes_and_the_loss_stays_finite(student, t
     assert rows[-1]["kl"] > 0
     assert max(r["logprob_diff/max"] for r in rows) < 2e-5  # decoder old_logprobs vs the fused kernel, fp32
     assert os.path.isfile(out / "curves.png")
-    table = (out / "before_after.md").read_text()
-    assert "| Correct. | Helpful. | TPR | D. TFLOPs |" in table
-    summary = json.loads((out / "before_after.json").read_text())
-    assert summary["before"]["n"] == 2 and "tpr" in summary["after"]
+    table = (out / "eval_table.md").read_text()
+    assert "| Correct. | Helpful. | TPR |" in table and "+ GRPO" in table
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["before"]["n"] == 2 and "tpr" in summary["after"] and "tpr_reduction_pct" in summary
 
 
 def test_gspo_sequence_level_with_several_passes(student, tmp_path):

@@ -10,7 +10,8 @@ get turn- and trajectory-level credit (LiveAssistant's streaming GSPO; use it wi
 
 With no arguments it is the embedded default: it continues from the RFT default's student (running
 `train.rft`'s default first when that is missing), trains on the synthetic live-commerce rooms, and
-prints and saves a before/after table in the shape of the seed's Table 3 (before_after.md / .json).
+prints and saves a before/after table in the shape of the seed's Table 3 (train.evaluate: eval_table.md,
+eval.json; summary.json adds the TPR reduction and the quality changes in points).
 Everything is a --flag or a key of --config run.yaml (train.config); checkpoints are atomic and
 --resume auto continues exactly; the final model is exported in the HF layout to <output_dir>/final.
 """
@@ -31,10 +32,10 @@ from train.advantages import SCALE_REWARDS, group_advantages, multi_turn_advanta
 from train.checkpoint import latest_checkpoint, load_checkpoint, resolve_resume, save_checkpoint
 from train.config import ConfigError, RFTConfig, RunConfig, _choice, format_config, parse_config, save_config
 from train.data import build_prompt, load_jsonl, split_thought
-from train.judges import load_judge
 from train.losses import PolicyLossConfig, policy_loss
 from train.metrics import MetricsLogger
 from train.rewards import CompositeReward, RewardConfig, RewardError, load_reward_fns
+from train.rft import make_judge
 from train.rollout import Rollouts, collate, reference_lengths, shuffled_order
 
 
@@ -158,18 +159,10 @@ def resolve_start(cfg: GRPOConfig) -> str:
 
 
 def load_records(cfg: GRPOConfig) -> tuple:
-    from train.synthetic.world import make_rooms
+    """(training records, held-out records): RFT's inputs (the same synthetic rooms by default)."""
+    from train.rft import load_inputs
 
-    if cfg.data:
-        train, _ = load_jsonl(cfg.data, cfg.skip_bad_lines)
-    else:
-        train = make_rooms(cfg.train_rooms, seed=cfg.seed)
-    if cfg.eval_data:
-        held_out, _ = load_jsonl(cfg.eval_data, cfg.skip_bad_lines)
-    else:
-        held_out = make_rooms(cfg.eval_rooms, seed=20_000 + cfg.seed, prefix="heldout")
-    if not train:
-        raise ConfigError("no training records")
+    train, held_out = load_inputs(cfg)
     if cfg.multi_turn and not any(r.get("followups") for r in train):
         raise ConfigError("--multi_turn: no training record has `followups` (later user turns)")
     return train, held_out
@@ -198,6 +191,8 @@ class GRPOTrainer:
             raise ConfigError("--device cuda: no CUDA device")
         use_bf16 = cfg.bf16 == "true" or (cfg.bf16 == "auto" and self.device.type == "cuda")
         self.dtype = torch.bfloat16 if use_bf16 else torch.float32
+        if getattr(cfg, "threads", 0):
+            torch.set_num_threads(cfg.threads)
         torch.manual_seed(cfg.seed)
         self.resume_from = resolve_resume(cfg.resume, cfg.output_dir)
         state = {}
@@ -218,8 +213,7 @@ class GRPOTrainer:
             self.ref_model.requires_grad_(False)
         self.train_records, self.eval_records = load_records(cfg)
         self.prompts = [build_prompt(r, self.tokenizer) for r in self.train_records]
-        self.judge = load_judge(cfg.judge, **({"url": cfg.judge_url, "model": cfg.judge_model,
-                                                "language": cfg.judge_language} if cfg.judge == "llm" else {}))
+        self.judge = make_judge(cfg)
         self.reward = CompositeReward(self.judge, cfg.reward_config())
         self.loss_cfg = cfg.loss_config()
         engine = dict(kv_cache_bytes=cfg.rollout_kv_bytes, max_num_seqs=cfg.rollout_max_num_seqs)
@@ -258,7 +252,7 @@ class GRPOTrainer:
                 for i, group in zip(todo, trajs):
                     c = group[0]
                     for t, (s, e) in enumerate(c.turn_spans):
-                        self.ref_lengths[f"{self.train_records[i]['id']}#{t}"] = max(1, e - s - (0 if c.truncated else 1))
+                        self.ref_lengths[f"{self.train_records[i]['id']}#{t}"] = max(1, e - s)
         else:
             reference_lengths(self.rollouts, self.train_records, self.prompts, self.ref_lengths)
 
@@ -296,7 +290,7 @@ class GRPOTrainer:
             turn_rewards, per_turn_recs = [], []
             for rec, c in zip(records, comps):
                 recs = [_turn_record(rec, t, c.turn_texts) for t in range(len(c.turn_spans))]
-                lens = [max(0, e - s - (0 if c.truncated else 1)) for s, e in c.turn_spans]
+                lens = [e - s for s, e in c.turn_spans]
                 refs = [self.ref_lengths[f"{rec['id']}#{t}"] for t in range(len(recs))]
                 res = self.reward(recs, c.turn_texts, lens, refs)
                 turn_rewards.append([x.reward for x in res])
@@ -402,25 +396,14 @@ class GRPOTrainer:
         return sums
 
     # -- evaluation ---------------------------------------------------------------------------------
-    @torch.no_grad()
-    def evaluate(self, records: list) -> dict:
-        """Greedy answers to held-out records, judged: Correct. / Helpful. (or EM / F1), TPR, D. TFLOPs."""
-        prompts = [build_prompt(r, self.tokenizer) for r in records]
-        outs = []
-        for s in range(0, len(prompts), 64):
-            outs += self.rollouts.greedy(prompts[s:s + 64], self.cfg.eval_max_new_tokens)
+    def evaluate(self, label: str) -> dict:
+        """train.evaluate on the held-out records (greedy by default), one row of the Table-3 table."""
+        from train.evaluate import evaluate
+
+        row = evaluate(self.model, self.tokenizer, self.eval_records, self.judge, self.cfg.eval_max_new_tokens,
+                       self.cfg.eval_temperature, self.cfg.seed, progress=False, label=label)
         self.rollouts.release()
-        verdicts = self.judge.judge_batch(records, [c.text for c in outs])
-        n = max(1, len(records))
-        tpr = sum(c.length for c in outs) / n
-        res = {"n": len(records), "correct": 100.0 * sum(v.correct for v in verdicts) / n,
-               "helpful": 100.0 * sum(v.helpful for v in verdicts) / n, "tpr": tpr,
-               "truncated": sum(c.truncated for c in outs) / n,
-               "decode_tflops": flops.decode_flops(self.model.config, tpr) / 1e12}
-        if any("em" in v.scores for v in verdicts):
-            res["em"] = 100.0 * sum(v.scores.get("em", 0.0) for v in verdicts) / n
-            res["f1"] = 100.0 * sum(v.scores.get("f1", 0.0) for v in verdicts) / n
-        return res
+        return row
 
     # -- the loop -----------------------------------------------------------------------------------
     def train_step(self, step: int) -> dict:
@@ -445,8 +428,8 @@ class GRPOTrainer:
         save_config(cfg, cfg.output_dir)
         self.compute_reference_lengths()
         if evaluate and self.before is None:
-            self.before = self.evaluate(self.eval_records)
-            print(f"before: {json.dumps(_rounded(self.before))}", flush=True)
+            self.before = self.evaluate("start (RFT student)")
+            print(f"before: {_brief(self.before)}", flush=True)
         t_start = time.time()
         last = None
         while self.step < self.total_steps:
@@ -469,13 +452,13 @@ class GRPOTrainer:
         summary = {"steps": self.step, "train_minutes": (time.time() - t_start) / 60, "export": export,
                    "start_model": self.start_model, "last": {k: float(v) for k, v in (last or {}).items()}}
         if evaluate:
-            after = self.evaluate(self.eval_records)
-            summary.update(before=self.before, after=after)
-            table = format_table(self.before, after, self.model.config, cfg)
-            print(table, flush=True)
-            with open(os.path.join(cfg.output_dir, "before_after.md"), "w") as f:
-                f.write(table + "\n")
-        with open(os.path.join(cfg.output_dir, "before_after.json"), "w") as f:
+            from train.evaluate import write_eval
+
+            after = self.evaluate("+ GRPO")
+            summary.update(before=_brief(self.before), after=_brief(after), **tpr_change(self.before, after))
+            table = write_eval(cfg.output_dir, [self.before, after])  # eval_table.md, eval.json
+            print(f"\n{table}\n{summary['change']}\n", flush=True)
+        with open(os.path.join(cfg.output_dir, "summary.json"), "w") as f:
             json.dump(_rounded(summary), f, indent=1)
         return summary
 
@@ -486,24 +469,18 @@ def _rounded(x):
     return round(x, 6) if isinstance(x, float) else x
 
 
-def format_table(before: dict, after: dict, model_cfg, cfg: GRPOConfig) -> str:
-    """The seed's Table 3 shape: parameters (total, active), quality, TPR, decoding cost per response."""
-    counts = flops.param_counts(model_cfg)
-    total, active = counts["total"] / 1e6, counts["active"] / 1e6
-    musique = "em" in before
-    q = ("EM", "F1") if musique else ("Correct.", "Helpful.")
-    keys = ("em", "f1") if musique else ("correct", "helpful")
-    data = "MuSiQue-format data" if musique else ("synthetic live-commerce rooms" if not cfg.eval_data else cfg.eval_data)
-    lines = [f"Before/after GRPO on {before['n']} held-out records ({data}); greedy decoding.",
-             "| Model | Total (M) | Active (M) | " + " | ".join(q) + " | TPR | D. TFLOPs |",
-             "|---|---|---|---|---|---|---|"]
-    for name, r in (("RFT student (start)", before), ("+ GRPO (this run)", after)):
-        lines.append(f"| {name} | {total:.2f} | {active:.2f} | {r[keys[0]]:.1f} | {r[keys[1]]:.1f} | "
-                     f"{r['tpr']:.1f} | {r['decode_tflops']:.2e} |")
+def _brief(row: dict) -> dict:
+    return {k: v for k, v in row.items() if k != "samples"}
+
+
+def tpr_change(before: dict, after: dict) -> dict:
+    """TPR reduction (%) and the quality changes in points, the figures the seed's Table 3 compares."""
+    q = ("em", "f1") if "em" in before else ("correct", "helpful")
     drop = 100.0 * (1 - after["tpr"] / before["tpr"]) if before["tpr"] else float("nan")
-    lines.append(f"TPR {before['tpr']:.1f} -> {after['tpr']:.1f} ({drop:.1f}% shorter); "
-                 f"{q[0]} {after[keys[0]] - before[keys[0]]:+.1f}, {q[1]} {after[keys[1]] - before[keys[1]]:+.1f} points.")
-    return "\n".join(lines)
+    out = {"tpr_reduction_pct": drop, **{f"{k}_change_points": after[k] - before[k] for k in q}}
+    out["change"] = (f"TPR {before['tpr']:.1f} -> {after['tpr']:.1f} ({drop:.1f}% shorter); " +
+                     ", ".join(f"{k} {before[k]:.1f} -> {after[k]:.1f} ({after[k] - before[k]:+.1f} points)" for k in q))
+    return out
 
 
 def main(argv=None) -> int:

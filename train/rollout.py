@@ -38,10 +38,9 @@ class Completion:
 
     @property
     def length(self) -> int:
-        """Tokens per response (TPR): generated tokens without the stop token."""
-        n = len(self.token_ids) if not self.turn_spans else sum(e - s for s, e in self.turn_spans)
-        stops = 0 if self.truncated else max(1, len(self.turn_spans))
-        return max(0, n - stops)
+        """Tokens per response (TPR): generated tokens, the stop token included (as train.evaluate
+        counts them); multi-turn: the assistant tokens of all turns."""
+        return len(self.token_ids) if not self.turn_spans else sum(e - s for s, e in self.turn_spans)
 
 
 def _seed(*parts) -> int:
