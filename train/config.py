@@ -27,6 +27,7 @@ class RunConfig:
     output_dir: str = "runs/rft"
     seed: int = 0
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda"})
+    threads: int = field(default=0, metadata={"help": "CPU threads for torch (0 = torch's default); 1 on a busy shared CPU"})
     skip_bad_lines: bool = field(default=False, metadata={"help": "skip and count malformed JSONL lines"})
     train_rooms: int = field(default=256, metadata={"help": "synthetic training inputs when --data is not given"})
     eval_rooms: int = field(default=64, metadata={"help": "synthetic held-out rooms for the before/after table"})
@@ -67,7 +68,7 @@ class RunConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
         for name in ("lr", "lambda_aux", "max_grad_norm", "weight_decay", "warmup_steps", "max_steps",
-                     "save_every", "train_rooms", "eval_rooms", "eval_temperature"):
+                     "save_every", "train_rooms", "eval_rooms", "eval_temperature", "threads"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name} must be >= 0, got {getattr(self, name)}")
         if self.max_steps == 0 and self.epochs <= 0:

@@ -29,6 +29,16 @@ MODEL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_att
              rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, router_aux_loss_coef=0.01)
 
 
+def init_student(tok, seed: int = 0, **overrides):
+    """A random-init tiny Qwen3-MoE (transformers) sized for `tok`; overrides change MODEL's fields."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(vocab_size=len(tok), bos_token_id=None, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id, **{**MODEL, **overrides})
+    return AutoModelForCausalLM.from_config(cfg)
+
+
 def encode_conversation(msgs, tok) -> tuple:
     """input_ids and a 0/1 mask that is 1 on assistant answer tokens (and their <|im_end|>)."""
     ids, mask = [], []
@@ -92,15 +102,12 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
-
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     t0 = time.time()
     tok = train_tokenizer(tokenizer_corpus(), vocab_size=args.vocab_size)
-    cfg = Qwen3MoeConfig(vocab_size=len(tok), bos_token_id=None, eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id, **MODEL)
-    model = AutoModelForCausalLM.from_config(cfg)
+    model = init_student(tok)
+    cfg = model.config
     n_params = sum(p.numel() for p in model.parameters())
     print(f"tokenizer {len(tok)} tokens; model {n_params / 1e6:.2f}M parameters", flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))

@@ -300,6 +300,8 @@ def run(cfg: RFTConfig) -> dict:
     save_config(cfg, cfg.output_dir)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     device = resolve_device(cfg)
     resume_from = resolve_resume(cfg.resume, os.path.join(cfg.output_dir, "checkpoints"))
     train_inputs, held_out = load_inputs(cfg)
