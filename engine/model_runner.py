@@ -163,33 +163,56 @@ class ModelRunner:
             sizes.append(top)
         return sizes
 
-    @torch.inference_mode()
-    def capture_cuda_graphs(self) -> None:
-        assert self.kv_cache is not None and self.device.type == "cuda"
-        sizes = self.graph_batch_sizes()
-        top = sizes[-1]
-        hidden_size = self.model.config.hidden_size
+    def _graph_buffers(self, top: int) -> dict[str, torch.Tensor]:
+        """The static tensors a decode graph reads and writes (rows past the batch are padding)."""
         dev = self.device
-        v = self.graph_vars = dict(
+        return dict(
             input_ids=torch.zeros(top, dtype=torch.long, device=dev),
             positions=torch.zeros(top, dtype=torch.long, device=dev),
             slot_mapping=torch.full((top,), -1, dtype=torch.long, device=dev),
             context_lens=torch.zeros(top, dtype=torch.int32, device=dev),
             block_tables=torch.full((top, self.max_blocks_per_seq), -1, dtype=torch.int32, device=dev),
-            hidden=torch.zeros(top, hidden_size, dtype=self.dtype, device=dev),
+            hidden=torch.zeros(top, self.model.config.hidden_size, dtype=self.dtype, device=dev),
         )
+
+    def _graph_context(self, b: int) -> Context:
+        v = self.graph_vars
+        return Context(slot_mapping=v["slot_mapping"][:b], context_lens=v["context_lens"][:b],
+                       block_tables=v["block_tables"][:b], is_decode=True, backend=self.backend,
+                       num_splits=choose_num_splits(b, self.num_kv_heads, self.max_model_len, self.block_size))
+
+    def _graph_forward(self, b: int) -> None:
+        """What a decode graph of batch b holds: the forward over the static buffers' first b rows."""
+        v = self.graph_vars
+        set_context(self._graph_context(b))
+        try:
+            v["hidden"][:b] = self.model.forward_hidden(v["input_ids"][:b][None], v["positions"][:b][None])[0]
+        finally:
+            reset_context()
+
+    def _fill_graph_buffers(self, input_ids, positions, ctx: Context, size: int) -> None:
+        """Copies a decode step of B <= size rows in; rows B..size become padding (slot -1: nothing
+        stored; context 0: attention output 0)."""
+        B = input_ids.shape[0]
+        v = self.graph_vars
+        v["input_ids"][:B] = input_ids
+        v["positions"][:B] = positions
+        v["slot_mapping"][:size].fill_(-1)
+        v["slot_mapping"][:B] = ctx.slot_mapping
+        v["context_lens"][:size].zero_()
+        v["context_lens"][:B] = ctx.context_lens
+        v["block_tables"][:B, :ctx.block_tables.shape[1]] = ctx.block_tables
+
+    @torch.inference_mode()
+    def capture_cuda_graphs(self) -> None:
+        assert self.kv_cache is not None and self.device.type == "cuda"
+        sizes = self.graph_batch_sizes()
+        self.graph_vars = self._graph_buffers(sizes[-1])
         for b in reversed(sizes):  # largest first, so the pool is sized once
-            ctx = Context(slot_mapping=v["slot_mapping"][:b], context_lens=v["context_lens"][:b],
-                          block_tables=v["block_tables"][:b], is_decode=True, backend=self.backend,
-                          num_splits=choose_num_splits(b, self.num_kv_heads, self.max_model_len, self.block_size))
-            set_context(ctx)
-            try:
-                v["hidden"][:b] = self.model.forward_hidden(v["input_ids"][:b][None], v["positions"][:b][None])[0]
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, self.graph_pool):
-                    v["hidden"][:b] = self.model.forward_hidden(v["input_ids"][:b][None], v["positions"][:b][None])[0]
-            finally:
-                reset_context()
+            self._graph_forward(b)  # warm-up: compiles the kernels outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, self.graph_pool):
+                self._graph_forward(b)
             if self.graph_pool is None:
                 self.graph_pool = graph.pool()
             self.graphs[b] = graph
@@ -206,15 +229,7 @@ class ModelRunner:
                         "(eager fallbacks so far: %d)", B, max(self.graphs), self.num_eager_fallbacks)
             return self._run_eager(input_ids, positions, ctx)
         size = min(b for b in self.graphs if b >= B)
-        v = self.graph_vars
-        v["input_ids"][:B] = input_ids
-        v["positions"][:B] = positions
-        v["slot_mapping"][:size].fill_(-1)
-        v["slot_mapping"][:B] = ctx.slot_mapping
-        v["context_lens"][:size].zero_()
-        v["context_lens"][:B] = ctx.context_lens
-        width = ctx.block_tables.shape[1]
-        v["block_tables"][:B, :width] = ctx.block_tables
+        self._fill_graph_buffers(input_ids, positions, ctx, size)
         self.graphs[size].replay()
         self.num_graph_replays += 1
-        return v["hidden"][:B]
+        return self.graph_vars["hidden"][:B]

@@ -77,7 +77,8 @@ def paged_decode_torch(q, k_cache, v_cache, block_tables, context_lens, scale, g
     qg = q.view(B, hkv, hq // hkv, D).float()  # the GQA group as query rows of one KV head
     out = F.scaled_dot_product_attention(
         qg, k.transpose(1, 2).float(), v.transpose(1, 2).float(), attn_mask=valid[:, None, None, :], scale=scale)
-    return out.reshape(B, hq, D).to(q.dtype)
+    out = out.reshape(B, hq, D).masked_fill((context_lens == 0)[:, None, None], 0.0)  # padded rows: 0, as Triton
+    return out.to(q.dtype)
 
 
 def paged_prefill_torch(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale):
