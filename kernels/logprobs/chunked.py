@@ -1,54 +1,96 @@
 """Chunked PyTorch log-probs (the CPU path): the same tiling as the Triton kernels, in torch ops.
 
 Tokens go in chunks of `chunk_tokens`, the vocabulary in chunks of `chunk_vocab`: the working set is a
-few [chunk_tokens, chunk_vocab] fp32 tiles, never [N, V]. The forward keeps an online logsumexp over
-the vocabulary chunks (running max m, sum l = sum exp(s - m), and for the entropy
-e = sum exp(s - m) * (s - m), kept relative to m so that huge logits do not cancel). The backward
-recomputes each tile's logits from lse and the entropy it saved, so nothing of size V is kept.
+few [chunk_tokens, chunk_vocab] fp32 tiles, never [N, V]. The forward merges per-chunk logsumexps
+(and entropy terms, see `forward`); the backward recomputes each tile's logits from lse and the entropy it saved, so nothing of size V is kept.
+Tiles are small enough to stay in cache, so their several elementwise passes cost less than eager's
+passes over [N, V] in memory.
 
 Per token, with s = z / T the scaled logits, p = softmax(s), log p_k = s_k - lse and upstream
 gradients g_lp (log-prob), g_lse, g_H (entropy):
     d s_k = g_lp * [k == target] + p_k * (a + b * log p_k),   a = g_lse - g_lp - g_H * H,  b = -g_H
 and d z = d s / T, d hidden = d z @ W, d W = d z^T @ hidden.
 """
-import torch
+from concurrent.futures import ThreadPoolExecutor
 
-NEG_INIT = -1e30  # running-max start: finite, so (m_old - m_new) * 0 stays 0 where -inf would give nan
+import torch
 
 
 def forward(hidden, weight, targets, inv_temp: float, with_entropy: bool, chunk_tokens: int, chunk_vocab: int):
-    """-> (logprobs, lse, entropy or None), each [N] fp32. No autograd here."""
+    """-> (logprobs, lse, entropy or None), each [N] fp32. No autograd here.
+
+    Per vocabulary chunk c: lse_c = logsumexp(s_c) and, for the entropy, q_c = sum p log p of the
+    chunk's own softmax. Chunks merge as lse = logsumexp_c(lse_c) and
+    sum p log p = sum_c w_c * (q_c + lse_c - lse) with w_c = exp(lse_c - lse): every term is relative,
+    so logits of 1e4 lose nothing to cancellation. Each worker owns a range of vocabulary chunks.
+    """
     n, v = hidden.shape[0], weight.shape[0]
-    logprobs = torch.empty(n, dtype=torch.float32, device=hidden.device)
-    lse = torch.empty_like(logprobs)
-    entropy = torch.empty_like(logprobs) if with_entropy else None
-    for n0 in range(0, n, chunk_tokens):
-        n1 = min(n, n0 + chunk_tokens)
-        h = hidden[n0:n1].float()
-        tgt = targets[n0:n1]
-        m = torch.full((n1 - n0,), NEG_INIT, dtype=torch.float32, device=h.device)
-        l = torch.zeros_like(m)
-        e = torch.zeros_like(m)
-        t = torch.zeros_like(m)
-        for v0 in range(0, v, chunk_vocab):
-            v1 = min(v, v0 + chunk_vocab)
-            s = (h @ weight[v0:v1].float().t()).mul_(inv_temp)
-            hit = (tgt >= v0) & (tgt < v1)
-            t += torch.where(hit, s.gather(1, (tgt - v0).clamp(0, v1 - v0 - 1).unsqueeze(1)).squeeze(1), 0.0)
-            m_new = torch.maximum(m, s.amax(1))
-            alpha = torch.exp(m - m_new)
-            c = s.sub_(m_new.unsqueeze(1))  # s - m_new, in place
-            p = torch.exp(c)
-            if with_entropy:
-                e = alpha * (e + (m - m_new) * l) + (p * c).sum(1)
-            l = l * alpha + p.sum(1)
-            m = m_new
-        log_l = torch.log(l)
-        lse[n0:n1] = m + log_l
-        logprobs[n0:n1] = t - lse[n0:n1]
-        if with_entropy:
-            entropy[n0:n1] = log_l - e / l
+    starts = list(range(0, v, chunk_vocab))
+    lse_parts = torch.empty((len(starts), n), dtype=torch.float32, device=hidden.device)  # a few floats/token
+    plogp_parts = torch.empty_like(lse_parts) if with_entropy else None
+    workers = _split(len(starts))
+    target_logit = torch.zeros((len(workers), n), dtype=torch.float32, device=hidden.device)
+
+    def work(w, chunk_ids):
+        for n0 in range(0, n, chunk_tokens):
+            n1 = min(n, n0 + chunk_tokens)
+            h = _scaled(hidden[n0:n1], inv_temp)
+            tgt = targets[n0:n1]
+            for ci in chunk_ids:
+                v0 = starts[ci]
+                v1 = min(v, v0 + chunk_vocab)
+                s = h @ weight[v0:v1].float().t()
+                hit = (tgt >= v0) & (tgt < v1)
+                idx = (tgt - v0).clamp(0, v1 - v0 - 1).unsqueeze(1)
+                target_logit[w, n0:n1] += torch.where(hit, s.gather(1, idx).squeeze(1), 0.0)
+                # one fused log_softmax pass (torch.logsumexp is several unfused ops on the CPU); the
+                # chunk's lse is read back from its first column: lse = s_0 - log p_0
+                c = torch.log_softmax(s, 1)
+                lse_parts[ci, n0:n1] = s[:, 0] - c[:, 0]
+                if with_entropy:
+                    plogp_parts[ci, n0:n1] = (torch.exp(c) * c).sum(1)
+
+    _run(work, workers)
+    lse = torch.logsumexp(lse_parts, 0)
+    logprobs = target_logit.sum(0) - lse
+    entropy = None
+    if with_entropy:
+        rel = lse_parts - lse
+        entropy = -(torch.exp(rel) * (plogp_parts + rel)).sum(0)
     return logprobs, lse, entropy
+
+
+def _split(num_chunks: int) -> list[list[int]]:
+    """Vocabulary chunks per worker (interleaved, for balance), one worker per intra-op thread."""
+    workers = max(1, min(torch.get_num_threads(), num_chunks))
+    return [list(range(num_chunks))[i::workers] for i in range(workers)]
+
+
+def _run(work, workers) -> None:
+    """work(i, chunk_ids) for every worker: in threads, each op single-threaded. Many small tiles with an
+    intra-op barrier each stall on a busy machine; independent workers do not."""
+    if len(workers) == 1:
+        work(0, workers[0])
+        return
+    global _POOL
+    if _POOL is None or _POOL._max_workers < len(workers):
+        _POOL = ThreadPoolExecutor(len(workers), thread_name_prefix="livemoe-logprobs")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for f in [_POOL.submit(work, i, ids) for i, ids in enumerate(workers)]:
+            f.result()
+    finally:
+        torch.set_num_threads(threads)
+
+
+_POOL: ThreadPoolExecutor | None = None  # kept: starting threads per call costs more than a small step
+
+
+def _scaled(h, inv_temp: float):
+    """fp32 rows with 1/T folded in (one [n, H] multiply instead of one per logit)."""
+    h = h.float()
+    return h * inv_temp if inv_temp != 1.0 else h
 
 
 def token_coefficients(g_logprobs, g_lse, g_entropy, entropy, inv_temp: float):
@@ -71,32 +113,42 @@ def token_coefficients(g_logprobs, g_lse, g_entropy, entropy, inv_temp: float):
 
 def backward(hidden, weight, targets, inv_temp: float, lse, g_lp, a, b, chunk_tokens: int, chunk_vocab: int,
              need_dhidden: bool, need_dweight: bool):
-    """d hidden [N, H] (hidden's dtype) and d weight [V, H] (weight's dtype, accumulated in fp32)."""
+    """d hidden [N, H] (hidden's dtype) and d weight [V, H] (weight's dtype, accumulated in fp32).
+    Each worker owns a range of vocabulary chunks (so its rows of d weight) and its own d hidden sum."""
     n, v = hidden.shape[0], weight.shape[0]
-    dhidden = torch.empty_like(hidden) if need_dhidden else None
+    starts = list(range(0, v, chunk_vocab))
+    workers = _split(len(starts))
+    dh_parts = torch.zeros((len(workers),) + tuple(hidden.shape), dtype=torch.float32, device=hidden.device) \
+        if need_dhidden else None
     dweight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_dweight else None
-    for n0 in range(0, n, chunk_tokens):
-        n1 = min(n, n0 + chunk_tokens)
-        h = hidden[n0:n1].float()
-        tgt = targets[n0:n1]
-        dh = torch.zeros_like(h) if need_dhidden else None
-        lse_c, gl_c, a_c = lse[n0:n1, None], g_lp[n0:n1], a[n0:n1, None]
-        b_c = None if b is None else b[n0:n1, None]
-        for v0 in range(0, v, chunk_vocab):
-            v1 = min(v, v0 + chunk_vocab)
-            w = weight[v0:v1].float()
-            c = (h @ w.t()).mul_(inv_temp).sub_(lse_c)  # log p
-            dz = torch.exp(c)
-            dz = dz.mul_(a_c) if b_c is None else dz.mul_(c.mul_(b_c).add_(a_c))
-            hit = (tgt >= v0) & (tgt < v1)
-            idx = (tgt - v0).clamp(0, v1 - v0 - 1).unsqueeze(1)
-            dz.scatter_add_(1, idx, torch.where(hit, gl_c, 0.0).unsqueeze(1))
-            if need_dhidden:
-                dh.addmm_(dz, w)
-            if need_dweight:
-                dweight[v0:v1].addmm_(dz.t(), h)
-        if need_dhidden:
-            dhidden[n0:n1] = dh
+
+    def work(wi, chunk_ids):
+        for n0 in range(0, n, chunk_tokens):
+            n1 = min(n, n0 + chunk_tokens)
+            h = hidden[n0:n1].float()
+            hs = _scaled(h, inv_temp)
+            tgt = targets[n0:n1]
+            lse_c, gl_c, a_c = lse[n0:n1, None], g_lp[n0:n1], a[n0:n1, None]
+            b_c = None if b is None else b[n0:n1, None]
+            for ci in chunk_ids:
+                v0 = starts[ci]
+                v1 = min(v, v0 + chunk_vocab)
+                w = weight[v0:v1].float()
+                c = torch.addmm(lse_c, hs, w.t(), beta=-1)  # log p = s - lse
+                if b_c is None:
+                    dz = c.exp_().mul_(a_c)
+                else:
+                    dz = torch.exp(c).mul_(c.mul_(b_c).add_(a_c))
+                hit = (tgt >= v0) & (tgt < v1)
+                idx = (tgt - v0).clamp(0, v1 - v0 - 1).unsqueeze(1)
+                dz.scatter_add_(1, idx, torch.where(hit, gl_c, 0.0).unsqueeze(1))
+                if need_dhidden:
+                    dh_parts[wi, n0:n1].addmm_(dz, w)
+                if need_dweight:
+                    dweight[v0:v1].addmm_(dz.t(), h)
+
+    _run(work, workers)
+    dhidden = dh_parts.sum(0).to(hidden.dtype) if need_dhidden else None
     if need_dweight:
         dweight = dweight.to(weight.dtype)
     return dhidden, dweight
