@@ -14,7 +14,7 @@ import triton.language as tl
 @triton.jit
 def _paged_decode_kernel(Q, K_cache, V_cache, Block_tables, Context_lens, Out, Part_out, Part_lse, scale,
                          stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                         stride_bt, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps,
+                         stride_bt, stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                          BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          IEEE: tl.constexpr):
@@ -73,11 +73,12 @@ def _paged_decode_kernel(Q, K_cache, V_cache, Block_tables, Context_lens, Out, P
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(l_safe))
         tl.store(Part_out + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + offs_d[None, :],
                  out, mask=mask)
-        tl.store(Part_lse + (b * stride_pb + heads * stride_ph) // stride_ps + split, lse, mask=g_mask)
+        tl.store(Part_lse + b * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
 
 
 @triton.jit
-def _merge_splits_kernel(Part_out, Part_lse, Out, stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
+def _merge_splits_kernel(Part_out, Part_lse, Out, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+                         stride_ob, stride_oh,
                          HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
                          BLOCK_D: tl.constexpr):
     b = tl.program_id(0)
@@ -86,7 +87,7 @@ def _merge_splits_kernel(Part_out, Part_lse, Out, stride_pb, stride_ph, stride_p
     offs_d = tl.arange(0, BLOCK_D)
     s_mask = offs_s < NUM_SPLITS
     base = b * stride_pb + h * stride_ph
-    lse = tl.load(Part_lse + base // stride_ps + offs_s, mask=s_mask, other=float("-inf"))
+    lse = tl.load(Part_lse + b * stride_lb + h * stride_lh + offs_s, mask=s_mask, other=float("-inf"))
     lse_max = tl.max(lse, 0)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     w = tl.exp(lse - lse_max)
@@ -127,13 +128,11 @@ def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                 BLOCK_D=block_d, NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32)
     if num_splits == 1:
         part_out = part_lse = out  # unused
-        strides = (0, 0, 1)
+        strides = (0, 0, 0, 0, 0)
     else:
         part_out = torch.empty(B, hq, num_splits, d, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(B, hq, num_splits, dtype=torch.float32, device=q.device)
-        # part_lse is indexed with part_out's strides divided by d: keep both layouts in step
-        assert part_out.stride(2) == d
-        strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2))
+        strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1))
     _paged_decode_kernel[(B, hkv, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
