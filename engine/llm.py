@@ -346,8 +346,9 @@ class LLM:
             raise RequestError("chat needs a tokenizer with a chat template, and this checkpoint has none")
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        prompts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
-                   for c in conversations]
+        # the template writes any special tokens itself: encode without adding them again
+        prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True),
+                                         add_special_tokens=False) for c in conversations]
         return self.generate(prompts, params, use_tqdm)
 
     # -- introspection ------------------------------------------------------------------------------
