@@ -49,6 +49,7 @@ def peak_rss(fn) -> int | None:
     libc.mallopt(M_MMAP_THRESHOLD, 1 << 16)
     try:
         gc.collect()
+        libc.malloc_trim(0)  # hand back the free heap, so that reuse of it shows as new pages too
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # resets VmHWM to the current VmRSS
         base = status("VmRSS")

@@ -69,8 +69,12 @@ def _split(num_chunks: int) -> list[list[int]]:
 def _run(work, workers) -> None:
     """work(i, chunk_ids) for every worker: in threads, each op single-threaded. Many small tiles with an
     intra-op barrier each stall on a busy machine; independent workers do not."""
+    def run_one(i, ids):
+        with torch.no_grad():  # grad mode is per thread: the pool's threads would record a graph
+            work(i, ids)
+
     if len(workers) == 1:
-        work(0, workers[0])
+        run_one(0, workers[0])
         return
     global _POOL
     if _POOL is None or _POOL._max_workers < len(workers):
@@ -78,7 +82,7 @@ def _run(work, workers) -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for f in [_POOL.submit(work, i, ids) for i, ids in enumerate(workers)]:
+        for f in [_POOL.submit(run_one, i, ids) for i, ids in enumerate(workers)]:
             f.result()
     finally:
         torch.set_num_threads(threads)
