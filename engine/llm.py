@@ -338,6 +338,12 @@ class LLM:
                 bar.close()
         return [results[i] for i in ids]
 
+    def stream(self, prompt, params: SamplingParams | None = None, request_id: str | None = None):
+        """Yields engine.streaming.StreamDelta's of one request as its tokens are made (see there)."""
+        from engine.streaming import stream  # streaming builds on this module
+
+        return stream(self, prompt, params, request_id)
+
     def chat(self, conversations, params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool | None = None) -> list[RequestOutput]:
         """conversations: one list of {"role", "content"} messages, or a list of them; the checkpoint's
