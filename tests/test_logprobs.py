@@ -14,7 +14,11 @@ from kernels.logprobs import fused_linear_logprobs, logprobs_from_logits, logpro
 
 TRITON = pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
                             reason="needs a CUDA GPU or TRITON_INTERPRET=1")
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def dev(backend):
+    """Triton runs on the GPU where there is one, else (interpreted) on the CPU."""
+    return "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
 
 
 def rel_err(x, ref):
@@ -38,7 +42,7 @@ def run_all(fn, hidden, weight, seed=1):
 
 
 def check_against_reference(backend, n, h, v, temperature, tol=1e-5, **kw):
-    hidden, weight, targets = make(n, h, v)
+    hidden, weight, targets = make(n, h, v, device=dev(backend))
     ours = run_all(lambda: fused_linear_logprobs(hidden, weight, targets, temperature, return_lse=True,
                                                  return_entropy=True, backend=backend, **kw), hidden, weight)
     ref = run_all(lambda: logprobs_reference(hidden, weight, targets, temperature), hidden, weight)
@@ -96,7 +100,7 @@ def test_default_chunks_cover_the_vocab():
 @pytest.mark.parametrize("kind", ["huge", "all_negative"])
 def test_extreme_logits_stay_finite_and_nonpositive(backend, kind):
     n, h, v = 24, 16, 200
-    hidden, weight, targets = make(n, h, v)
+    hidden, weight, targets = make(n, h, v, device=dev(backend))
     with torch.no_grad():
         if kind == "huge":  # logits of order 1e4: exp overflows without the running max
             hidden.mul_(3000.0)
@@ -118,10 +122,10 @@ def test_mask_and_ignore_index(backend):
     """Inactive rows (mask False or target == -100) give 0 and no gradient; active rows match the
     reference; a batch of [B, T] shape comes back as [B, T]."""
     b, t, h, v = 3, 11, 16, 130
-    hidden, weight, targets = make(b * t, h, v)
+    hidden, weight, targets = make(b * t, h, v, device=dev(backend))
     hidden = hidden.detach().view(b, t, h).requires_grad_()
     targets = targets.view(b, t).clone()
-    mask = torch.ones(b, t, dtype=torch.bool)
+    mask = torch.ones(b, t, dtype=torch.bool, device=hidden.device)
     mask[0, :4] = False  # a prompt
     mask[2] = False  # a fully masked row
     targets[1, -3:] = -100  # padding
@@ -132,7 +136,7 @@ def test_mask_and_ignore_index(backend):
     assert (lp[~active] == 0).all() and (ent[~active] == 0).all()
     rlp, _, rent = logprobs_reference(hidden[active], weight, targets[active], 0.8)
     assert rel_err(lp[active], rlp) <= 1e-5 and rel_err(ent[active], rent) <= 1e-5
-    g = torch.randn(b, t)
+    g = torch.randn(b, t).to(hidden.device)
     gh, gw = torch.autograd.grad((lp * g).sum() + ent.sum(), (hidden, weight))
     rgh, rgw = torch.autograd.grad((rlp * g[active]).sum() + rent.sum(), (hidden, weight))
     assert (gh[~active] == 0).all()
@@ -141,7 +145,7 @@ def test_mask_and_ignore_index(backend):
 
 @pytest.mark.parametrize("backend", ["chunked", pytest.param("triton", marks=TRITON)])
 def test_everything_masked(backend):
-    hidden, weight, targets = make(6, 16, 40)
+    hidden, weight, targets = make(6, 16, 40, device=dev(backend))
     lp = fused_linear_logprobs(hidden, weight, torch.full_like(targets, -100), ignore_index=-100, backend=backend)
     assert (lp == 0).all()
     gh, gw = torch.autograd.grad(lp.sum(), (hidden, weight), allow_unused=True)
@@ -155,7 +159,7 @@ def test_half_precision_no_worse_than_eager(backend, dtype, extra):
     if backend == "triton" and dtype == torch.bfloat16 and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU (tl.dot on bf16 is wrong under the Triton interpreter)")
     n, h, v = 40, 32, 500
-    h32, w32, targets = make(n, h, v, scale=2.0)
+    h32, w32, targets = make(n, h, v, scale=2.0, device=dev(backend))
     hidden = h32.detach().to(dtype).requires_grad_()
     weight = w32.detach().to(dtype).requires_grad_()
     # the reference sees the same (rounded) inputs, in fp32
@@ -179,7 +183,7 @@ def test_half_precision_no_worse_than_eager(backend, dtype, extra):
 def test_triton_many_tokens_no_grid_limit():
     """N > 65,535 (the CUDA limit of grid axes 1 and 2) runs: tokens go on grid axis 0."""
     n, h, v = 65_536 + 17, 16, 24
-    hidden, weight, targets = make(n, h, v)
+    hidden, weight, targets = make(n, h, v, device=dev("triton"))
     lp = fused_linear_logprobs(hidden, weight, targets, backend="triton", vocab_splits=1)
     rlp, _, _ = logprobs_reference(hidden, weight, targets)
     assert rel_err(lp, rlp) <= 1e-5
@@ -217,3 +221,14 @@ def test_bad_input_is_a_clear_value_error(bad, match):
     args.update(bad)
     with pytest.raises(ValueError, match=match):
         fused_linear_logprobs(args.pop("hidden"), args.pop("weight"), args.pop("targets"), **args)
+
+
+def test_frozen_weight_and_hidden_only_gradients():
+    """A frozen lm_head (weight without grad) still gives d hidden; and no gradient to a frozen hidden."""
+    hidden, weight, targets = make(20, 8, 70)
+    weight = weight.detach()
+    lp = fused_linear_logprobs(hidden, weight, targets, chunk_tokens=8, chunk_vocab=32)
+    (gh,) = torch.autograd.grad(lp.sum(), hidden)
+    (rgh,) = torch.autograd.grad(logprobs_reference(hidden, weight, targets)[0].sum(), hidden)
+    assert rel_err(gh, rgh) <= 1e-5
+    assert not fused_linear_logprobs(hidden.detach(), weight, targets).requires_grad
