@@ -220,3 +220,14 @@ def test_bad_model_dir(tmp_path, capsys):
     code = main(["--model", str(tmp_path / "empty"), "--output_dir", str(tmp_path / "o"), "--train_rooms", "4",
                  "--progress", "false"])
     assert code == 2 and "error:" in capsys.readouterr().err
+
+
+def test_engine_checkpoint_teacher_samples_k_per_input_with_the_decoder(student):
+    from train.teachers import EngineTeacher
+
+    rooms = make_rooms(2, seed=3)
+    teacher = EngineTeacher(student, max_new_tokens=6, seed=1, progress=False)
+    a = teacher.sample(rooms, k=3, temperature=0.7)
+    assert len(a) == 2 and all(len(c) == 3 and all(isinstance(t, str) for t in c) for c in a)
+    assert len({t for c in a for t in c}) > 1  # sampled, not greedy copies
+    assert teacher.sample(rooms, k=3, temperature=0.7) == a  # seeded

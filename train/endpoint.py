@@ -4,6 +4,7 @@ Concurrency cap, retries with exponential backoff on transient errors, a timeout
 endpoint that cannot be reached at all fails fast with EndpointError naming the URL, before any work.
 """
 import json
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -35,7 +36,8 @@ class ChatEndpoint:
         self.model, self.api_key = model, api_key
         self.concurrency, self.retries, self.backoff_s = max(1, concurrency), retries, backoff_s
         self.timeout_s, self.max_tokens = timeout_s, max_tokens
-        self.failures = 0
+        self.failures = 0  # transient failures retried, over all threads
+        self._lock = threading.Lock()
 
     def _post(self, payload: dict) -> dict:
         req = urllib.request.Request(self.url, data=json.dumps(payload).encode(), method="POST",
@@ -62,7 +64,8 @@ class ChatEndpoint:
                     raise EndpointError(f"{self.url}: unreachable after {attempt + 1} tries ({e})") from None
             except (KeyError, IndexError, TypeError, json.JSONDecodeError) as e:
                 raise EndpointError(f"{self.url}: not an OpenAI-style chat completion ({e!r})") from None
-            self.failures += 1
+            with self._lock:
+                self.failures += 1
             time.sleep(self.backoff_s * 2 ** attempt)
         raise AssertionError("unreachable")
 

@@ -140,6 +140,7 @@ class SyntheticJudge(Judge):
                 why.append("a listed product fits but none is recommended (rule 3)")
             if not meta["matches"] and not any(ok for _, ok in claims.negations):
                 why.append("does not say that no listed product fits (rule 3)")
+        why = list(dict.fromkeys(why))[:8]  # a looping reply repeats the same false claim: say it once
         correct = not why
 
         # helpfulness (Appendix B, table 7): concrete, relevant information; correctness not considered
