@@ -8,10 +8,7 @@ Each server runs in-process on a free 127.0.0.1 port (a thread) and is stopped a
 import asyncio
 import json
 import logging
-import os
 import re
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -21,7 +18,7 @@ import pytest
 import torch
 
 from engine.async_llm import AsyncLLM
-from engine.server import BackgroundServer
+from engine.server import BackgroundServer, ServerProcess
 from tiny_tokenizer import make_cycle_checkpoint, make_text_checkpoint
 
 MODEL = "tiny"
@@ -283,35 +280,18 @@ def test_models_health_metrics_and_log_line(served, client, caplog):
 
 def test_command_line(tmp_path):
     """`python -m engine.serve` as a user runs it: engine options as flags, then one request."""
-    from engine.server.background import _free_port
+    from engine.serve import main, parser
 
     path, _ = make_text_checkpoint(tmp_path / "cli")
-    port = _free_port("127.0.0.1")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "engine.serve", "--model", path, "--port", str(port),
-                             "--served-model-name", MODEL, "--dtype", "float32", "--device", "cpu",
-                             "--num-kv-blocks", "32", "--block-size", "16", "--no-enable-prefix-caching",
-                             "--log-level", "warning"],
-                            cwd=os.path.dirname(os.path.dirname(__file__)), env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()[-2000:]
-            assert time.monotonic() < deadline, "the server did not come up"
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                time.sleep(0.2)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+    flags = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "32", "--block-size", "16",
+             "--no-enable-prefix-caching"]
+    with ServerProcess(path, MODEL, flags, env={"OMP_NUM_THREADS": "1"}) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
         out = client.completions.create(model=MODEL, prompt="cli", max_tokens=5, extra_body={"ignore_eos": True})
         assert out.usage.completion_tokens == 5
-        assert metric(f"http://127.0.0.1:{port}", "livemoe_kv_blocks_total") == 32
-    finally:
-        proc.terminate()
-        proc.wait(30)
-    from engine.serve import main
-
+        assert metric(server.url, "livemoe_kv_blocks_total") == 32
+    assert server.proc.returncode is not None
     with pytest.raises(SystemExit, match="block_size must be a power of two"):
         main(["--model", path, "--block-size", "3"])
+    args = parser().parse_args(["--model", path] + flags)
+    assert (args.num_kv_blocks, args.enable_prefix_caching) == (32, False) and not hasattr(args, "max_num_seqs")

@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP server (run it with `python -m engine.serve`)."""
 from engine.server.app import build_app
-from engine.server.background import BackgroundServer
+from engine.server.background import BackgroundServer, ServerProcess
 
-__all__ = ["build_app", "BackgroundServer"]
+__all__ = ["build_app", "BackgroundServer", "ServerProcess"]

@@ -212,8 +212,14 @@ class Run:
 
     async def deltas(self):
         """(prompt index, delta) pairs from all streams as they come; aborts what is left on exit."""
-        pending = {asyncio.ensure_future(s.__anext__()): k for k, s in enumerate(self.streams)}
+        pending = {}
         try:
+            if len(self.streams) == 1:  # the common case, without a task per delta
+                async for delta in self.streams[0]:
+                    self._account(0, delta)
+                    yield 0, delta
+                return
+            pending = {asyncio.ensure_future(s.__anext__()): k for k, s in enumerate(self.streams)}
             while pending:
                 done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for fut in done:
