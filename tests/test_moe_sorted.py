@@ -60,3 +60,14 @@ def test_bad_input_raises_value_error(bad, match):
     args.update(bad)
     with pytest.raises(ValueError, match=match):
         fused_moe(args["x"], args["w1"], args["w2"], args["logits"], args["top_k"], True, backend=args["backend"])
+
+
+@pytest.mark.parametrize("grouped_mm", [True, False], ids=["torch._grouped_mm", "per-expert mm"])
+def test_both_matmul_paths_match_reference(monkeypatch, grouped_mm):
+    from kernels.moe import sorted_moe
+
+    if grouped_mm and not sorted_moe._grouped_mm_works(torch.device("cpu"), torch.float32):
+        pytest.skip("this torch has no torch._grouped_mm on the CPU")
+    monkeypatch.setattr(sorted_moe, "_grouped_mm_works", lambda device, dtype: grouped_mm)
+    inputs = make_inputs(24, 32, 16, 5, seed=9)  # strides are 16-byte multiples: _grouped_mm can take them
+    assert_close(run(inputs, 2, backend="sorted"), reference(inputs, 2), atol=1e-4)
