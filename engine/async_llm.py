@@ -29,8 +29,13 @@ from engine.streaming import OutputDeltas, StreamDelta
 log = logging.getLogger(__name__)
 
 
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped (shut down, or a step failed); requests in flight end with this."""
+class EngineError(RuntimeError):
+    """The engine ended a request that the caller did not stop (a step failed: the requests in flight end
+    with this, and the loop goes on serving new ones)."""
+
+
+class EngineDeadError(EngineError):
+    """The engine loop stopped (shut down, or it crashed); requests in flight and new ones get this."""
 
 
 class RequestStream:
@@ -80,6 +85,8 @@ class AsyncLLM:
                  **options):
         if (model_path is None) == (llm is None):
             raise ValueError("AsyncLLM needs a model_path or an llm (one of them)")
+        if llm is not None and (options or dtype is not None or device is not None):
+            raise ValueError("AsyncLLM(llm=...) takes no engine options: the LLM was configured already")
         self.llm = llm if llm is not None else LLM(model_path, dtype=dtype, device=device, **options)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # the engine thread's
@@ -101,6 +108,11 @@ class AsyncLLM:
     def max_model_len(self) -> int:
         return self.llm.max_model_len
 
+    @property
+    def error(self) -> BaseException | None:
+        """Why the engine loop stopped (EngineDeadError after shutdown), or None while it runs."""
+        return self._dead
+
     def stats(self) -> dict:
         """LLM.stats() as of the engine's last turn (a snapshot: safe from any thread)."""
         return dict(self._stats)
@@ -118,6 +130,8 @@ class AsyncLLM:
         stream = RequestStream(self, request_id, params, asyncio.get_running_loop())
         accepted: concurrent.futures.Future = concurrent.futures.Future()
         self._submit(("add", prompt, params, stream, accepted))
+        if not self._thread.is_alive():  # stopped meanwhile: nobody will apply the command
+            _settle(accepted, EngineDeadError(f"the engine loop has stopped: {self._dead}"))
         try:
             await asyncio.wrap_future(accepted)
         except asyncio.CancelledError:
@@ -165,7 +179,7 @@ class AsyncLLM:
                         outputs = llm.step()
                     except Exception as e:  # a failed step: end what is in flight, keep serving
                         log.exception("engine step failed; aborting %d request(s)", len(self._streams))
-                        self._fail_all(EngineDeadError(f"engine step failed: {e!r}"))
+                        self._fail_all(EngineError(f"engine step failed: {e!r}"))
                         outputs = []
                     self._stats = llm.stats()
                     self._deliver(outputs)
@@ -173,10 +187,22 @@ class AsyncLLM:
             log.exception("the engine loop died")
             self._dead = e
             self._fail_all(EngineDeadError(f"the engine loop died: {e!r}"))
+            self._refuse_queued()
             raise
         self._dead = EngineDeadError("shut down")
         self._fail_all(EngineDeadError("the engine was shut down"))
         self._stats = llm.stats()
+        self._refuse_queued()
+
+    def _refuse_queued(self) -> None:
+        """Fails the adds that arrived after the loop stopped (their callers are waiting)."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                _settle(command[-1], EngineDeadError(f"the engine loop has stopped: {self._dead}"))
 
     def _apply_commands(self, block: bool) -> bool:
         """Applies queued commands (waiting for one when idle); False once told to stop."""
@@ -234,6 +260,13 @@ class AsyncLLM:
                 stream.loop.call_soon_threadsafe(stream._put, error)
             except RuntimeError:
                 pass
+
+
+def _settle(future: concurrent.futures.Future, error: BaseException) -> None:
+    try:
+        future.set_exception(error)
+    except concurrent.futures.InvalidStateError:
+        pass  # the engine settled it first
 
 
 def _put_all(items) -> None:

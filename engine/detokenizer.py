@@ -54,7 +54,7 @@ class IncrementalDetokenizer:
         if self.tokenizer is None:
             return ""
         full = self._decode(self.ids[self.prefix_offset:])
-        pending = full[len(self.prefix_text):] if full.startswith(self.prefix_text) else full
+        pending = full[len(self.prefix_text):]  # (a decoder whose window text is not a prefix: see finish)
         self.held_tokens += len(token_ids)
         if pending.endswith(REPLACEMENT):
             safe = pending[:-1]  # the incomplete character (one U+FFFD) waits

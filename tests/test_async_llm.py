@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import torch
 
-from engine.async_llm import AsyncLLM, EngineDeadError
+from engine.async_llm import AsyncLLM, EngineDeadError, EngineError
 from engine.llm import LLM
 from engine.sampling import RequestError, SamplingParams
 from tiny_tokenizer import make_text_checkpoint
@@ -110,6 +110,29 @@ def test_bad_request_raises_and_engine_keeps_serving(engine):
     asyncio.run(main())
 
 
+def test_failed_step_ends_requests_in_flight_and_engine_goes_on(engine, monkeypatch):
+    real_step = engine.llm.step
+    calls = {"n": 0}
+
+    def flaky_step():
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected failure")
+        return real_step()
+
+    monkeypatch.setattr(engine.llm, "step", flaky_step)
+
+    async def main():
+        with pytest.raises(EngineError, match="injected failure"):
+            await collect(engine.generate("doomed", SamplingParams(max_tokens=50, ignore_eos=True)))
+        await wait_idle(engine)
+        ids, _, _ = await collect(engine.generate("fine", SamplingParams(max_tokens=4, ignore_eos=True)))
+        assert len(ids) == 4
+
+    asyncio.run(main())
+    assert engine.error is None
+
+
 def test_shutdown_ends_requests_in_flight(ckpt):
     eng = AsyncLLM(ckpt, **OPTIONS)
 
@@ -124,4 +147,4 @@ def test_shutdown_ends_requests_in_flight(ckpt):
             await eng.add_request("again")
 
     asyncio.run(main())
-    assert not eng._thread.is_alive() and eng.llm.stats()["kv_blocks_used"] == 0
+    assert isinstance(eng.error, EngineDeadError) and eng.llm.stats()["kv_blocks_used"] == 0

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import StreamingResponse
 
-from engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from engine.async_llm import AsyncLLM, EngineError, RequestStream
 from engine.outputs import RequestMetrics
 from engine.sampling import RequestError, SamplingParams
 from engine.server.metrics import ServerMetrics
@@ -64,8 +64,8 @@ def build_app(engine: AsyncLLM, model_name: str) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if engine._dead is not None:
-            return JSONResponse({"status": "dead", "error": str(engine._dead)}, status_code=503)
+        if engine.error is not None:
+            return JSONResponse({"status": "dead", "error": str(engine.error)}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -324,7 +324,7 @@ class Run:
                 yield self._event([choice])
             if self.body.include_usage:
                 yield self._event([], self._usage(with_metrics=True))
-        except EngineDeadError as e:
+        except EngineError as e:
             yield f"data: {json.dumps(error_body(str(e), kind='internal_error'))}\n\n"
         yield "data: [DONE]\n\n"
 
