@@ -46,12 +46,10 @@ class GRPOConfig(RunConfig):
     rft_output: str = field(default="", metadata={"help": "where --model auto looks for the RFT student (default: RFT's output_dir)"})
     lr: float = 2e-4
     warmup_steps: int = 2
-    max_steps: int = 40
-    eval_rooms: int = 48
-    eval_max_new_tokens: int = 160
+    max_steps: int = 30
     # rollouts
     num_generations: int = field(default=8, metadata={"help": "K rollouts per prompt (seed: 8)"})
-    max_new_tokens: int = field(default=160, metadata={"help": "completion length limit of a rollout"})
+    max_new_tokens: int = field(default=256, metadata={"help": "completion length limit of a rollout"})
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -147,10 +145,9 @@ def resolve_start(cfg: GRPOConfig) -> str:
         raise ConfigError(f"--model auto: no RFT student under {root} and train.rft cannot run ({e}); "
                           "pass --model CHECKPOINT_DIR") from None
     print(f"no RFT student under {root}: running the RFT default first (train.rft)", flush=True)
-    if hasattr(rft, "run_default"):
-        rft.run_default()
-    else:
-        rft.main([])
+    rc = rft.main(["--output_dir", root])
+    if rc:
+        raise ConfigError(f"--model auto: the RFT default failed (exit {rc}); pass --model CHECKPOINT_DIR")
     found = _model_dir(root)
     if not found:
         raise ConfigError(f"--model auto: the RFT default ran but left no checkpoint under {root}; "
