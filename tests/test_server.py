@@ -114,13 +114,21 @@ def test_n_seed_stop_and_logprobs(served, client):
     for c in a.choices:
         lp = c.logprobs
         assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8
-        assert all(len(top) <= 2 and max(top.values()) >= v - 1e-6 for top, v in zip(lp.top_logprobs, lp.token_logprobs))
+        for top, v in zip(lp.top_logprobs, lp.token_logprobs):
+            assert len(top) <= 2 and max(top.values()) >= v - 1e-6  # the top ones, sampled or not
     streamed: dict[int, list] = {}
     for chunk in client.completions.create(stream=True, **kw):
         for c in chunk.choices:
             streamed.setdefault(c.index, []).extend(c.logprobs.token_logprobs)
     for c in a.choices:
         assert streamed[c.index] == pytest.approx(c.logprobs.token_logprobs, abs=1e-5)
+    # several prompts: choice k * n + j is completion j of prompt k, as if each prompt came alone
+    kw.update(n=2, prompt=["viewers ask", "直播 question"])
+    both = client.completions.create(**kw)
+    alone = [client.completions.create(**{**kw, "prompt": p}) for p in kw["prompt"]]
+    assert [c.index for c in both.choices] == [0, 1, 2, 3]
+    assert [token_ids(c) for c in both.choices] == [token_ids(c) for a in alone for c in a.choices]
+    assert both.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
     # chat logprobs
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
                                           temperature=0, logprobs=True, top_logprobs=3,

@@ -8,7 +8,8 @@ waiting for a JSON answer — gets its requests aborted, which frees their KV bl
 
 A completions body with several prompts makes one engine request per prompt; choice k * n + j is
 completion j of prompt k. The non-streaming `usage` carries an extension, `usage.metrics`: TTFT and
-TPOT (seconds; the slowest request's TTFT, the token-weighted TPOT), output tokens and decode FLOPs.
+TPOT (seconds; the slowest request's TTFT, the token-weighted TPOT), output tokens and decode FLOPs;
+a stream's usage event (`stream_options.include_usage`) carries it too.
 """
 import asyncio
 import json
@@ -95,8 +96,12 @@ def build_app(engine: AsyncLLM, model_name: str) -> FastAPI:
 
 
 class SSEResponse(StreamingResponse):
-    """A StreamingResponse that always watches for the client leaving and always closes its body
-    iterator (whose cleanup aborts the requests), whatever the ASGI spec version of the server."""
+    """A StreamingResponse that always watches for the client leaving and always cleans up (closes
+    its body iterator, then calls on_close), whatever the ASGI spec version of the server."""
+
+    def __init__(self, content, on_close, **kw):
+        super().__init__(content, **kw)
+        self.on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -113,6 +118,7 @@ class SSEResponse(StreamingResponse):
                 tg.cancel_scope.cancel()
         finally:
             await self.body_iterator.aclose()
+            self.on_close()  # also when the client left before the body iterator ever started
 
 
 class Choice:
@@ -181,19 +187,18 @@ class OpenAIServer:
             raise  # a RequestError becomes a 400
         run = Run(self, rid, body, params, streams, [len(p) for p in prompts], chat)
         if body.stream:
-            return SSEResponse(run.events(), media_type="text/event-stream")
+            return SSEResponse(run.events(), run.close, media_type="text/event-stream")
         collect = asyncio.ensure_future(run.collect())
         left = asyncio.ensure_future(_client_gone(request))
-        await asyncio.wait({collect, left}, return_when=asyncio.FIRST_COMPLETED)
-        if collect.done():
-            left.cancel()
-            return JSONResponse(collect.result())
-        collect.cancel()  # its cleanup aborts the requests
         try:
-            await collect
-        except asyncio.CancelledError:
-            pass
-        return Response(status_code=499)
+            await asyncio.wait({collect, left}, return_when=asyncio.FIRST_COMPLETED)
+            if collect.done():
+                return JSONResponse(collect.result())
+            return Response(status_code=499)  # the client left: nobody to answer
+        finally:
+            for task in (collect, left):
+                task.cancel()
+            run.close()
 
 
 class Run:
@@ -206,9 +211,10 @@ class Run:
         self.n = params.n
         self.created = int(time.time())
         self.num_output_tokens = 0
-        self.metrics: dict[int, RequestMetrics] = {}
+        self.finished_metrics: dict[int, RequestMetrics] = {}
         self.reasons: dict[int, dict[int, str]] = {k: {} for k in range(len(streams))}
         self.text_offsets: dict[int, int] = {}
+        self.closed = False
 
     async def deltas(self):
         """(prompt index, delta) pairs from all streams as they come; aborts what is left on exit."""
@@ -234,10 +240,16 @@ class Run:
         finally:
             for fut in pending:
                 fut.cancel()
-            unfinished = [k for k, s in enumerate(self.streams) if k not in self.metrics]
-            for s in self.streams:
-                s.abort()
-            for k in unfinished:
+            self.close()
+
+    def close(self) -> None:
+        """Aborts the engine requests that have not finished (once; later calls do nothing)."""
+        if self.closed:
+            return
+        self.closed = True
+        for k, s in enumerate(self.streams):
+            s.abort()
+            if k not in self.finished_metrics:
                 self.server.metrics.request_aborted(f"{self.rid}-{k}", self.n - len(self.reasons[k]),
                                                     "the client left or the engine stopped")
 
@@ -246,7 +258,7 @@ class Run:
         if d.finish_reason is not None:
             self.reasons[k][d.index] = d.finish_reason
         if d.metrics is not None:
-            self.metrics[k] = d.metrics
+            self.finished_metrics[k] = d.metrics
             reasons = [self.reasons[k][j] for j in sorted(self.reasons[k])]
             self.server.metrics.request_finished(f"{self.rid}-{k}", reasons, d.metrics)
 
@@ -275,15 +287,15 @@ class Run:
             out.append(choice)
         return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.server.model_name, "choices": out,
-                "usage": self._usage(with_metrics=True)}
+                "usage": self._usage()}
 
-    def _usage(self, with_metrics: bool) -> dict:
+    def _usage(self) -> dict:
         prompt = sum(self.prompt_lens)
+        ms = list(self.finished_metrics.values())
         usage = {"prompt_tokens": prompt, "completion_tokens": self.num_output_tokens,
                  "total_tokens": prompt + self.num_output_tokens,
-                 "prompt_tokens_details": {"cached_tokens": sum(m.num_cached_tokens for m in self.metrics.values())}}
-        if with_metrics and self.metrics:
-            ms = list(self.metrics.values())
+                 "prompt_tokens_details": {"cached_tokens": sum(m.num_cached_tokens for m in ms)}}
+        if ms:
             ttfts = [m.ttft for m in ms if m.ttft is not None]
             spans = [(m.tpot, m.num_output_tokens - self.n) for m in ms if m.tpot is not None]
             weight = sum(w for _, w in spans)
@@ -323,7 +335,7 @@ class Run:
                     choice["token_ids"] = d.token_ids
                 yield self._event([choice])
             if self.body.include_usage:
-                yield self._event([], self._usage(with_metrics=True))
+                yield self._event([], self._usage())
         except EngineError as e:
             yield f"data: {json.dumps(error_body(str(e), kind='internal_error'))}\n\n"
         yield "data: [DONE]\n\n"
@@ -335,13 +347,12 @@ class Run:
         k = self.params.logprobs
         text = self.server.token_text
         if self.chat:
-            content = []
-            for t, lp in zip(d.token_ids, d.logprobs):
+            def entry(t, v):
                 s = text(t)
-                content.append({"token": s, "logprob": _finite(lp[t]), "bytes": list(s.encode()),
-                                "top_logprobs": [{"token": text(x), "logprob": _finite(v), "bytes": list(text(x).encode())}
-                                                 for x, v in _top(lp, k)]})
-            return {"content": content}
+                return {"token": s, "logprob": _finite(v), "bytes": list(s.encode())}
+
+            return {"content": [{**entry(t, lp[t]), "top_logprobs": [entry(x, v) for x, v in _top(lp, k)]}
+                                for t, lp in zip(d.token_ids, d.logprobs)]}
         offset = self.text_offsets.get(i, 0)
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
         for t, lp in zip(d.token_ids, d.logprobs):

@@ -28,7 +28,8 @@ class EngineCollector:
         "num_waiting": ("livemoe_num_requests_waiting", "Sequences waiting to be scheduled"),
         "kv_blocks_used": ("livemoe_kv_blocks_used", "KV-cache blocks in use"),
         "kv_blocks_total": ("livemoe_kv_blocks_total", "KV-cache blocks allocated"),
-        "prefix_cache_hit_rate": ("livemoe_prefix_cache_hit_rate", "Prompt tokens served by the prefix cache / prompt tokens"),
+        "prefix_cache_hit_rate": ("livemoe_prefix_cache_hit_rate", "Prompt tokens served by the prefix cache, "
+                                  "over prompt tokens"),
     }
     COUNTERS = {
         "num_eager_fallbacks": ("livemoe_eager_fallbacks", "Decode steps run eagerly (no CUDA graph fits)"),
