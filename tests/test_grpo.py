@@ -129,7 +129,10 @@ def test_resume_gives_the_same_model(student, tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     assert main(args(student, straight, "--max_steps", "4")) == 0
     assert main(args(student, resumed, "--max_steps", "2")) == 0
-    assert main(args(student, resumed, "--max_steps", "4", "--resume", "auto")) == 0
+    trainer = GRPOTrainer(parse_config(GRPOConfig, args(student, resumed, "--max_steps", "4", "--resume", "auto")))
+    assert trainer.resume_from.endswith("step-00000002") and trainer.step == 2  # really continues
+    assert len(trainer.ref_lengths) == 4  # L_ref comes from the checkpoint, not from the changed model
+    trainer.train()
     a, b = state(str(straight / "final")), state(str(resumed / "final"))
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)  # same ops, same order: bit-exact

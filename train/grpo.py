@@ -191,7 +191,8 @@ class GRPOTrainer:
         if getattr(cfg, "threads", 0):
             torch.set_num_threads(cfg.threads)
         torch.manual_seed(cfg.seed)
-        self.resume_from = resolve_resume(cfg.resume, cfg.output_dir)
+        self.ckpt_root = os.path.join(cfg.output_dir, "checkpoints")
+        self.resume_from = resolve_resume(cfg.resume, self.ckpt_root)
         state = {}
         if self.resume_from:
             with open(os.path.join(self.resume_from, "trainer_state.json")) as f:
@@ -414,7 +415,7 @@ class GRPOTrainer:
         return m
 
     def save(self, step: int) -> str:
-        return save_checkpoint(os.path.join(self.cfg.output_dir, "checkpoints"), step, self.model, self.optimizer,
+        return save_checkpoint(self.ckpt_root, step, self.model, self.optimizer,
                                self.scheduler, {"ref_lengths": self.ref_lengths, "start_model": self.start_model,
                                                 "before": self.before},
                                keep_last=self.cfg.keep_last, save_model=lambda m, p: save_model(m, p, tokenizer=self.tokenizer))
@@ -487,9 +488,12 @@ def main(argv=None) -> int:
         if cfg.progress:
             print("GRPO config:\n" + format_config(cfg), flush=True)
         GRPOTrainer(cfg).train()
-    except ValueError as e:  # ConfigError, RewardError, DataError, RequestError, CheckpointError...
+    except (ValueError, OSError) as e:  # ConfigError, RewardError, DataError, RequestError, CheckpointError...
         print(f"error ({type(e).__name__}): {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted: the last complete checkpoint is kept; continue with --resume auto", file=sys.stderr)
+        return 130
     return 0
 
 
