@@ -227,3 +227,19 @@ def test_load_judge_builtin_and_dotted_paths():
         load_judge("no_such_module:judge")
     with pytest.raises(ValueError, match="expected one of"):
         load_judge("nonsense")
+
+
+def test_llm_judge_with_a_local_engine_model(tmp_path):
+    """The Appendix B prompts through the engine decoder on a local checkpoint: a random tiny model
+    answers gibberish, which must count as unparseable fails, not stop the run."""
+    from tiny_models import make_checkpoint
+
+    from train.synthetic.tokenizer import train_tokenizer
+
+    prompts = [render_judge_prompt(w, FILLING_8, "x", lang) for w in ("correct", "helpful") for lang in ("en", "zh")]
+    tok = train_tokenizer(prompts * 5, vocab_size=1500)
+    path, _ = make_checkpoint(tmp_path / "judge", moe=False, vocab_size=len(tok), max_position_embeddings=4096)
+    tok.save_pretrained(path)
+    j = load_judge("llm", model=path, max_tokens=4)
+    vs = j.judge_batch([FILLING_8], ["<think>t</think>link 8 zongzi gift box: filling is mixed."])
+    assert len(vs) == 1 and not vs[0].correct and vs[0].unparseable and j.unparseable == 2

@@ -57,7 +57,8 @@ class RunConfig:
     # judge and evaluation
     judge: str = field(default="auto", metadata={"help": "auto | synthetic | squad | llm | module:attr"})
     judge_url: str | None = None
-    judge_model: str = "default"
+    judge_model: str = field(default="default", metadata={"help": "model name at --judge_url, or a local "
+                                                                   "checkpoint directory judged with the engine"})
     judge_language: str = "en"
     eval_max_new_tokens: int = 256
     eval_temperature: float = 0.0
@@ -85,8 +86,9 @@ class RunConfig:
             raise ConfigError(f"--data {self.data}: no such file")
         if self.eval_data and not os.path.isfile(self.eval_data):
             raise ConfigError(f"--eval_data {self.eval_data}: no such file")
-        if self.judge == "llm" and not self.judge_url:
-            raise ConfigError("--judge llm needs --judge_url (an OpenAI-compatible endpoint)")
+        if self.judge == "llm" and not self.judge_url and not os.path.isdir(self.judge_model):
+            raise ConfigError("--judge llm needs --judge_url (an OpenAI-compatible endpoint) or --judge_model "
+                              "naming a local checkpoint directory")
 
 
 @dataclass(kw_only=True)

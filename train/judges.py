@@ -11,6 +11,7 @@
 """
 import importlib
 import json
+import os
 import re
 import string
 from collections import Counter
@@ -336,21 +337,34 @@ def parse_verdict(text: str, which: str):
     return None
 
 
+def engine_complete(path: str, max_tokens: int = 512):
+    """`complete` over a local checkpoint with the engine decoder (greedy, the checkpoint's chat template)."""
+    from engine.llm import LLM
+    from engine.sampling import SamplingParams
+
+    llm = LLM(path)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    return lambda convs: [o.text for o in llm.chat(convs, params)]
+
+
 class LLMJudge(Judge):
     """Appendix B judge over `complete(list of chat message lists) -> list of texts`."""
 
     name = "llm"
 
     def __init__(self, complete=None, url: str | None = None, model: str = "default", language: str = "en",
-                 **endpoint_kw):
+                 max_tokens: int = 512, **endpoint_kw):
         if language not in PROMPTS:
             raise ValueError(f"judge language must be one of {sorted(PROMPTS)}, got {language!r}")
+        if complete is None and not url and model and os.path.isdir(model):
+            complete = engine_complete(model, max_tokens)
         if complete is None:
             if not url:
-                raise ValueError("the LLM judge needs --judge_url (an OpenAI-compatible endpoint) or a local model")
+                raise ValueError("the LLM judge needs --judge_url (an OpenAI-compatible endpoint) or --judge_model "
+                                 "naming a local checkpoint directory")
             from train.endpoint import ChatEndpoint
 
-            endpoint = ChatEndpoint(url, model=model, **endpoint_kw)
+            endpoint = ChatEndpoint(url, model=model, max_tokens=max_tokens, **endpoint_kw)
             endpoint.check()
             complete = lambda convs: [t[0] for t in endpoint.chat_many(convs, temperature=0.0)]  # noqa: E731
         self.complete, self.language = complete, language

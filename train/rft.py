@@ -66,7 +66,7 @@ def load_inputs(cfg: RFTConfig) -> tuple:
 def make_judge(cfg):
     from train.judges import load_judge
 
-    if cfg.judge == "llm":
+    if cfg.judge == "llm":  # an endpoint, or a local checkpoint judged with the engine decoder
         return load_judge("llm", url=cfg.judge_url, model=cfg.judge_model, language=cfg.judge_language)
     return load_judge(cfg.judge)
 
