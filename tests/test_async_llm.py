@@ -67,6 +67,26 @@ def test_concurrent_generate_matches_llm(ckpt, engine):
     assert engine.stats()["kv_blocks_used"] == 0
 
 
+def test_callers_on_several_event_loops(ckpt, engine):
+    """Each thread runs its own event loop; the one engine loop serves them all."""
+    import threading
+
+    prompts = [f"thread {i} 🙂" for i in range(3)]
+    p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = [o.token_ids for o in LLM(ckpt, **OPTIONS).generate(prompts, p)]
+    got = {}
+
+    def worker(i):
+        got[i] = asyncio.run(collect(engine.generate(prompts[i], p)))[0]
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT_S)
+    assert [got.get(i) for i in range(3)] == expected
+
+
 def test_leaving_early_aborts(engine):
     long = SamplingParams(max_tokens=400, ignore_eos=True)
 
