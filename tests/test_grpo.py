@@ -166,3 +166,28 @@ def test_bad_options_are_clear_errors(student, tmp_path, flags, match):
 def test_main_reports_a_missing_checkpoint(tmp_path, capsys):
     assert main(["--model", str(tmp_path / "nowhere"), "--output_dir", str(tmp_path / "o")]) == 2
     assert "not a checkpoint directory" in capsys.readouterr().err
+
+
+def test_model_auto_runs_the_rft_default_once_when_its_student_is_missing(student, tmp_path, monkeypatch):
+    import shutil
+
+    import train.rft
+    from train.grpo import resolve_start
+
+    root = tmp_path / "rft"
+    calls = []
+
+    def fake_rft_main(argv):
+        calls.append(argv)
+        shutil.copytree(student, root / "final")
+        return 0
+
+    monkeypatch.setattr(train.rft, "main", fake_rft_main)
+    cfg = parse_config(GRPOConfig, ["--rft_output", str(root)])
+    assert cfg.model == "auto"
+    assert resolve_start(cfg) == str(root / "final")
+    assert resolve_start(cfg) == str(root / "final")
+    assert calls == [["--output_dir", str(root)]]  # run once, then found
+    monkeypatch.setattr(train.rft, "main", lambda argv: 2)
+    with pytest.raises(ConfigError, match="RFT default failed"):
+        resolve_start(parse_config(GRPOConfig, ["--rft_output", str(tmp_path / "empty")]))

@@ -12,6 +12,11 @@ With no arguments it is the embedded default: it continues from the RFT default'
 `train.rft`'s default first when that is missing), trains on the synthetic live-commerce rooms, and
 prints and saves a before/after table in the shape of the seed's Table 3 (train.evaluate: eval_table.md,
 eval.json; summary.json adds the TPR reduction and the quality changes in points).
+Multi-turn data: a record of the seed's shape with `followups`, a list of later user turns (a string,
+or {"question", "meta"?, "reference"?} so the judge can check each turn); each turn is judged as a
+record whose history holds the trajectory's own earlier answers, with its own L_ref.
+Precision: fp32 on the CPU; on a GPU --bf16 auto trains the bf16 weights directly (no fp32 master
+copy); there `--old_logprobs trainer` takes old_logprobs from the trainer's own forward instead.
 Everything is a --flag or a key of --config run.yaml (train.config); checkpoints are atomic and
 --resume auto continues exactly; the final model is exported in the HF layout to <output_dir>/final.
 """
@@ -89,6 +94,9 @@ class GRPOConfig(RunConfig):
                      "rollout_max_num_seqs", "rollout_kv_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        if self.grad_accum != 1:
+            raise ConfigError("--grad_accum: GRPO takes one optimiser step per pass over the rollout batch; "
+                              "use --micro_batch_size to bound memory")
         if self.num_generations < 2:
             raise ConfigError("--num_generations must be >= 2: GRPO compares rollouts of one prompt")
         if self.temperature <= 0:
