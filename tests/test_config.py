@@ -79,3 +79,8 @@ def test_base_config_is_reusable():
     assert parse_config(Other, ["--rollouts", "4", "--lr", "0.5"]).rollouts == 4
     with pytest.raises(ConfigError, match="rollouts"):
         parse_config(Other, ["--rollouts", "1"])
+
+
+def test_missing_model_dir():
+    with pytest.raises(ConfigError, match="--model /no/model: no such checkpoint directory"):
+        parse_config(RFTConfig, ["--model", "/no/model"])

@@ -6,6 +6,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from test_data import MUSIQUE
+from test_rft import student  # noqa: F401  (the tiny student fixture)
 from train.endpoint import ChatEndpoint, EndpointError
 from train.judges import LLMJudge
 from train.synthetic import make_rooms
@@ -31,6 +33,8 @@ class Fake(BaseHTTPRequestHandler):
             msgs = [{"content": '{"Reason for Judgment": "ok", "Is the Response Correct": "yes"}'}]
         elif "was helpful" in prompt:
             msgs = [{"content": "no json here"}]
+        elif "Which river" in prompt:  # MuSiQue: one right answer, one wrong
+            msgs = [{"content": a, "reasoning_content": "paris is on the seine"} for a in ("Seine", "Thames")]
         else:
             msgs = [{"content": f"answer {i}", "reasoning_content": f"thought {i}"} for i in range(body.get("n", 1))]
         data = json.dumps({"choices": [{"index": i, "message": {"role": "assistant", **m}} for i, m in enumerate(msgs)]})
@@ -83,3 +87,19 @@ def test_llm_judge_over_http_counts_unparseable(server):
 def test_bad_url():
     with pytest.raises(EndpointError, match="must start with http"):
         ChatEndpoint("localhost:8000")
+
+
+def test_musique_run_with_an_endpoint_teacher_and_em_f1(server, student, tmp_path, capsys):  # noqa: F811
+    from train.rft import main
+
+    data = tmp_path / "musique.jsonl"
+    data.write_text("\n".join(json.dumps({**MUSIQUE, "id": f"q{i}"}) for i in range(3)) + "\n")
+    out = tmp_path / "o"
+    code = main(["--model", student, "--data", str(data), "--eval_data", str(data), "--teacher", server,
+                 "--k", "2", "--max_steps", "1", "--batch_size", "2", "--eval_max_new_tokens", "4",
+                 "--output_dir", str(out), "--progress", "false"])
+    assert code == 0, capsys.readouterr().err
+    selected = [json.loads(x) for x in (out / "selected.jsonl").read_text().splitlines()]
+    assert [s["completion"] for s in selected] == ["<think>paris is on the seine</think>Seine"] * 3
+    table = (out / "eval_table.md").read_text()
+    assert "| EM | F1 |" in table and "Correct." not in table

@@ -83,3 +83,8 @@ def test_verbose_thoughts_are_longer_but_judged_the_same():
 def test_bad_rates_are_rejected():
     with pytest.raises(ValueError, match="wrong_link"):
         TeacherRates(wrong_link=1.5)
+
+
+def test_scripted_teacher_refuses_other_data():
+    with pytest.raises(ValueError, match="not a room of the synthetic world"):
+        ScriptedTeacher().sample([{"id": "m", "documents": ["p"], "question": "q", "meta": {"kind": "musique"}}])

@@ -11,7 +11,7 @@ import random
 import zlib
 from dataclasses import dataclass
 
-from train.synthetic.world import CATALOG, PRICES, Product, fact, products_of, related
+from train.synthetic.world import CATALOG, KINDS, PRICES, Product, fact, products_of, related
 
 META_RULES = [
     "okay, i need to process the viewer question.",
@@ -46,6 +46,10 @@ class ScriptedTeacher:
 
     def sample(self, rooms: list, k: int = 4, temperature: float = 0.7) -> list:
         del temperature  # a script has no temperature; the failure rates play its part
+        for room in rooms:
+            if room.get("meta", {}).get("kind") not in KINDS:
+                raise ValueError(f"input {room.get('id')!r} is not a room of the synthetic world: the scripted "
+                                 "teacher cannot answer it; use --teacher URL or --teacher CHECKPOINT_DIR")
         return [[self.answer(room, j) for j in range(k)] for room in rooms]
 
     def answer(self, room: dict, j: int, mode: str | None = None, verbose: bool | None = None) -> str:
