@@ -89,7 +89,14 @@ class GRPOConfig(RunConfig):
     plot: bool = field(default=True, metadata={"help": "PNG curves of every metric at the end (curves.png)"})
 
     def validate(self) -> None:
-        super().validate()
+        auto = self.model == "auto"
+        if auto:  # RunConfig checks that --model exists; `auto` is resolved later, by resolve_start
+            self.model = os.curdir
+        try:
+            super().validate()
+        finally:
+            if auto:
+                self.model = "auto"
         for name in ("num_generations", "max_new_tokens", "num_iterations", "micro_batch_size",
                      "rollout_max_num_seqs", "rollout_kv_bytes"):
             if getattr(self, name) < 1:
