@@ -413,10 +413,11 @@ class GRPOTrainer:
         """train.evaluate on the held-out records (greedy by default), one row of the Table-3 table."""
         from train.evaluate import evaluate
 
-        row = evaluate(self.model, self.tokenizer, self.eval_records, self.judge, self.cfg.eval_max_new_tokens,
-                       self.cfg.eval_temperature, self.cfg.seed, progress=False, label=label)
+        # its decoder attaches its own KV cache to the shared attention layers: ours must be released
+        # first (it comes back, re-attached, at the next rollout); it releases its own when done
         self.rollouts.release()
-        return row
+        return evaluate(self.model, self.tokenizer, self.eval_records, self.judge, self.cfg.eval_max_new_tokens,
+                        self.cfg.eval_temperature, self.cfg.seed, progress=False, label=label)
 
     # -- the loop -----------------------------------------------------------------------------------
     def train_step(self, step: int) -> dict:
