@@ -47,6 +47,7 @@ class RequestStream:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._deltas = OutputDeltas(engine.tokenizer, params)
         self._ready: deque[StreamDelta] = deque()
+        self._error: BaseException | None = None
         self.finished = False  # the engine sent the last output, or the stream was aborted
 
     def __aiter__(self):
@@ -54,18 +55,36 @@ class RequestStream:
 
     async def __anext__(self) -> StreamDelta:
         while not self._ready:
+            if self._error is not None:
+                error, self._error = self._error, None
+                raise error
             if self.finished:
                 raise StopAsyncIteration
-            items = [await self._queue.get()]
-            while not self._queue.empty():  # a slow reader catches up in one go
-                items.append(self._queue.get_nowait())
-            for item in items:
-                if isinstance(item, BaseException):
-                    self.finished = True
-                    raise item
-                self._ready.extend(self._deltas.feed(item))
-                self.finished |= item.finished
+            self._take([await self._queue.get()])
+            self._take_queued()
         return self._ready.popleft()
+
+    def take_ready(self) -> list[StreamDelta]:
+        """The deltas that have already arrived, without waiting (a reader that fell behind catches up
+        in one go; see streaming.merge_deltas)."""
+        self._take_queued()
+        ready = list(self._ready)
+        self._ready.clear()
+        return ready
+
+    def _take_queued(self) -> None:
+        items = []
+        while not self._queue.empty():
+            items.append(self._queue.get_nowait())
+        self._take(items)
+
+    def _take(self, items: list) -> None:
+        for item in items:
+            if isinstance(item, BaseException):
+                self.finished, self._error = True, item  # raised once the deltas before it are read
+                return
+            self._ready.extend(self._deltas.feed(item))
+            self.finished |= item.finished
 
     def _put(self, item: RequestOutput | BaseException) -> None:  # on the loop's thread
         self._queue.put_nowait(item)

@@ -73,6 +73,31 @@ class OutputDeltas:
         return deltas
 
 
+def merge_deltas(deltas: list[StreamDelta]) -> list[StreamDelta]:
+    """Consecutive deltas of one request as one delta per completion (tokens, text and logprobs joined,
+    the last finish reason kept; the request's metrics on the last delta returned)."""
+    merged: dict[int, StreamDelta] = {}
+    metrics = None
+    for d in deltas:
+        metrics = d.metrics or metrics
+        m = merged.get(d.index)
+        if m is None:
+            merged[d.index] = StreamDelta(d.request_id, d.index, list(d.token_ids), d.text,
+                                          None if d.logprobs is None else list(d.logprobs), d.finish_reason,
+                                          d.stop_reason, d.num_prompt_tokens)
+            continue
+        assert m.finish_reason is None, "a delta after its completion's last one"
+        m.token_ids += d.token_ids
+        m.text += d.text
+        if d.logprobs is not None:
+            m.logprobs += d.logprobs
+        m.finish_reason, m.stop_reason = d.finish_reason, d.stop_reason
+    out = list(merged.values())
+    if out:
+        out[-1].metrics = metrics
+    return out
+
+
 def stream(llm, prompt, params: SamplingParams | None = None, request_id: str | None = None):
     """Yields StreamDeltas of one request while driving `llm.step()` (the caller's thread is the engine
     loop: other requests in the engine advance too, and their finished outputs are kept for the next

@@ -80,7 +80,8 @@ def test_completions_stream_equals_non_stream(served, client):
     body = [c for c in chunks if c.choices]
     assert "".join(c.choices[0].text for c in body) == choice.text
     assert [t for c in body for t in token_ids(c.choices[0])] == token_ids(choice)
-    assert len(token_ids(body[0].choices[0])) == 1  # the first token alone, as soon as it exists
+    # one event per token unless the server fell behind the engine (then what piled up is merged)
+    assert len(body) > 1 and all(token_ids(c.choices[0]) for c in body)
     assert body[-1].choices[0].finish_reason == "length"
     assert chunks[-1].usage.completion_tokens == 12 and chunks[-1].usage.prompt_tokens == prompt_tokens
     assert all(c.usage is None for c in chunks[:-1])
@@ -244,7 +245,8 @@ def test_split_characters_stream_without_replacement(tmp_path):
         assert full == CYCLE_TEXT * 2
         parts = [c.choices[0].text for c in client.completions.create(stream=True, **kw)]
         assert "".join(parts) == full and not any("\ufffd" in p for p in parts)
-        assert len(parts) == 2 * len(cycle)  # one event per token, some empty while a character is split
+        # more events than characters: some event ended inside a character (its bytes span events)
+        assert len(parts) > len(full)
     finally:
         server.stop()
         engine.shutdown()

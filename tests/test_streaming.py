@@ -6,7 +6,7 @@ import torch
 
 from engine.llm import LLM
 from engine.sampling import SamplingParams
-from engine.streaming import stream
+from engine.streaming import merge_deltas, stream
 from tiny_tokenizer import make_cycle_checkpoint, make_text_checkpoint
 
 CYCLE_TEXT = "aé你b🙂界"
@@ -116,3 +116,17 @@ def test_as_a_method_with_other_requests_in_flight(text_ckpt):
     # the other request advanced meanwhile and its result is not lost
     done = [o for _ in range(20) for o in llm.step() if o.finished]
     assert [o.request_id for o in done] == [other] and done[0].token_ids == expected[0].token_ids
+
+
+def test_merge_deltas_joins_what_piled_up(text_ckpt):
+    path, _ = text_ckpt
+    llm = engine(path)
+    p = SamplingParams(temperature=1.0, seed=3, max_tokens=9, n=2, logprobs=0, ignore_eos=True)
+    deltas = list(stream(llm, "merge me", p))
+    merged = merge_deltas(deltas[:5]) + merge_deltas(deltas[5:])
+    for i in (0, 1):
+        assert joined(merged, i) == joined(deltas, i)
+        assert [lp for d in merged if d.index == i for lp in d.logprobs] == \
+            [lp for d in deltas if d.index == i for lp in d.logprobs]
+    assert len(merged) == 4 and merged[-1].metrics is deltas[-1].metrics and merged[-1].finish_reason == "length"
+    assert all(d.metrics is None for d in merged[:-1])

@@ -29,7 +29,7 @@ from engine.outputs import RequestMetrics
 from engine.sampling import RequestError, SamplingParams
 from engine.server.metrics import ServerMetrics
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
-from engine.streaming import StreamDelta
+from engine.streaming import StreamDelta, merge_deltas
 
 log = logging.getLogger("engine.serve")
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf (a token filtered out in "processed" mode)
@@ -217,13 +217,17 @@ class Run:
         self.closed = False
 
     async def deltas(self):
-        """(prompt index, delta) pairs from all streams as they come; aborts what is left on exit."""
+        """(prompt index, delta) pairs from all streams as they come; aborts what is left on exit. When
+        the server falls behind the engine, the deltas that piled up go out merged: fewer, larger
+        events instead of a growing backlog."""
         pending = {}
         try:
             if len(self.streams) == 1:  # the common case, without a task per delta
-                async for delta in self.streams[0]:
-                    self._account(0, delta)
-                    yield 0, delta
+                stream = self.streams[0]
+                async for delta in stream:
+                    for d in merge_deltas([delta] + stream.take_ready()):
+                        self._account(0, d)
+                        yield 0, d
                 return
             pending = {asyncio.ensure_future(s.__anext__()): k for k, s in enumerate(self.streams)}
             while pending:
@@ -234,9 +238,11 @@ class Run:
                         delta = fut.result()
                     except StopAsyncIteration:
                         continue
+                    merged = merge_deltas([delta] + self.streams[k].take_ready())
                     pending[asyncio.ensure_future(self.streams[k].__anext__())] = k
-                    self._account(k, delta)
-                    yield k, delta
+                    for d in merged:
+                        self._account(k, d)
+                        yield k, d
         finally:
             for fut in pending:
                 fut.cancel()
