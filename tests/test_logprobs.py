@@ -57,11 +57,14 @@ def test_chunked_matches_reference(n, h, v, temperature):
 
 
 @TRITON
-@pytest.mark.parametrize("n,h,v,temperature,splits", [(5, 16, 50, 1.0, None), (37, 33, 300, 0.7, 2),
-                                                       (70, 40, 260, 1.3, 3)])
-def test_triton_matches_reference(n, h, v, temperature, splits):
-    # chunk_tokens=32 < n: the backward's token chunks and d weight accumulation both run
-    check_against_reference("triton", n, h, v, temperature, chunk_tokens=32, vocab_splits=splits)
+@pytest.mark.parametrize("n,h,v,temperature,splits,chunk_tokens,chunk_vocab", [
+    (5, 16, 50, 1.0, None, None, None),  # defaults: one chunk each way
+    (37, 33, 300, 0.7, 2, 32, 128),  # backward: 2 token chunks x 3 vocabulary chunks (fp32 partial sums)
+    (70, 40, 260, 1.3, 3, None, 200),  # backward: vocabulary chunks of 128 (rounded to the tile), one token chunk
+])
+def test_triton_matches_reference(n, h, v, temperature, splits, chunk_tokens, chunk_vocab):
+    check_against_reference("triton", n, h, v, temperature, chunk_tokens=chunk_tokens, chunk_vocab=chunk_vocab,
+                            vocab_splits=splits)
 
 
 def test_qwen_vocab_more_than_one_chunk_each_way():
@@ -131,7 +134,7 @@ def test_mask_and_ignore_index(backend):
     targets[1, -3:] = -100  # padding
     active = mask & (targets != -100)
     lp, ent = fused_linear_logprobs(hidden, weight, targets, 0.8, mask=mask, ignore_index=-100, return_entropy=True,
-                                    backend=backend, chunk_tokens=8)
+                                    backend=backend, chunk_tokens=8, chunk_vocab=64)
     assert lp.shape == (b, t) and ent.shape == (b, t)
     assert (lp[~active] == 0).all() and (ent[~active] == 0).all()
     rlp, _, rent = logprobs_reference(hidden[active], weight, targets[active], 0.8)
@@ -173,7 +176,7 @@ def test_half_precision_no_worse_than_eager(backend, dtype, extra):
 
     base = run_all(eager, hidden, weight)
     ours = run_all(lambda: fused_linear_logprobs(hidden, weight, targets, return_lse=True, return_entropy=True,
-                                                 backend=backend, chunk_tokens=16), hidden, weight)
+                                                 backend=backend, chunk_tokens=16, chunk_vocab=256), hidden, weight)
     for name, o, e, r in zip(("logprobs", "lse", "entropy", "d hidden", "d weight"), ours, base, ref):
         assert o.dtype == e.dtype, name
         assert rel_err(o, r) <= rel_err(e, r) + extra, f"{name}: ours {rel_err(o, r):.2e} eager {rel_err(e, r):.2e}"

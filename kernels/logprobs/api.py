@@ -8,8 +8,10 @@ from kernels.logprobs.from_logits import LogprobsFromLogits
 from kernels.logprobs.fused import FusedLinearLogprobs, LogprobsOptions
 
 BACKENDS = ("triton", "chunked")
-CHUNKED_TOKENS, CHUNKED_VOCAB = 256, 1024  # CPU tile: 1 MiB of fp32, cache-sized (measured best of 64..256 x 1024..8192)
-TRITON_DZ_BYTES = 1 << 28  # the Triton backward's d-logits buffer: at most 256 MiB per token chunk
+CHUNKED_TOKENS, CHUNKED_VOCAB = 256, 4096  # CPU tile: 4 MiB of fp32 (measured here: smaller tiles do less
+# work but, with many more ops, lose more wall time to a busy machine)
+TRITON_DZ_BYTES = 1 << 28  # the Triton backward's d-logits buffer: at most 256 MiB
+TRITON_MAX_TOKENS = 1 << 15  # beyond this many tokens the backward chunks tokens too
 
 
 def _triton_usable(device: torch.device) -> bool:
@@ -71,8 +73,9 @@ def fused_linear_logprobs(hidden, weight, targets, temperature: float = 1.0, *, 
     active; callers that already hold only the active rows should pass just those.
 
     backend: "triton" (default on CUDA; on the CPU only under TRITON_INTERPRET=1) or "chunked" (default
-    on the CPU). chunk_tokens / chunk_vocab size the tiles; fp32_accumulation sums d weight over token
-    chunks in fp32 (Triton backend; the chunked one always does).
+    on the CPU). chunk_tokens / chunk_vocab size the tiles (Triton: the backward's d-logits chunk);
+    fp32_accumulation keeps the partial sums of d hidden / d weight in fp32 (Triton backend; the chunked
+    one always does).
     """
     _check(hidden, weight, targets, temperature, mask, backend)
     if backend is None:
@@ -85,12 +88,13 @@ def fused_linear_logprobs(hidden, weight, targets, temperature: float = 1.0, *, 
     t2 = targets.reshape(-1).long()
     if h2.shape[0] == 0:
         backend = "chunked"  # nothing to launch
-    if backend == "triton":
+    if backend == "triton":  # the backward's d-logits buffer [chunk_tokens, chunk_vocab] fits TRITON_DZ_BYTES
         elt = hidden.element_size()
-        chunk_tokens = chunk_tokens or max(64, TRITON_DZ_BYTES // (vocab * elt) // 64 * 64)
+        chunk_tokens = chunk_tokens or min(max(h2.shape[0], 1), TRITON_MAX_TOKENS)
+        chunk_vocab = chunk_vocab or max(128, TRITON_DZ_BYTES // (chunk_tokens * elt))
     else:
         chunk_tokens = chunk_tokens or CHUNKED_TOKENS
-    chunk_vocab = chunk_vocab or CHUNKED_VOCAB
+        chunk_vocab = chunk_vocab or CHUNKED_VOCAB
     if chunk_tokens < 1 or chunk_vocab < 1:
         raise ValueError(f"chunk_tokens and chunk_vocab must be >= 1, got {chunk_tokens}, {chunk_vocab}")
     opts = LogprobsOptions(backend, chunk_tokens, chunk_vocab, fp32_accumulation, return_entropy, vocab_splits)

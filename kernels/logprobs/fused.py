@@ -13,8 +13,8 @@ from kernels.logprobs import chunked
 class LogprobsOptions:
     backend: str  # "triton" | "chunked"
     chunk_tokens: int
-    chunk_vocab: int  # chunked backend only (Triton tiles the vocabulary itself)
-    fp32_accumulation: bool  # Triton: d weight summed over token chunks in fp32
+    chunk_vocab: int  # Triton: the backward's vocabulary chunk (its forward tiles the vocabulary itself)
+    fp32_accumulation: bool  # Triton: partial sums of d hidden / d weight kept in fp32
     with_entropy: bool
     vocab_splits: int | None = None  # Triton forward; None = fill the GPU
 
@@ -54,7 +54,8 @@ class FusedLinearLogprobs(torch.autograd.Function):
 
             dh, dw = triton_logprobs.backward(hidden, weight, targets, n_valid, inv_temp, lse, g_lp.contiguous(),
                                               a.contiguous(), None if b is None else b.contiguous(),
-                                              opts.chunk_tokens, need_dh, need_dw, opts.fp32_accumulation)
+                                              opts.chunk_tokens, opts.chunk_vocab, need_dh, need_dw,
+                                              opts.fp32_accumulation)
         else:
             dh, dw = chunked.backward(hidden, weight, targets, inv_temp, lse, g_lp, a, b, opts.chunk_tokens,
                                       opts.chunk_vocab, need_dh, need_dw)

@@ -7,9 +7,10 @@ entropy term and picking out the target's logit; the splits' partials are merged
 ([splits, N] floats). The splits fill the GPU when N is small; the grid has no size limit in tokens
 (axis 0 takes 2**31 - 1 blocks).
 
-Backward: per chunk of tokens, a kernel on a 2-D grid (token blocks, vocabulary tiles) recomputes the
-logits of its tile and writes d logits into a [chunk, V] buffer (the only big buffer, bounded by
-the chunk); cuBLAS then gives d hidden = dz @ W and d W += dz^T @ hidden.
+Backward: per chunk of the vocabulary (and of tokens, only when N is huge), a kernel on a 2-D grid
+(token blocks, vocabulary tiles) recomputes the logits of its tiles and writes d logits into a
+[tokens, chunk] buffer (the only big buffer, bounded by the chunk); cuBLAS then gives that chunk's
+rows of d W = dz^T @ hidden in one GEMM and adds dz @ W[chunk] to d hidden ([N, H], kept in fp32).
 
 `n_valid` (a device scalar, optional) marks rows >= n_valid as inactive: their programs skip the
 matmul, their outputs and gradients are 0. This is how masked rows are dropped without a host sync.
@@ -72,10 +73,10 @@ def _logprobs_fwd_kernel(h_ptr, w_ptr, tgt_ptr, n_valid_ptr, m_ptr, l_ptr, e_ptr
 
 @triton.jit
 def _logprobs_bwd_dz_kernel(h_ptr, w_ptr, tgt_ptr, n_valid_ptr, lse_ptr, gl_ptr, a_ptr, b_ptr, dz_ptr,
-                            row0, N, V, H, stride_h, stride_w, stride_dz, inv_temp,
+                            row0, N, col0, V, H, stride_h, stride_w, stride_dz, inv_temp,
                             HAS_N_VALID: tl.constexpr, WITH_B: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
-    """d logits of rows [row0, row0 + N) (N = this chunk's length) into dz [N, V]."""
+    """d logits of rows [row0, row0 + N) and columns [col0, col0 + V) (this chunk) into dz [N, V]."""
     pid_n = tl.program_id(0)
     pid_v = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # within the chunk
@@ -87,9 +88,9 @@ def _logprobs_bwd_dz_kernel(h_ptr, w_ptr, tgt_ptr, n_valid_ptr, lse_ptr, gl_ptr,
         live = live & (rows < n_valid)
         k_hi = tl.where(pid_n * BLOCK_N < n_valid, H, 0)
     grows64 = (row0 + rows).to(tl.int64)
-    cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)  # within the chunk
     col_ok = cols < V
-    cols64 = cols.to(tl.int64)
+    cols64 = (col0 + cols).to(tl.int64)
     acc = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
     for k0 in range(0, k_hi, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -108,9 +109,9 @@ def _logprobs_bwd_dz_kernel(h_ptr, w_ptr, tgt_ptr, n_valid_ptr, lse_ptr, gl_ptr,
         dz = p * (coef_a[:, None] + coef_b[:, None] * c)
     else:
         dz = p * coef_a[:, None]
-    dz += tl.where(cols[None, :] == tgt[:, None], g_lp[:, None], 0.0)
+    dz += tl.where((col0 + cols)[None, :] == tgt[:, None], g_lp[:, None], 0.0)
     dz = tl.where(live[:, None], dz, 0.0)
-    tl.store(dz_ptr + rows.to(tl.int64)[:, None] * stride_dz + cols64[None, :], dz.to(dz_ptr.dtype.element_ty),
+    tl.store(dz_ptr + rows.to(tl.int64)[:, None] * stride_dz + cols[None, :], dz.to(dz_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
 
 
@@ -163,31 +164,49 @@ def forward(hidden, weight, targets, n_valid, inv_temp: float, with_entropy: boo
 
 
 def backward(hidden, weight, targets, n_valid, inv_temp: float, lse, g_lp, a, b, chunk_tokens: int,
-             need_dhidden: bool, need_dweight: bool, fp32_accumulation: bool):
+             chunk_vocab: int, need_dhidden: bool, need_dweight: bool, fp32_accumulation: bool):
+    """d hidden and d weight, vocabulary chunk by vocabulary chunk (token chunks inside only when N is
+    too large for the d logits buffer): each chunk's d weight rows come from one GEMM over its tokens,
+    and d hidden ([N, H], small) sums over the chunks, in fp32 when fp32_accumulation."""
     n, h = hidden.shape
     v = weight.shape[0]
     block_n, block_v, block_k = _blocks(min(n, chunk_tokens), h)
-    dz_dtype = hidden.dtype
-    dhidden = torch.empty_like(hidden) if need_dhidden else None
-    n_chunks = triton.cdiv(n, chunk_tokens)
-    acc_dtype = torch.float32 if (fp32_accumulation and n_chunks > 1) else weight.dtype
-    dweight = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_dweight else None
-    dz = torch.empty((min(n, chunk_tokens), v), dtype=dz_dtype, device=hidden.device)
-    for n0 in range(0, n, chunk_tokens):
-        n1 = min(n, n0 + chunk_tokens)
-        dzc = dz[: n1 - n0]
-        _logprobs_bwd_dz_kernel[(triton.cdiv(n1 - n0, block_n), triton.cdiv(v, block_v))](
-            hidden, weight, targets, n_valid if n_valid is not None else targets, lse, g_lp, a,
-            b if b is not None else a, dzc, n0, n1 - n0, v, h, hidden.stride(0), weight.stride(0), dzc.stride(0),
-            inv_temp, HAS_N_VALID=n_valid is not None, WITH_B=b is not None,
-            INPUT_PRECISION=_precision(hidden.dtype), BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_K=block_k)
-        if need_dhidden:
-            torch.mm(dzc, weight, out=dhidden[n0:n1])
-        if need_dweight:
-            if acc_dtype == dz_dtype:
-                dweight.addmm_(dzc.t(), hidden[n0:n1])
-            else:  # fp32 running sum of per-chunk products (each one a single fp32-accumulated GEMM)
-                dweight.add_(dzc.t() @ hidden[n0:n1])
-    if need_dweight:
-        dweight = dweight.to(weight.dtype)
+    chunk_vocab = max(block_v, chunk_vocab // block_v * block_v)
+    dtype = hidden.dtype
+    acc_dtype = torch.float32 if fp32_accumulation else dtype
+    dh_acc = torch.zeros((n, h), dtype=acc_dtype, device=hidden.device) if need_dhidden else None
+    dweight = torch.empty_like(weight) if need_dweight else None
+    token_chunks = [(n0, min(n, n0 + chunk_tokens)) for n0 in range(0, n, chunk_tokens)]
+    dz = torch.empty((min(n, chunk_tokens), min(v, chunk_vocab)), dtype=dtype, device=hidden.device)
+    for v0 in range(0, v, chunk_vocab):
+        v1 = min(v, v0 + chunk_vocab)
+        w = weight[v0:v1]
+        dw_acc = None
+        if need_dweight and len(token_chunks) > 1:
+            dw_acc = torch.zeros((v1 - v0, h), dtype=acc_dtype, device=weight.device)
+        for n0, n1 in token_chunks:
+            dzc = dz[: n1 - n0, : v1 - v0]
+            _logprobs_bwd_dz_kernel[(triton.cdiv(n1 - n0, block_n), triton.cdiv(v1 - v0, block_v))](
+                hidden, weight, targets, n_valid if n_valid is not None else targets, lse, g_lp, a,
+                b if b is not None else a, dzc, n0, n1 - n0, v0, v1 - v0, h, hidden.stride(0), weight.stride(0),
+                dzc.stride(0), inv_temp, HAS_N_VALID=n_valid is not None, WITH_B=b is not None,
+                INPUT_PRECISION=_precision(dtype), BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_K=block_k)
+            if need_dhidden:
+                _accumulate(dh_acc[n0:n1], dzc, w)
+            if need_dweight:
+                if dw_acc is None:
+                    torch.mm(dzc.t(), hidden[n0:n1], out=dweight[v0:v1])
+                else:
+                    _accumulate(dw_acc, dzc.t(), hidden[n0:n1])
+        if dw_acc is not None:
+            dweight[v0:v1] = dw_acc
+    dhidden = dh_acc.to(dtype) if need_dhidden else None
     return dhidden, dweight
+
+
+def _accumulate(acc, x, y):
+    """acc += x @ y: in place where the dtypes agree, else through an [x rows, y cols] product."""
+    if acc.dtype == x.dtype:
+        acc.addmm_(x, y)
+    else:
+        acc.add_(x @ y)
