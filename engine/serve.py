@@ -16,16 +16,16 @@ SKIPPED_OPTIONS = {"use_tqdm"}  # meaningless for a server
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m engine.serve", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m engine.serve",
+                                description="The OpenAI-compatible HTTP server over one AsyncLLM.")
     p.add_argument("--model", required=True, help="checkpoint directory (config.json, *.safetensors, tokenizer)")
     p.add_argument("--served-model-name", default=None, help="the name clients send as `model` (default: the "
                    "checkpoint directory's name)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1 (loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="default: 8000")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
     p.add_argument("--device", default=None, help="cuda | cpu (default: cuda when there is one)")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", help="default: info (one line per finished request)")
     engine = p.add_argument_group("engine options (EngineConfig)")
     for f in fields(EngineConfig):
         if f.name in SKIPPED_OPTIONS:
