@@ -160,3 +160,27 @@ def test_decode_step_replays_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(static_out, step())
+
+
+def test_model_with_triton_kernel_matches_transformers(tmp_path, monkeypatch):
+    """Model level: the engine's MoE layers on the Triton kernels (interpreter) still give transformers' logits
+    (fp32, 1e-4 as in tests/test_model_parity.py)."""
+    import functools
+
+    import engine
+    import engine.layers
+    from tiny_models import make_checkpoint
+
+    calls = []
+
+    def triton_moe(*args, **kw):
+        calls.append(1)
+        return fused_moe(*args, **kw, backend="triton", config=WIDE)
+
+    monkeypatch.setattr(engine.layers, "fused_moe", functools.wraps(fused_moe)(triton_moe))
+    path, hf = make_checkpoint(tmp_path / "m", moe=True, seed=3, num_experts=7, num_experts_per_tok=2)
+    model = engine.load_model(path, device="cpu")
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, ref = model(ids), hf(ids).logits
+    assert calls and (ours - ref).abs().max().item() <= 1e-4

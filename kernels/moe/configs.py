@@ -52,8 +52,8 @@ def heuristic_config(num_tokens: int, num_experts: int, hidden: int, inter: int,
     expert's weights stream once with little padding; many: big tiles for tensor-core reuse)."""
     per_expert = num_tokens * top_k / num_experts
     wide = 2 if dtype == torch.float32 else 1  # fp32 tiles cost twice the shared memory
-    if num_tokens <= 16 or per_expert <= 16:  # decode: weight-bandwidth bound, wide N and K tiles
-        return MoEConfig(16, 64, 128 // wide, group_m=1, num_warps=4, num_stages=4)
+    if num_tokens <= 16 or per_expert <= 16:  # decode: weight-bandwidth bound; narrow N tiles give enough
+        return MoEConfig(16, 32, 128 // wide, group_m=1, num_warps=4, num_stages=4)  # programs, long K loads
     if per_expert <= 48:
         return MoEConfig(32, 64, 64 // wide, group_m=8, num_warps=4, num_stages=4)
     if per_expert <= 192:
