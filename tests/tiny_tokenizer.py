@@ -42,8 +42,7 @@ def train_tokenizer(vocab_size: int = 320):
 
 def byte_token_ids(tokenizer, text: str) -> list[int]:
     """One token per UTF-8 byte of text (the byte-level alphabet's tokens), whatever the merges say."""
-    from tokenizers.pre_tokenizers import ByteLevel  # noqa: F401  (the alphabet below is GPT-2's)
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    from transformers.convert_slow_tokenizer import bytes_to_unicode  # GPT-2's byte alphabet, as ByteLevel uses
 
     table = bytes_to_unicode()
     return [tokenizer.convert_tokens_to_ids(table[b]) for b in text.encode("utf-8")]
