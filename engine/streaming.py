@@ -101,9 +101,11 @@ def merge_deltas(deltas: list[StreamDelta]) -> list[StreamDelta]:
 def stream(llm, prompt, params: SamplingParams | None = None, request_id: str | None = None):
     """Yields StreamDeltas of one request while driving `llm.step()` (the caller's thread is the engine
     loop: other requests in the engine advance too, and their finished outputs are kept for the next
-    step() as generate() does). Written so that `LLM.stream = stream` makes it a method."""
+    step() as generate() does). `LLM.stream(prompt, params)` calls it."""
     params = SamplingParams() if params is None else params
-    request_id = llm.add_request(prompt, params, request_id)  # validated: a bad request raises here
+    # added (and validated: a bad request raises RequestError) at the first next(), so a generator that
+    # is never iterated leaves nothing queued in the engine
+    request_id = llm.add_request(prompt, params, request_id)
     deltas = OutputDeltas(llm.tokenizer, params)
     finished = False
     try:

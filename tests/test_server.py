@@ -95,7 +95,7 @@ def test_chat_stream_equals_non_stream(served, client):
     text = full.choices[0].message.content
     assert full.choices[0].message.role == "assistant" and full.usage.completion_tokens == 10
     prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert full.usage.prompt_tokens == len(tok.encode(prompt))
+    assert full.usage.prompt_tokens == len(tok.encode(prompt, add_special_tokens=False))
     chunks = list(client.chat.completions.create(stream=True, **kw))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == text

@@ -101,13 +101,9 @@ def test_closing_early_aborts_and_frees_blocks(text_ckpt):
     assert llm.stats()["kv_blocks_used"] == 0 and not llm.has_unfinished_requests()
 
 
-def test_as_a_method_with_other_requests_in_flight(text_ckpt):
+def test_llm_stream_with_other_requests_in_flight(text_ckpt):
     path, _ = text_ckpt
-
-    class StreamingLLM(LLM):
-        stream = stream
-
-    llm = StreamingLLM(path, dtype=torch.float32, device="cpu", block_size=4, num_kv_blocks=128, use_tqdm=False)
+    llm = engine(path)
     p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     expected = llm.generate(["other", "mine"], p)
     other = llm.add_request("other", p)

@@ -88,7 +88,8 @@ def build_app(engine: AsyncLLM, model_name: str) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         server.check_model(body.model)
-        ids = server.encode(server.apply_chat_template([m.as_template_input() for m in body.messages]))
+        ids = server.encode(server.apply_chat_template([m.as_template_input() for m in body.messages]),
+                            add_special_tokens=False)
         params = body.sampling_params(room=max(1, server.context_limit - len(ids)))
         return await server.respond(request, body, [ids], params, chat=True)
 
@@ -151,11 +152,13 @@ class OpenAIServer:
         stats = self.engine.stats()
         return min(self.engine.max_model_len, stats["kv_blocks_total"] * self.engine.llm.config.block_size)
 
-    def encode(self, prompt) -> list[int]:
+    def encode(self, prompt, add_special_tokens: bool = True) -> list[int]:
+        """Token ids as LLM makes them: a text prompt as LLM.generate encodes it; a chat prompt (already
+        holding the template's special tokens) as LLM.chat does, adding none."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError("this model has no tokenizer; send the prompt as token ids")
-            return self.tokenizer.encode(prompt)  # as LLM does for a text prompt
+            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         return list(prompt)
 
     def apply_chat_template(self, messages: list[dict]) -> str:
