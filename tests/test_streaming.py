@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from engine.llm import LLM
-from engine.sampling import SamplingParams
+from engine.sampling import RequestError, SamplingParams
 from engine.streaming import merge_deltas, stream
 from tiny_tokenizer import make_cycle_checkpoint, make_text_checkpoint
 
@@ -99,6 +99,9 @@ def test_closing_early_aborts_and_frees_blocks(text_ckpt):
     assert len(first.token_ids) == 1 and llm.stats()["kv_blocks_used"] > 0
     gen.close()
     assert llm.stats()["kv_blocks_used"] == 0 and not llm.has_unfinished_requests()
+    with pytest.raises(RequestError, match="empty"):
+        next(llm.stream([], SamplingParams()))  # validated when iterated; nothing left queued
+    assert not llm.has_unfinished_requests()
 
 
 def test_llm_stream_with_other_requests_in_flight(text_ckpt):
