@@ -64,6 +64,8 @@ class RunConfig:
     judge_model: str = field(default="default", metadata={"help": "model name at --judge_url, or a local "
                                                                    "checkpoint directory judged with the engine"})
     judge_language: str = "en"
+    judge_api_key_env: str = "OPENAI_API_KEY"
+    judge_concurrency: int = 8
     eval_max_new_tokens: int = 256
     eval_temperature: float = 0.0
 

@@ -67,7 +67,8 @@ def make_judge(cfg):
     from train.judges import load_judge
 
     if cfg.judge == "llm":  # an endpoint, or a local checkpoint judged with the engine decoder
-        return load_judge("llm", url=cfg.judge_url, model=cfg.judge_model, language=cfg.judge_language)
+        kw = dict(api_key=os.environ.get(cfg.judge_api_key_env), concurrency=cfg.judge_concurrency) if cfg.judge_url else {}
+        return load_judge("llm", url=cfg.judge_url, model=cfg.judge_model, language=cfg.judge_language, **kw)
     return load_judge(cfg.judge)
 
 
