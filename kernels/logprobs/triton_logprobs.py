@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-NEG_INIT: tl.constexpr = -1e30
+NEG_INIT = tl.constexpr(-1e30)  # a constexpr object: jit code may read only those globals
 
 
 @triton.jit
