@@ -300,14 +300,13 @@ class GRPOTrainer:
         records = [self.train_records[i] for i in idx for _ in range(K)]
         comp_values: dict = {}
         if cfg.multi_turn:
-            turn_rewards, per_turn_recs = [], []
+            turn_rewards = []
             for rec, c in zip(records, comps):
                 recs = [_turn_record(rec, t, c.turn_texts) for t in range(len(c.turn_spans))]
                 lens = [e - s for s, e in c.turn_spans]
                 refs = [self.ref_lengths[f"{rec['id']}#{t}"] for t in range(len(recs))]
                 res = self.reward(recs, c.turn_texts, lens, refs)
                 turn_rewards.append([x.reward for x in res])
-                per_turn_recs.append(res)
                 for x in res:
                     for k, v in x.components.items():
                         comp_values.setdefault(k, []).append(v)
