@@ -11,6 +11,7 @@ gradients g_lp (log-prob), g_lse, g_H (entropy):
     d s_k = g_lp * [k == target] + p_k * (a + b * log p_k),   a = g_lse - g_lp - g_H * H,  b = -g_H
 and d z = d s / T, d hidden = d z @ W, d W = d z^T @ hidden.
 """
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -67,8 +68,9 @@ def _split(num_chunks: int) -> list[list[int]]:
 
 
 def _run(work, workers) -> None:
-    """work(i, chunk_ids) for every worker: in threads, each op single-threaded. Many small tiles with an
-    intra-op barrier each stall on a busy machine; independent workers do not."""
+    """work(i, chunk_ids) for every worker: in threads, each op single-threaded (torch's intra-op thread
+    count is 1 for the duration of the call). Many small tiles with an intra-op barrier each stall on a
+    busy machine; independent workers do not."""
     def run_one(i, ids):
         with torch.no_grad():  # grad mode is per thread: the pool's threads would record a graph
             work(i, ids)
@@ -76,9 +78,10 @@ def _run(work, workers) -> None:
     if len(workers) == 1:
         run_one(0, workers[0])
         return
-    global _POOL
-    if _POOL is None or _POOL._max_workers < len(workers):
+    global _POOL, _POOL_PID
+    if _POOL is None or _POOL_PID != os.getpid() or _POOL._max_workers < len(workers):
         _POOL = ThreadPoolExecutor(len(workers), thread_name_prefix="livemoe-logprobs")
+        _POOL_PID = os.getpid()  # a forked child (a data-loader worker) has none of the parent's threads
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -89,6 +92,7 @@ def _run(work, workers) -> None:
 
 
 _POOL: ThreadPoolExecutor | None = None  # kept: starting threads per call costs more than a small step
+_POOL_PID = 0
 
 
 def _scaled(h, inv_temp: float):
