@@ -228,7 +228,8 @@ def test_32_concurrent_streams_then_drop_half(served):
         if i % 2:
             assert (ids, _) == expected[i]
         else:
-            assert len(ids) == 3 and ids == expected[i][0][:3]
+            # three events (more tokens if some were merged while the server lagged), then gone
+            assert 3 <= len(ids) < 200 and ids == expected[i][0][:len(ids)]
     wait_idle(engine, idle)
     aborts = metric(server.url, 'livemoe_requests_finished_total{finish_reason="abort"}')
     assert aborts - aborts_before == 16  # the dropped streams were aborted, not run to 200 tokens
@@ -262,8 +263,8 @@ def wait_idle(engine, idle=0):
 def test_client_leaving_a_json_request_aborts_it(served):
     engine, server, _ = served
     before = metric(server.url, 'livemoe_requests_finished_total{finish_reason="abort"}')
-    impatient = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=0.3)
-    with pytest.raises(openai.APITimeoutError):  # 240 tokens take seconds here
+    impatient = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=0.1)
+    with pytest.raises(openai.APITimeoutError):  # 240 tokens take about a second here
         impatient.completions.create(model=MODEL, prompt="long", max_tokens=240, extra_body={"ignore_eos": True})
     wait_idle(engine)
     assert metric(server.url, 'livemoe_requests_finished_total{finish_reason="abort"}') == before + 1
