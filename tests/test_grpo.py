@@ -131,8 +131,11 @@ def test_resume_gives_the_same_model(student, tmp_path):
     assert main(args(student, resumed, "--max_steps", "2")) == 0
     trainer = GRPOTrainer(parse_config(GRPOConfig, args(student, resumed, "--max_steps", "4", "--resume", "auto")))
     assert trainer.resume_from.endswith("step-00000002") and trainer.step == 2  # really continues
-    assert len(trainer.ref_lengths) == 4  # L_ref comes from the checkpoint, not from the changed model
     trainer.train()
+    # L_ref of the prompts first used after the resume came from the starting checkpoint, not the policy
+    ref = [json.loads((d / "checkpoints" / "step-00000004" / "trainer_state.json").read_text())["ref_lengths"]
+           for d in (straight, resumed)]
+    assert ref[0] == ref[1] and len(ref[0]) == 4
     a, b = state(str(straight / "final")), state(str(resumed / "final"))
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)  # same ops, same order: bit-exact

@@ -142,3 +142,9 @@ def test_reference_lengths_are_computed_once(model_and_tok):
     calls.clear()
     reference_lengths(ro, records, PROMPTS, cache)
     assert calls == []
+    # sampled: the mean length of n seeded samples per prompt, the same whatever the batch holds
+    sampled = reference_lengths(ro, records, PROMPTS, {}, samples=3)
+    alone = reference_lengths(ro, records[1:], PROMPTS[1:], {}, samples=3)
+    assert sampled["b"] == alone["b"]
+    groups = ro.generate(PROMPTS, "ref", n=3, keys=["a", "b"])
+    assert sampled["a"] == pytest.approx(sum(c.length for c in groups[0]) / 3)

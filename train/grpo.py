@@ -58,6 +58,8 @@ class GRPOConfig(RunConfig):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    ref_samples: int = field(default=4, metadata={"help": "L_ref = mean length of this many sampled responses of the "
+                                                          "starting checkpoint per prompt; 0 = its greedy response"})
     rollout_kv_bytes: int = field(default=64 * 2**20, metadata={"help": "decoder KV-cache budget (CPU)"})
     rollout_max_num_seqs: int = 256
     # loss
@@ -104,6 +106,8 @@ class GRPOConfig(RunConfig):
         if self.grad_accum != 1:
             raise ConfigError("--grad_accum: GRPO takes one optimiser step per pass over the rollout batch; "
                               "use --micro_batch_size to bound memory")
+        if self.ref_samples < 0:
+            raise ConfigError(f"--ref_samples must be >= 0, got {self.ref_samples}")
         if self.num_generations < 2:
             raise ConfigError("--num_generations must be >= 2: GRPO compares rollouts of one prompt")
         if self.temperature <= 0:
@@ -229,10 +233,8 @@ class GRPOTrainer:
         self.judge = make_judge(cfg)
         self.reward = CompositeReward(self.judge, cfg.reward_config())
         self.loss_cfg = cfg.loss_config()
-        engine = dict(kv_cache_bytes=cfg.rollout_kv_bytes, max_num_seqs=cfg.rollout_max_num_seqs)
         self.rollouts = Rollouts(self.model, self.tokenizer, num_generations=cfg.num_generations,
-                                 max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                                 top_k=cfg.top_k, seed=cfg.seed, **engine)
+                                 max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, **self._sampling())
         n = len(self.train_records)
         self.total_steps = cfg.max_steps or math.ceil(cfg.epochs * n / cfg.batch_size)
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -256,20 +258,40 @@ class GRPOTrainer:
         return out
 
     def compute_reference_lengths(self) -> None:
-        """L_ref of every training prompt (every turn, multi-turn), from the starting checkpoint,
-        before the first update; cached in the checkpoints so a resumed run keeps them."""
-        if self.cfg.multi_turn:
-            todo = [i for i, r in enumerate(self.train_records) if f"{r['id']}#0" not in self.ref_lengths]
-            if todo:
-                trajs = self._multi_turn_rollouts(todo, step=-1, greedy=True)
-                for i, group in zip(todo, trajs):
-                    c = group[0]
-                    for t, (s, e) in enumerate(c.turn_spans):
-                        self.ref_lengths[f"{self.train_records[i]['id']}#{t}"] = max(1, e - s)
+        """L_ref of every prompt this run will use (every turn, multi-turn), from the starting
+        checkpoint: the policy itself before the first update, else the frozen reference (loaded for
+        the occasion when β = 0). Kept in the checkpoints, so a resumed run reuses them."""
+        steps = range(self.step, self.total_steps)
+        used = sorted({i for s in steps for i in self.batch_indices(s)})
+        key = (lambda r: f"{r['id']}#0") if self.cfg.multi_turn else (lambda r: r["id"])
+        todo = [i for i in used if key(self.train_records[i]) not in self.ref_lengths]
+        if not todo:
+            return
+        source = self.rollouts
+        if self.step > 0:  # the policy has moved: decode with the starting checkpoint instead
+            ref = self.ref_model or load_model(self.start_model, dtype=self.dtype, device=self.device)
+            self.rollouts.release()
+            source = Rollouts(ref, self.tokenizer, num_generations=self.cfg.num_generations,
+                              max_new_tokens=self.cfg.max_new_tokens, seed=self.cfg.seed, **self._sampling())
+        t0 = time.perf_counter()
+        if self.cfg.multi_turn:  # one greedy trajectory: per-turn lengths
+            trajs = self._multi_turn_rollouts(todo, step=-1, greedy=True, rollouts=source)
+            for i, group in zip(todo, trajs):
+                for t, (s, e) in enumerate(group[0].turn_spans):
+                    self.ref_lengths[f"{self.train_records[i]['id']}#{t}"] = max(1, e - s)
         else:
-            reference_lengths(self.rollouts, self.train_records, self.prompts, self.ref_lengths)
+            reference_lengths(source, [self.train_records[i] for i in todo], [self.prompts[i] for i in todo],
+                              self.ref_lengths, self.cfg.ref_samples)
+        source.release()
+        if self.cfg.progress:
+            print(f"L_ref of {len(todo)} prompts in {time.perf_counter() - t0:.1f}s", flush=True)
 
-    def _multi_turn_rollouts(self, indices: list, step: int, greedy: bool = False) -> list:
+    def _sampling(self) -> dict:
+        cfg = self.cfg
+        return dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                    kv_cache_bytes=cfg.rollout_kv_bytes, max_num_seqs=cfg.rollout_max_num_seqs)
+
+    def _multi_turn_rollouts(self, indices: list, step: int, greedy: bool = False, rollouts=None) -> list:
         firsts, nexts = [], []
         for i in indices:
             r = self.train_records[i]
@@ -281,7 +303,7 @@ class GRPOTrainer:
                                                                   add_generation_prompt=True)
                 turns.append(text)
             nexts.append(turns)
-        return self.rollouts.generate_multi_turn(firsts, nexts, step, greedy=greedy)
+        return (rollouts or self.rollouts).generate_multi_turn(firsts, nexts, step, greedy=greedy)
 
     # -- rollouts and rewards -----------------------------------------------------------------------
     def rollout_phase(self, step: int) -> tuple:

@@ -85,10 +85,15 @@ class Rollouts:
     def _ids(self, prompt) -> list:
         return self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
 
-    def generate(self, prompts: list, step: int, max_new_tokens: int | None = None) -> list:
+    def generate(self, prompts: list, step, max_new_tokens: int | None = None, n: int | None = None,
+                 keys: list | None = None) -> list:
+        """n (default K) samples per prompt, seeded by (run seed, step, key); keys default to the
+        prompts' positions."""
         ids = [self._ids(p) for p in prompts]
-        params = [self._params(_seed(self.seed, step, i) * self.k, self.k, max_new_tokens or self.max_new_tokens)
-                  for i in range(len(ids))]
+        n = n or self.k
+        keys = range(len(ids)) if keys is None else keys
+        params = [self._params(_seed(self.seed, step, key) * n, n, max_new_tokens or self.max_new_tokens)
+                  for key in keys]
         outs = self.llm.generate(ids, params)
         return [[self._completion(p, c) for c in o.outputs] for p, o in zip(ids, outs)]
 
@@ -176,14 +181,23 @@ def collate(completions: list, advantages, pad_id: int, mask_truncated: bool = F
                 completion_mask=completion_mask, old_logprobs=old * completion_mask, advantages=adv * completion_mask)
 
 
-def reference_lengths(rollouts: Rollouts, records: list, prompts: list, cache: dict, batch: int = 64) -> dict:
-    """L_ref per record id: the length of the starting checkpoint's greedy response, computed once
-    for the ids missing from `cache` (call it before the first update) and added to it."""
+def reference_lengths(rollouts: Rollouts, records: list, prompts: list, cache: dict, samples: int = 0,
+                      batch: int = 64) -> dict:
+    """L_ref per record id from `rollouts`' model (the starting checkpoint), for the ids missing from
+    `cache` (added to it): samples 0 -> the length of its greedy response; samples n >= 1 -> the mean
+    length of n responses sampled as the rollouts are (temperature, top-p; seeded by record id), which
+    is the scale the rollouts' lengths are compared with."""
     todo = [(r["id"], p) for r, p in zip(records, prompts) if r["id"] not in cache]
     for s in range(0, len(todo), batch):
         chunk = todo[s:s + batch]
-        for (rid, _), c in zip(chunk, rollouts.greedy([p for _, p in chunk])):
-            cache[rid] = max(1, c.length)  # a 0-token reference would leave no interval to aim for
+        prompts_ = [p for _, p in chunk]
+        if samples == 0:
+            lengths = [[c.length] for c in rollouts.greedy(prompts_)]
+        else:
+            groups = rollouts.generate(prompts_, "ref", n=samples, keys=[rid for rid, _ in chunk])
+            lengths = [[c.length for c in g] for g in groups]
+        for (rid, _), ls in zip(chunk, lengths):
+            cache[rid] = max(1.0, sum(ls) / len(ls))  # a 0-token reference would leave no interval to aim for
     return cache
 
 
