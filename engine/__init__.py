@@ -1,4 +1,5 @@
 """livemoe engine: everything needed to run a checkpoint (config, model, loading/saving, FLOPs, decoder)."""
+from engine.async_llm import AsyncLLM
 from engine.config import ModelConfig, load_config
 from engine.engine_config import EngineConfig, EngineConfigError
 from engine.errors import CheckpointError
@@ -8,6 +9,6 @@ from engine.model import Qwen3ForCausalLM
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling import RequestError, SamplingParams
 
-__all__ = ["ModelConfig", "load_config", "CheckpointError", "init_model", "load_model", "load_tokenizer",
+__all__ = ["AsyncLLM", "ModelConfig", "load_config", "CheckpointError", "init_model", "load_model", "load_tokenizer",
            "save_model", "Qwen3ForCausalLM", "EngineConfig", "EngineConfigError", "LLM", "CompletionOutput",
            "RequestMetrics", "RequestOutput", "RequestError", "SamplingParams"]
