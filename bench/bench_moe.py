@@ -68,10 +68,9 @@ def best_times(fns: dict, device, reps: int) -> dict:
     if device == "cpu":
         torch.set_num_threads(1)
     try:
-        best = {name: float("inf") for name in fns}
-        for fn in fns.values():
-            fn()  # warm-up (and compile)
-        for _ in range(reps):
+        best = {name: measure(fn, device, warmup=1, reps=1) for name, fn in fns.items()}  # warm-up, compile
+        rounds = max(reps, min(200, int(0.2 / max(best.values()))))  # short ops get more rounds: less noise
+        for _ in range(rounds):
             for name, fn in fns.items():
                 best[name] = min(best[name], measure(fn, device, warmup=0, reps=1))
     finally:

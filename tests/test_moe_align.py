@@ -103,3 +103,15 @@ def test_triton_op_all_tokens_one_expert():
     got = moe_align_triton(topk_ids, 7, 16, chunk=16)
     check_invariants(topk_ids, 7, 16, got)
     assert got[2].tolist() == [0, 0, 40, 0, 0, 0, 0] and got[3].item() == 48
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("T,block", [(1, 16), (16, 16), (4096, 64), (16384, 128)])
+def test_triton_op_on_gpu_at_qwen3_30b_routing(T, block):
+    # E=128, k=8: the dispatch picks the Triton op on CUDA; several chunks from T=4096 on
+    g = torch.Generator(device="cuda").manual_seed(T)
+    topk_ids = torch.topk(torch.rand(T, 128, device="cuda", generator=g), 8, dim=-1).indices
+    got = moe_align(topk_ids, 128, block)
+    for a, b in zip(got, moe_align_reference(topk_ids, 128, block)):
+        assert torch.equal(a, b)
+    check_invariants(topk_ids.cpu(), 128, block, [t.cpu() for t in got])
