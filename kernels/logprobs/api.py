@@ -77,12 +77,13 @@ def fused_linear_logprobs(hidden, weight, targets, temperature: float = 1.0, *, 
     fp32_accumulation keeps the partial sums of d hidden / d weight in fp32 (Triton backend; the chunked
     one always does).
     """
+    hidden, weight = _autocast(hidden, weight)
     _check(hidden, weight, targets, temperature, mask, backend)
     if backend is None:
         backend = "triton" if hidden.device.type == "cuda" and _triton_usable(hidden.device) else "chunked"
     if backend == "triton" and not _triton_usable(hidden.device):
         raise ValueError("backend='triton' needs triton and a CUDA tensor (or TRITON_INTERPRET=1 on the CPU)")
-    vocab, size = weight.shape
+    size = weight.shape[1]
     shape = targets.shape
     h2 = hidden.reshape(-1, size)
     t2 = targets.reshape(-1).long()
@@ -100,32 +101,8 @@ def fused_linear_logprobs(hidden, weight, targets, temperature: float = 1.0, *, 
     opts = LogprobsOptions(backend, chunk_tokens, chunk_vocab, fp32_accumulation, return_entropy, vocab_splits)
     weight = weight.contiguous()
 
-    if mask is None and ignore_index is None:
-        _check_target_range(t2, vocab)
-        outs = FusedLinearLogprobs.apply(h2.contiguous(), weight, t2, None, float(temperature), opts)
-    else:
-        active = torch.ones_like(t2, dtype=torch.bool)
-        if mask is not None:
-            active &= mask.reshape(-1).to(device=t2.device, dtype=torch.bool)
-        if ignore_index is not None:
-            active &= t2 != ignore_index
-        if backend == "chunked":
-            rows = active.nonzero().squeeze(1)
-            t_active = t2.index_select(0, rows)
-            _check_target_range(t_active, vocab)
-            inner = FusedLinearLogprobs.apply(h2.index_select(0, rows), weight, t_active, None,
-                                              float(temperature), opts)
-        else:
-            rows = torch.argsort((~active).to(torch.int8), stable=True)  # active rows first
-            n_valid = active.sum().to(torch.int32).reshape(1)
-            t_sorted = torch.where(active, t2, 0).index_select(0, rows)
-            inner = FusedLinearLogprobs.apply(h2.index_select(0, rows), weight, t_sorted, n_valid,
-                                              float(temperature), opts)
-        # back to the callers' row order, 0 on inactive rows (index_copy is differentiable in the source)
-        def scatter(x):
-            return x.new_zeros(t2.shape[0]).index_copy(0, rows, x)
-
-        outs = (scatter(inner[0]), scatter(inner[1]), scatter(inner[2]) if return_entropy else inner[2])
+    with torch.autocast(hidden.device.type, enabled=False):  # the kernels choose their own precision
+        outs = _apply(h2, weight, t2, float(temperature), opts, mask, ignore_index, return_entropy)
     logprobs, lse, entropy = outs
     logprobs = logprobs.view(shape)
     if not (return_lse or return_entropy):
@@ -136,6 +113,43 @@ def fused_linear_logprobs(hidden, weight, targets, temperature: float = 1.0, *, 
     if return_entropy:
         result += (entropy.view(shape),)
     return result
+
+
+def _autocast(hidden, weight):
+    """Under autocast both operands go to the autocast dtype, as F.linear's would (differentiably)."""
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device) and hidden.is_floating_point() and weight.is_floating_point():
+        dtype = torch.get_autocast_dtype(device)
+        return hidden.to(dtype), weight.to(dtype)
+    return hidden, weight
+
+
+def _apply(h2, weight, t2, temperature, opts, mask, ignore_index, return_entropy):
+    """(logprobs, lse, entropy) [N] for flat rows, inactive rows dropped before the kernels."""
+    vocab = weight.shape[0]
+    if mask is None and ignore_index is None:
+        _check_target_range(t2, vocab)
+        return FusedLinearLogprobs.apply(h2.contiguous(), weight, t2, None, temperature, opts)
+    active = torch.ones_like(t2, dtype=torch.bool)
+    if mask is not None:
+        active &= mask.reshape(-1).to(device=t2.device, dtype=torch.bool)
+    if ignore_index is not None:
+        active &= t2 != ignore_index
+    if opts.backend == "chunked":
+        rows = active.nonzero().squeeze(1)
+        t_active = t2.index_select(0, rows)
+        _check_target_range(t_active, vocab)
+        inner = FusedLinearLogprobs.apply(h2.index_select(0, rows), weight, t_active, None, temperature, opts)
+    else:
+        rows = torch.argsort((~active).to(torch.int8), stable=True)  # active rows first
+        n_valid = active.sum().to(torch.int32).reshape(1)
+        t_sorted = torch.where(active, t2, 0).index_select(0, rows)
+        inner = FusedLinearLogprobs.apply(h2.index_select(0, rows), weight, t_sorted, n_valid, temperature, opts)
+
+    def scatter(x):  # back to the callers' row order, 0 on inactive rows (differentiable in x)
+        return x.new_zeros(t2.shape[0]).index_copy(0, rows, x)
+
+    return scatter(inner[0]), scatter(inner[1]), scatter(inner[2]) if return_entropy else inner[2]
 
 
 def logprobs_from_logits(logits, targets, temperature: float = 1.0, *, ignore_index: int | None = None):
