@@ -156,12 +156,7 @@ def test_everything_masked(backend):
     assert gw is None or (gw == 0).all()
 
 
-@pytest.mark.parametrize("backend", ["chunked", pytest.param("triton", marks=TRITON)])
-@pytest.mark.parametrize("dtype,extra", [(torch.float16, 1e-3), (torch.bfloat16, 1e-2)])
-def test_half_precision_no_worse_than_eager(backend, dtype, extra):
-    if backend == "triton" and dtype == torch.bfloat16 and not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU (tl.dot on bf16 is wrong under the Triton interpreter)")
-    n, h, v = 40, 32, 500
+def check_half_precision(backend, n, h, v, dtype, extra, **kw):
     h32, w32, targets = make(n, h, v, scale=2.0, device=dev(backend))
     hidden = h32.detach().to(dtype).requires_grad_()
     weight = w32.detach().to(dtype).requires_grad_()
@@ -176,10 +171,26 @@ def test_half_precision_no_worse_than_eager(backend, dtype, extra):
 
     base = run_all(eager, hidden, weight)
     ours = run_all(lambda: fused_linear_logprobs(hidden, weight, targets, return_lse=True, return_entropy=True,
-                                                 backend=backend, chunk_tokens=16, chunk_vocab=256), hidden, weight)
+                                                 backend=backend, **kw), hidden, weight)
     for name, o, e, r in zip(("logprobs", "lse", "entropy", "d hidden", "d weight"), ours, base, ref):
         assert o.dtype == e.dtype, name
         assert rel_err(o, r) <= rel_err(e, r) + extra, f"{name}: ours {rel_err(o, r):.2e} eager {rel_err(e, r):.2e}"
+
+
+@pytest.mark.parametrize("backend", ["chunked", pytest.param("triton", marks=TRITON)])
+@pytest.mark.parametrize("dtype,extra", [(torch.float16, 1e-3), (torch.bfloat16, 1e-2)])
+def test_half_precision_no_worse_than_eager(backend, dtype, extra):
+    if backend == "triton" and dtype == torch.bfloat16 and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (tl.dot on bf16 is wrong under the Triton interpreter)")
+    check_half_precision(backend, 40, 32, 500, dtype, extra, chunk_tokens=16, chunk_vocab=256)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n,h,v", [(2048, 2048, 151_936),  # Qwen3 vocabulary: 2 backward vocabulary chunks
+                                   (33_000, 256, 32_000)])  # > 32,768 tokens: backward token chunks too
+def test_triton_bf16_real_shape(n, h, v):
+    """bf16 at real shapes with the default chunking, against bf16 eager (+1e-2)."""
+    check_half_precision("triton", n, h, v, torch.bfloat16, 1e-2)
 
 
 @TRITON

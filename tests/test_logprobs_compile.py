@@ -36,7 +36,7 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the Triton tests compile and run the kernels")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton tests compile and run these kernels on this machine")
 def test_triton_kernels_compile_for_sm90():
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
