@@ -94,8 +94,10 @@ def fused_linear_logprobs(hidden, weight, targets, temperature: float = 1.0, *, 
         chunk_tokens = chunk_tokens or min(max(h2.shape[0], 1), TRITON_MAX_TOKENS)
         chunk_vocab = chunk_vocab or max(128, TRITON_DZ_BYTES // (chunk_tokens * elt))
     else:
-        chunk_tokens = chunk_tokens or CHUNKED_TOKENS
         chunk_vocab = chunk_vocab or CHUNKED_VOCAB
+        # a small vocabulary takes more tokens per tile (fewer ops, same tile size)
+        tile = CHUNKED_TOKENS * CHUNKED_VOCAB
+        chunk_tokens = chunk_tokens or max(CHUNKED_TOKENS, tile // min(weight.shape[0], chunk_vocab))
     if chunk_tokens < 1 or chunk_vocab < 1:
         raise ValueError(f"chunk_tokens and chunk_vocab must be >= 1, got {chunk_tokens}, {chunk_vocab}")
     opts = LogprobsOptions(backend, chunk_tokens, chunk_vocab, fp32_accumulation, return_entropy, vocab_splits)
