@@ -260,3 +260,12 @@ def test_autocast_casts_like_linear():
     assert rel_err(lp, ref) <= rel_err(eager, ref) + 1e-2
     gh, gw = torch.autograd.grad(lp.sum(), (hidden, weight))
     assert gh.dtype == gw.dtype == torch.float32 and gh.abs().sum() > 0 and gw.abs().sum() > 0
+
+
+def test_logprobs_from_logits_bad_input():
+    with pytest.raises(ValueError, match="leading shape"):
+        logprobs_from_logits(torch.zeros(3, 5), torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match="integer"):
+        logprobs_from_logits(torch.zeros(3, 5), torch.zeros(3))
+    with pytest.raises(ValueError, match=r"\[0, 5\)"):
+        logprobs_from_logits(torch.zeros(3, 5), torch.tensor([0, 5, 1]))

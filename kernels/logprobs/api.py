@@ -162,6 +162,8 @@ def logprobs_from_logits(logits, targets, temperature: float = 1.0, *, ignore_in
         raise ValueError("logits must be a floating tensor [..., V]")
     if tuple(targets.shape) != tuple(logits.shape[:-1]):
         raise ValueError(f"targets {tuple(targets.shape)} must have the logits' leading shape {tuple(logits.shape[:-1])}")
+    if targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        raise ValueError(f"targets must be integer token ids, got {targets.dtype}")
     if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
     vocab = logits.shape[-1]
