@@ -71,3 +71,10 @@ def test_both_matmul_paths_match_reference(monkeypatch, grouped_mm):
     monkeypatch.setattr(sorted_moe, "_grouped_mm_works", lambda device, dtype: grouped_mm)
     inputs = make_inputs(24, 32, 16, 5, seed=9)  # strides are 16-byte multiples: _grouped_mm can take them
     assert_close(run(inputs, 2, backend="sorted"), reference(inputs, 2), atol=1e-4)
+
+
+def test_triton_backend_off_cuda_needs_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x, w1, w2, logits = make_inputs(3, 16, 8, 4)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        fused_moe(x, w1, w2, logits, 2, True, backend="triton")

@@ -120,6 +120,9 @@ class TritonMoEFunction(torch.autograd.Function):
 
 def experts_triton(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, config: MoEConfig | None = None):
     """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x_t) on the Triton kernels (CUDA, or the interpreter)."""
+    if hidden_states.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"the Triton MoE kernels need a CUDA device, got {hidden_states.device} (on the CPU they "
+                         "run only under TRITON_INTERPRET=1, set before triton is imported: tests)")
     num_tokens, hidden = hidden_states.shape
     num_experts, inter = w_down.shape[0], w_down.shape[2]
     top_k = topk_ids.shape[1]
