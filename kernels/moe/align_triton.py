@@ -90,10 +90,11 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_size: int, 
     total = torch.empty(1, dtype=torch.int32, device=dev)
     nc_pad = triton.next_power_of_2(num_chunks) if num_chunks > 1 else 1
     chunk_counts = torch.empty(num_chunks * e_pad if num_chunks > 1 else 1, dtype=torch.int32, device=dev)
+    warps = 8 if chunk * e_pad >= 16384 else 4  # the one-hot tile lives in registers
     if num_chunks > 1:
-        _align_count_kernel[(num_chunks,)](ids, chunk_counts, n, CHUNK=chunk, E_PAD=e_pad)
+        _align_count_kernel[(num_chunks,)](ids, chunk_counts, n, CHUNK=chunk, E_PAD=e_pad, num_warps=warps)
     fill = max(16, min(128, 8192 // e_pad))
     _align_scatter_kernel[(num_chunks,)](ids, chunk_counts, sorted_ids, expert_ids, counts, total, n, num_experts,
                                          num_chunks, num_blocks * block_size, BLOCK_SIZE=block_size, CHUNK=chunk,
-                                         E_PAD=e_pad, NC_PAD=nc_pad, FILL=fill)
+                                         E_PAD=e_pad, NC_PAD=nc_pad, FILL=fill, num_warps=warps)
     return sorted_ids, expert_ids, counts, total
