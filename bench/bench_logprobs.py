@@ -7,9 +7,6 @@ step through /proc/self/clear_refs (Linux). CPU: fp32 through the chunked path; 
 Triton at N = 8x1024, H = 2048, V = 151,936. On a shared CPU wall time swings with the neighbours'
 load, so CPU rows also give process CPU time (the work done, both threads summed).
 """
-import ctypes
-import gc
-import re
 import time
 
 import torch
@@ -17,7 +14,6 @@ import torch
 from bench.common import measure, peak_memory, record
 from kernels.logprobs import fused_linear_logprobs
 
-M_MMAP_THRESHOLD = -3  # mallopt parameter (glibc malloc.h)
 SHAPES = {  # (N, H, V)
     ("quick", "cpu"): [(256, 64, 32_768)],
     ("full", "cpu"): [(1024, 128, 151_936)],
@@ -29,36 +25,6 @@ SHAPES = {  # (N, H, V)
 def eager_logprobs(hidden, weight, targets, temperature=1.0):
     logits = (hidden @ weight.t()).float() / temperature
     return torch.log_softmax(logits, -1).gather(-1, targets[:, None]).squeeze(-1)
-
-
-def peak_rss(fn) -> int | None:
-    """Peak resident bytes above the start while fn() runs (Linux), or None where it cannot be reset.
-    (bench.common.peak_memory reads the profiler's CPU memory events, which miss most of these
-    allocations here.)"""
-    def status(key):
-        with open("/proc/self/status") as f:
-            return int(re.search(rf"{key}:\s+(\d+)", f.read()).group(1)) * 1024
-
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return None
-    # glibc keeps freed blocks of up to 32 MiB in its heap and reuses them without touching new pages;
-    # with a fixed 64 KiB mmap threshold every tensor gets (and returns) its own pages, so the peak
-    # resident set counts each allocation
-    libc.mallopt(M_MMAP_THRESHOLD, 1 << 16)
-    try:
-        gc.collect()
-        libc.malloc_trim(0)  # hand back the free heap, so that reuse of it shows as new pages too
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current VmRSS
-        base = status("VmRSS")
-        fn()
-        return status("VmHWM") - base
-    except OSError:
-        return None
-    finally:
-        libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)
 
 
 def cpu_time(fn, reps: int) -> float:
@@ -106,7 +72,7 @@ def test_fused_linear_logprobs(benchmark, bench_mode, device):
             forward, total = steps(fn, hidden, weight, targets, upstream)
             t_fwd = measure(forward, device, warmup=1, reps=reps)
             t_total = measure(total, device, warmup=1, reps=reps)
-            mem = peak_memory(total, device) if device == "cuda" else peak_rss(total)
+            mem = peak_memory(total, device)
             times[name] = (t_fwd, max(t_total - t_fwd, 0.0), t_total, mem)
             if device == "cpu":
                 times[name + " cpu"] = (cpu_time(forward, reps), cpu_time(total, reps))

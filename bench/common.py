@@ -4,10 +4,12 @@ A suite times our op and its baseline in the same process (this machine is noisy
 absolute figures, are what a CPU run can claim) and records one row per case with `record(...)`.
 At the end of the session the rows are written to bench/out/results.{json,md} and a PNG chart.
 """
+import ctypes
 import gc
 import json
 import os
 import platform
+import re
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -63,9 +65,13 @@ def measure(fn, device="cpu", warmup: int = 1, reps: int = 5) -> float:
     return statistics.median(times)
 
 
-def peak_memory(fn, device="cpu") -> int:
-    """Peak bytes allocated while fn() runs, above what was allocated before (CUDA: the allocator's
-    peak; CPU: torch's profiler memory accounting)."""
+M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+
+
+def peak_memory(fn, device="cpu") -> int | None:
+    """Peak bytes allocated while fn() runs, above what was allocated before. CUDA: the allocator's peak.
+    CPU (Linux): the peak resident set, reset through /proc/self/clear_refs; None where that is not
+    possible. (torch's profiler memory events miss most CPU allocations, so they are not used.)"""
     gc.collect()
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
@@ -74,19 +80,33 @@ def peak_memory(fn, device="cpu") -> int:
         fn()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base
-    from torch.profiler import ProfilerActivity, profile
+    return _peak_rss(fn)
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+
+def _peak_rss(fn) -> int | None:
+    def status(key):
+        with open("/proc/self/status") as f:
+            return int(re.search(rf"{key}:\s+(\d+)", f.read()).group(1)) * 1024
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+    # glibc keeps freed blocks of up to 32 MiB in its heap and reuses them without touching new pages;
+    # with a fixed 64 KiB mmap threshold every tensor gets (and returns) its own pages, so the peak
+    # resident set counts each allocation
+    libc.mallopt(M_MMAP_THRESHOLD, 1 << 16)
+    try:
+        libc.malloc_trim(0)  # hand back the free heap, so that reuse of it shows as new pages too
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current VmRSS
+        base = status("VmRSS")
         fn()
-    # walk the allocation events in order, tracking the live total
-    live = peak = 0
-    for evt in sorted(prof.events(), key=lambda e: e.time_range.start):
-        delta = evt.cpu_memory_usage if evt.cpu_memory_usage else 0
-        if evt.cpu_children and delta:  # parents report their children's allocations too
-            continue
-        live += delta
-        peak = max(peak, live)
-    return peak
+        return status("VmHWM") - base
+    except OSError:
+        return None
+    finally:
+        libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)
 
 
 def environment() -> dict:

@@ -24,7 +24,7 @@ from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampler import Sampler
 from engine.sampling import RequestError, SamplingParams
 from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus
+from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
