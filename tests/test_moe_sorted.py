@@ -74,6 +74,8 @@ def test_both_matmul_paths_match_reference(monkeypatch, grouped_mm):
 
 
 def test_triton_backend_off_cuda_needs_the_interpreter(monkeypatch):
+    import kernels.moe.triton_moe  # noqa: F401  (triton.jit picks interpreter or compiler at import: import first)
+
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     x, w1, w2, logits = make_inputs(3, 16, 8, 4)
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
