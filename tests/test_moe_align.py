@@ -79,9 +79,10 @@ def test_block_bound_uses_only_experts_that_can_be_hit():
     assert out[1].tolist() == [3, 5, 77]
 
 
-# (T, k, E, block, chunk): one chunk (decode: no count launch) and several chunks (counts carried across)
+# (T, k, E, block, chunk): one chunk (decode: one launch) and several chunks (counts scanned across them;
+# 75 chunks take the scan's row loop round twice)
 TRITON_CASES = [(1, 1, 4, 16, None), (7, 2, 5, 4, None), (33, 4, 13, 16, 16), (64, 8, 8, 8, 32),
-                (5, 3, 3, 64, None), (100, 3, 17, 16, 64)]
+                (5, 3, 3, 64, None), (100, 3, 17, 16, 64), (600, 2, 37, 16, 16), (1, 1, 1, 16, None)]
 
 
 @pytest.mark.parametrize("T,k,E,block,chunk", TRITON_CASES)

@@ -1,10 +1,10 @@
 """Routing align on the GPU in Triton: same contract and same output as `moe_align_reference` (align.py).
 
 No host synchronisation and static shapes, so it can sit inside a CUDA graph. Deterministic without
-atomics: the T*k pairs are cut into chunks; a first launch counts each chunk's pairs per expert, then
-every chunk's program derives, from those counts alone, where its pairs go (padded expert start + the
-pairs of that expert in earlier chunks + rank inside the chunk), so pairs keep ascending flat order
-within an expert. When one chunk holds every pair (decode) the count launch is skipped.
+atomics: the T*k pairs are cut into chunks; one launch counts each chunk's pairs per expert, one scans
+those counts over the chunks per expert, then every chunk's program places its pairs (padded expert
+start + the expert's pairs in earlier chunks + rank inside the chunk), so pairs keep ascending flat
+order within an expert. When one chunk holds every pair (decode) a single launch does it all.
 """
 import torch
 import triton
@@ -28,22 +28,35 @@ def _align_count_kernel(ids_ptr, chunk_counts_ptr, num_pairs, CHUNK: tl.constexp
 
 
 @triton.jit
-def _align_scatter_kernel(ids_ptr, chunk_counts_ptr, sorted_ids_ptr, expert_ids_ptr, counts_ptr, total_ptr,
-                          num_pairs, num_experts, num_chunks, num_positions,
+def _align_scan_kernel(chunk_counts_ptr, chunk_offsets_ptr, totals_ptr, num_chunks,
+                       E_PAD: tl.constexpr, EXPERTS: tl.constexpr, ROWS: tl.constexpr):
+    """Per expert, the exclusive prefix sum of the chunk counts over the chunks, and the total."""
+    cols = tl.program_id(0) * EXPERTS + tl.arange(0, EXPERTS)
+    carry = tl.zeros([EXPERTS], dtype=tl.int32)
+    for r in range(0, num_chunks, ROWS):
+        rows = r + tl.arange(0, ROWS)
+        mask = rows[:, None] < num_chunks
+        offs = rows[:, None] * E_PAD + cols[None, :]
+        c = tl.load(chunk_counts_ptr + offs, mask=mask, other=0)
+        tl.store(chunk_offsets_ptr + offs, tl.cumsum(c, axis=0) - c + carry[None, :], mask=mask)
+        carry += tl.sum(c, axis=0)
+    tl.store(totals_ptr + cols, carry)
+
+
+@triton.jit
+def _align_scatter_kernel(ids_ptr, chunk_offsets_ptr, chunk_totals_ptr, sorted_ids_ptr, expert_ids_ptr, counts_ptr,
+                          total_ptr, num_pairs, num_experts, num_chunks, num_positions,
                           BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr, E_PAD: tl.constexpr,
-                          NC_PAD: tl.constexpr, FILL: tl.constexpr):
+                          SINGLE: tl.constexpr, FILL: tl.constexpr):
     pid = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
     offs, onehot = _chunk_onehot(ids_ptr, pid, num_pairs, CHUNK, E_PAD)
-    if NC_PAD == 1:  # one chunk: count here, nothing comes before it
+    if SINGLE:  # one chunk: count here, nothing comes before it
         totals = tl.sum(onehot, axis=0)
         before = tl.zeros([E_PAD], dtype=tl.int32)
     else:
-        rows = tl.arange(0, NC_PAD)
-        cc = tl.load(chunk_counts_ptr + rows[:, None] * E_PAD + experts[None, :], mask=rows[:, None] < num_chunks,
-                     other=0)
-        totals = tl.sum(cc, axis=0)
-        before = tl.sum(tl.where(rows[:, None] < pid, cc, 0), axis=0)
+        totals = tl.load(chunk_totals_ptr + experts)
+        before = tl.load(chunk_offsets_ptr + pid * E_PAD + experts)
     padded = (totals + BLOCK_SIZE - 1) // BLOCK_SIZE * BLOCK_SIZE
     padded_end = tl.cumsum(padded, axis=0)
     padded_start = padded_end - padded
@@ -79,8 +92,8 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_size: int, 
         ids = ids.contiguous()
     n = ids.numel()
     e_pad = triton.next_power_of_2(num_experts)
-    if chunk is None:  # one-hot tiles of CHUNK x E_PAD; at most 128 chunks (more only for huge batches)
-        chunk = max(16, min(32768 // e_pad, triton.next_power_of_2(max(n, 1))), triton.next_power_of_2(-(-n // 128)))
+    if chunk is None:  # the one-hot tile CHUNK x E_PAD (and its scan) stays within 64 KiB
+        chunk = max(16, min(triton.next_power_of_2(max(n, 1)), 16384 // e_pad))
     num_chunks = max(1, -(-n // chunk))
     num_blocks = num_align_blocks(n, num_experts, block_size)
     dev = ids.device
@@ -88,13 +101,18 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_size: int, 
     expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=dev)
     counts = torch.empty(num_experts, dtype=torch.int32, device=dev)
     total = torch.empty(1, dtype=torch.int32, device=dev)
-    nc_pad = triton.next_power_of_2(num_chunks) if num_chunks > 1 else 1
-    chunk_counts = torch.empty(num_chunks * e_pad if num_chunks > 1 else 1, dtype=torch.int32, device=dev)
-    warps = 8 if chunk * e_pad >= 16384 else 4  # the one-hot tile lives in registers
-    if num_chunks > 1:
+    single = num_chunks == 1
+    chunk_counts = torch.empty(1 if single else num_chunks * e_pad, dtype=torch.int32, device=dev)
+    chunk_offsets = torch.empty_like(chunk_counts)
+    chunk_totals = torch.empty(1 if single else e_pad, dtype=torch.int32, device=dev)
+    warps = 8 if chunk * e_pad >= 8192 else 4
+    if not single:  # counts per chunk, then their prefix over the chunks per expert
         _align_count_kernel[(num_chunks,)](ids, chunk_counts, n, CHUNK=chunk, E_PAD=e_pad, num_warps=warps)
+        experts_per_program = min(e_pad, 32)
+        _align_scan_kernel[(e_pad // experts_per_program,)](chunk_counts, chunk_offsets, chunk_totals, num_chunks,
+                                                            E_PAD=e_pad, EXPERTS=experts_per_program, ROWS=64)
     fill = max(16, min(128, 8192 // e_pad))
-    _align_scatter_kernel[(num_chunks,)](ids, chunk_counts, sorted_ids, expert_ids, counts, total, n, num_experts,
-                                         num_chunks, num_blocks * block_size, BLOCK_SIZE=block_size, CHUNK=chunk,
-                                         E_PAD=e_pad, NC_PAD=nc_pad, FILL=fill, num_warps=warps)
+    _align_scatter_kernel[(num_chunks,)](ids, chunk_offsets, chunk_totals, sorted_ids, expert_ids, counts, total, n,
+                                         num_experts, num_chunks, num_blocks * block_size, BLOCK_SIZE=block_size,
+                                         CHUNK=chunk, E_PAD=e_pad, SINGLE=single, FILL=fill, num_warps=warps)
     return sorted_ids, expert_ids, counts, total
