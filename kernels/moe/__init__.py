@@ -5,6 +5,7 @@
               TRITON_INTERPRET=1, for tests
   "sorted"    sort once, per-expert matmuls on contiguous segments (sorted_moe.py): the CPU default
   "reference" the plain per-expert loop (reference.py)
+Block sizes: configs.py (heuristic, per-GPU JSON cache, autotune; `python -m kernels.moe.tune`).
 """
 import torch
 

@@ -2,7 +2,8 @@
 
 `get_config(...)` returns, in order: a tuned config from the JSON cache for this GPU and shape bucket,
 else the heuristic (so an untuned GPU always works). `tune(...)` times candidate configs on the GPU
-and saves the winner; `LIVEMOE_MOE_AUTOTUNE=1` makes `fused_moe` tune each new bucket on first use
+and saves the winner (`python -m kernels.moe.tune` does it for a model's shapes);
+`LIVEMOE_MOE_AUTOTUNE=1` makes `fused_moe` tune each new bucket on first use
 (outside CUDA-graph capture). The cache file is `$LIVEMOE_MOE_CONFIG`, default
 ~/.cache/livemoe/moe_configs.json, laid out as {gpu name: {bucket key: config dict}}.
 """
