@@ -80,3 +80,12 @@ def test_triton_backend_off_cuda_needs_the_interpreter(monkeypatch):
     x, w1, w2, logits = make_inputs(3, 16, 8, 4)
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         fused_moe(x, w1, w2, logits, 2, True, backend="triton")
+
+
+def test_autocast_casts_like_f_linear():
+    # fp32 weights under bf16 autocast: the experts run in bf16 (as F.linear would), grads reach the fp32 leaves
+    inputs = make_inputs(12, 32, 16, 4, seed=6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = run(inputs, 2)
+    assert got[0].dtype == torch.bfloat16 and all(g.dtype == torch.float32 for g in got[1:])
+    assert_close(got, reference(inputs, 2), rel=3e-2)

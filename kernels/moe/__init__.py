@@ -50,6 +50,10 @@ def fused_moe(hidden_states, w_gate_up, w_down, router_logits, top_k: int, renor
     Differentiable in all four tensors (the router trains through the kept routing weights). `backend`
     forces one implementation (tests); `config` forces the Triton block sizes (tests, tuning).
     """
+    device_type = hidden_states.device.type
+    if torch.is_autocast_enabled(device_type):  # the expert matmuls cast as F.linear would under autocast
+        dtype = torch.get_autocast_dtype(device_type)
+        hidden_states, w_gate_up, w_down = (t.to(dtype) for t in (hidden_states, w_gate_up, w_down))
     check_inputs(hidden_states, w_gate_up, w_down, router_logits)
     backend = backend or default_backend(hidden_states.device)
     if backend not in BACKENDS:
