@@ -293,6 +293,14 @@ def _save_model(model, path):
 
 
 def run(cfg: RFTConfig) -> dict:
+    threads = torch.get_num_threads()
+    try:
+        return _run(cfg)
+    finally:
+        torch.set_num_threads(threads)  # a caller in the same process (a test suite) keeps its own setting
+
+
+def _run(cfg: RFTConfig) -> dict:
     import engine
     from train.evaluate import evaluate, summarize, write_eval
 
