@@ -60,8 +60,8 @@ class GRPOConfig(RunConfig):
     top_k: int = -1
     ref_samples: int = field(default=4, metadata={"help": "L_ref = mean length of this many sampled responses of the "
                                                           "starting checkpoint per prompt; 0 = its greedy response"})
-    rollout_kv_bytes: int = field(default=64 * 2**20, metadata={"help": "decoder KV-cache budget (CPU)"})
-    rollout_max_num_seqs: int = 256
+    rollout_kv_bytes: int = field(default=256 * 2**20, metadata={"help": "decoder KV-cache budget (CPU)"})
+    rollout_max_num_seqs: int = 512
     # loss
     beta: float = field(default=0.01, metadata={"help": "k3 KL weight to the starting checkpoint (seed: 0.01; 0 = no reference)"})
     epsilon: float = field(default=0.2, metadata={"help": "clip η (seed: 0.2); the low side"})
