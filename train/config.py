@@ -36,14 +36,14 @@ class RunConfig:
     # for the same evaluation)
     threads: int = field(default=1, metadata={"help": "CPU threads for torch (0 = torch's default)"})
     skip_bad_lines: bool = field(default=False, metadata={"help": "skip and count malformed JSONL lines"})
-    train_rooms: int = field(default=1024, metadata={"help": "synthetic training inputs when --data is not given"})
+    train_rooms: int = field(default=2048, metadata={"help": "synthetic training inputs when --data is not given"})
     eval_rooms: int = field(default=64, metadata={"help": "synthetic held-out rooms for the before/after table"})
     # optimisation
     lr: float = 2e-3  # the tiny default student; the seed used 1.5e-6 at 30B
     weight_decay: float = 0.0
     warmup_steps: int = 10
     max_steps: int = 0  # 0: run `epochs` over the data
-    epochs: float = 6.0
+    epochs: float = 8.0
     batch_size: int = 8
     grad_accum: int = 1
     max_grad_norm: float = 1.0
