@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from train.config import RFTConfig
+from train.data import build_prompt
 from train.rft import (collate, encode_example, epoch_batches, main, marker_token_ids, run, sft_step_loss)
 from train.synthetic import ScriptedTeacher, make_rooms
 
@@ -48,7 +49,7 @@ def test_encode_masks_the_prompt_and_weights_markers(loaded):
     rec = kept_examples(1)[0]
     markers = marker_token_ids(tok, "<think>,</think>")
     e = encode_example(rec, tok, 4096, set(markers), marker_weight=3.0)
-    prompt_len = len(tok(__import__("train.data", fromlist=["x"]).build_prompt(rec, tok), add_special_tokens=False)["input_ids"])
+    prompt_len = len(tok(build_prompt(rec, tok), add_special_tokens=False)["input_ids"])
     w = e["weights"]
     assert all(x == 0 for x in w[: prompt_len - 1]) and all(x > 0 for x in w[prompt_len - 1:])
     targets = e["input_ids"][1:]
