@@ -232,3 +232,13 @@ def test_engine_checkpoint_teacher_samples_k_per_input_with_the_decoder(student)
     assert len(a) == 2 and all(len(c) == 3 and all(isinstance(t, str) for t in c) for c in a)
     assert len({t for c in a for t in c}) > 1  # sampled, not greedy copies
     assert teacher.sample(rooms, k=3, temperature=0.7) == a  # seeded
+
+
+def test_gradient_checkpointing_gives_the_same_losses(student, tmp_path):
+    runs = []
+    for gc in (False, True):
+        out = tmp_path / f"gc{gc}"
+        run(tiny_cfg(student, out, eval_rooms=0, gradient_checkpointing=gc, marker_weight=2.0, grad_accum=2))
+        runs.append([json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()])
+    for a, b in zip(*runs):  # recomputation in the backward pass: same fp32 ops, same order
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
