@@ -17,13 +17,7 @@ from kernels.attention import paged_decode_attention, paged_prefill_attention
 SUITE = "attention"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # small CPU ops on a shared machine: OpenMP spin-waits would swamp both sides
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 # (batch, context) per mode and device; heads (hq, hkv, d)
 DECODE = {

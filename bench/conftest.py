@@ -9,6 +9,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))  # tiny_models
+from fixtures import one_thread  # noqa: E402,F401  (shared fixture)
 
 
 def pytest_addoption(parser):

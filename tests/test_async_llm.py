@@ -16,12 +16,7 @@ OPTIONS = dict(dtype=torch.float32, device="cpu", block_size=4, num_kv_blocks=25
 WAIT_S = 20.0  # bound on any wait for the engine thread (it needs well under a second here)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -16,13 +16,7 @@ NEW = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # tiny matmuls on a shared 2-core machine: OpenMP spin-waits cost ~1000x the work
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def add_tokenizer(path, vocab_size=131):
@@ -316,8 +310,6 @@ def test_padded_decode_rows_as_in_cuda_graphs(checkpoints, backend, block_size):
     """A decode step padded the way a CUDA graph of a larger batch runs it (slot -1, context 0) gives
     the real rows the same hidden states and stores nothing for the padding. Graph capture itself
     needs a GPU; this checks everything the graph replays."""
-    from engine.scheduler import SchedulerOutput
-
     llm = engine(checkpoints[True][0], attention_backend=backend, block_size=block_size, num_kv_blocks=16)
     for p in ([3, 4, 5, 6, 7], [8, 9, 10]):
         llm.add_request(p, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))

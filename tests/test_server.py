@@ -26,12 +26,7 @@ CYCLE_TEXT = "aé你b🙂界"
 WAIT_S = 30.0  # bound on waiting for the engine to go idle (it needs well under a second here)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def start(path, **options):

@@ -12,12 +12,7 @@ from tiny_tokenizer import make_cycle_checkpoint, make_text_checkpoint
 CYCLE_TEXT = "aé你b🙂界"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls on a shared 2-core machine
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
