@@ -51,11 +51,12 @@ class GRPOConfig(RunConfig):
     rft_output: str = field(default="", metadata={"help": "where --model auto looks for the RFT student (default: RFT's output_dir)"})
     lr: float = 2e-4
     warmup_steps: int = 2
-    max_steps: int = 30
+    max_steps: int = 40
     # rollouts
     num_generations: int = field(default=8, metadata={"help": "K rollouts per prompt (seed: 8)"})
     max_new_tokens: int = field(default=256, metadata={"help": "completion length limit of a rollout"})
-    temperature: float = 1.0
+    temperature: float = field(default=0.7, metadata={"help": "rollout sampling temperature (0.7, the seed's τ: "
+                                                               "rollouts close to the greedy answers evaluated)"})
     top_p: float = 1.0
     top_k: int = -1
     ref_samples: int = field(default=4, metadata={"help": "L_ref = mean length of this many sampled responses of the "
