@@ -18,12 +18,7 @@ from train.metrics import read_metrics
 from train.synthetic.world import attribute_question, make_rooms, products_of
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls on a shared 2-core machine
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/fixtures.py: tiny matmuls, shared CPU
 
 
 @pytest.fixture(scope="module")
