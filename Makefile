@@ -15,7 +15,8 @@ $(VENV)/.installed: pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.cu csrc
 	touch $@
 
 demo: setup
-	$(PY) -m engine.demo
+	$(PY) -m train.rft
+	$(PY) -m train.grpo
 
 test: setup
 	$(PY) -m pytest tests bench -q
