@@ -36,6 +36,7 @@ class ModelRunner:
         self.num_kv_heads, self.head_dim = a.num_kv_heads, a.head_dim
         self.max_blocks_per_seq = math.ceil(max_model_len / self.block_size)
         self.kv_cache: torch.Tensor | None = None
+        self.layer_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # per-layer (K, V) views of kv_cache
         self.num_blocks = 0
         self.use_cuda_graphs = self.device.type == "cuda" and not config.enforce_eager
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -89,15 +90,25 @@ class ModelRunner:
         shape = (2, len(self.attn_layers), num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.num_blocks = num_blocks
-        for i, attn in enumerate(self.attn_layers):
-            attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        self.layer_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(len(self.attn_layers))]
+        self.attach_kv_cache()
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.block_size,
                  self.kv_cache.numel() * self.dtype.itemsize / 2**20)
 
+    def attach_kv_cache(self) -> None:
+        """Points the attention layers at this runner's cache. Another engine over the same module (a
+        trainer's rollout and eval engines) points them at its own, so each step re-attaches."""
+        assert self.kv_cache is not None, "no KV cache: reserve_kv_cache() first"
+        for attn, (k, v) in zip(self.attn_layers, self.layer_caches):
+            if attn.k_cache is not k:
+                attn.k_cache, attn.v_cache = k, v
+
     def free_kv_cache(self) -> None:
-        for attn in self.attn_layers:
-            attn.k_cache = attn.v_cache = None
+        for attn, (k, _) in zip(self.attn_layers, self.layer_caches):
+            if attn.k_cache is k:  # leave another engine's cache attached
+                attn.k_cache = attn.v_cache = None
         self.kv_cache = None
+        self.layer_caches = []
         self.num_blocks = 0
         self.graphs.clear()  # they hold pointers into the freed cache
         self.graph_vars.clear()
@@ -136,6 +147,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
         """Runs one step; returns (logits [num_sampling_seqs, V] fp32, indices into out.seqs that sample)."""
+        self.attach_kv_cache()
         input_ids, positions, ctx, sample_rows = self.prepare(out)
         sampling_seqs = [i for i, (seq, n) in enumerate(zip(out.seqs, out.num_new_tokens))
                          if seq.num_computed_tokens + n == len(seq)]
