@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import json
 import os
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -72,6 +73,10 @@ class RunConfig:
     eval_max_new_tokens: int = 256
     eval_temperature: float = 0.0
 
+    def check_model(self) -> None:
+        if not os.path.isdir(self.model):
+            raise ConfigError(f"--model {self.model}: no such checkpoint directory")
+
     def validate(self) -> None:
         positive = ["batch_size", "grad_accum", "max_len", "keep_last", "log_every", "eval_max_new_tokens"]
         for name in positive:
@@ -91,8 +96,7 @@ class RunConfig:
         _choice("judge_language", self.judge_language, ("en", "zh"))
         if self.resume not in ("none", "auto") and not os.path.isdir(self.resume):
             raise ConfigError(f"--resume {self.resume!r}: expected none, auto or an existing checkpoint directory")
-        if not os.path.isdir(self.model):
-            raise ConfigError(f"--model {self.model}: no such checkpoint directory")
+        self.check_model()
         if self.data and not os.path.isfile(self.data):
             raise ConfigError(f"--data {self.data}: no such file")
         if self.eval_data and not os.path.isfile(self.eval_data):
@@ -235,3 +239,18 @@ def save_config(cfg, output_dir: str) -> str:
         yaml.safe_dump(json.loads(json.dumps(config_dict(cfg))), f, sort_keys=False)
     os.replace(path + ".tmp", path)
     return path
+
+
+def run_cli(body) -> int:
+    """Runs a trainer command's body: bad input of any kind (ConfigError, DataError, CheckpointError, ...
+    all ValueErrors, or an OSError) is one clear line and exit code 2, never a traceback; Ctrl-C keeps
+    the last complete checkpoint."""
+    try:
+        body()
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: the last complete checkpoint is kept; continue with --resume auto", file=sys.stderr)
+        return 130
+    return 0

@@ -35,8 +35,9 @@ from engine.loader import load_model, load_tokenizer, save_model
 from kernels.logprobs import fused_linear_logprobs
 from train.advantages import SCALE_REWARDS, group_advantages, multi_turn_advantages, token_advantages
 from train.checkpoint import latest_checkpoint, load_checkpoint, resolve_resume, save_checkpoint
-from train.config import ConfigError, RFTConfig, RunConfig, _choice, format_config, parse_config, save_config
-from train.data import build_prompt, load_jsonl, split_thought
+from train.config import (ConfigError, RFTConfig, RunConfig, _choice, format_config, parse_config, run_cli,
+                          save_config)
+from train.data import build_prompt, split_thought
 from train.losses import PolicyLossConfig, policy_loss
 from train.metrics import MetricsLogger
 from train.rewards import CompositeReward, RewardConfig, RewardError, load_reward_fns
@@ -91,15 +92,12 @@ class GRPOConfig(RunConfig):
     export_dir: str = field(default="", metadata={"help": "HF export of the final model (default <output_dir>/final)"})
     plot: bool = field(default=True, metadata={"help": "PNG curves of every metric at the end (curves.png)"})
 
+    def check_model(self) -> None:
+        if self.model != "auto":  # `auto` is resolved later, by resolve_start
+            super().check_model()
+
     def validate(self) -> None:
-        auto = self.model == "auto"
-        if auto:  # RunConfig checks that --model exists; `auto` is resolved later, by resolve_start
-            self.model = os.curdir
-        try:
-            super().validate()
-        finally:
-            if auto:
-                self.model = "auto"
+        super().validate()
         for name in ("num_generations", "max_new_tokens", "num_iterations", "micro_batch_size",
                      "rollout_max_num_seqs", "rollout_kv_bytes"):
             if getattr(self, name) < 1:
@@ -521,18 +519,14 @@ def tpr_change(before: dict, after: dict) -> dict:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    try:
+
+    def body():
         cfg = parse_config(GRPOConfig, argv, description=__doc__.split("\n")[0])
         if cfg.progress:
             print("GRPO config:\n" + format_config(cfg), flush=True)
         GRPOTrainer(cfg).train()
-    except (ValueError, OSError) as e:  # ConfigError, RewardError, DataError, RequestError, CheckpointError...
-        print(f"error ({type(e).__name__}): {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted: the last complete checkpoint is kept; continue with --resume auto", file=sys.stderr)
-        return 130
-    return 0
+
+    return run_cli(body)
 
 
 if __name__ == "__main__":

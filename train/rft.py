@@ -23,7 +23,7 @@ import time
 import torch
 
 from train.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
-from train.config import RFTConfig, format_config, parse_config, save_config
+from train.config import RFTConfig, format_config, parse_config, run_cli, save_config
 from train.data import build_prompt, load_jsonl, write_jsonl
 from train.metrics import MetricsLogger
 from train.selection import require_nonempty, select
@@ -369,18 +369,7 @@ def _run(cfg: RFTConfig) -> dict:
 
 
 def main(argv=None) -> int:
-    from engine.errors import CheckpointError
-
-    try:
-        cfg = parse_config(RFTConfig, argv, description=__doc__.split("\n")[0])
-        run(cfg)
-    except (ValueError, CheckpointError, OSError) as e:  # bad input of any kind: one clear line, no traceback
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted: the last complete checkpoint is kept; continue with --resume auto", file=sys.stderr)
-        return 130
-    return 0
+    return run_cli(lambda: run(parse_config(RFTConfig, argv, description=__doc__.split("\n")[0])))
 
 
 if __name__ == "__main__":
