@@ -31,6 +31,25 @@ def _block_pairs(sorted_ids_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _gathered_dot(a_ptr, rows, valid, stride_am, stride_ak, b_ptr, offs_n, n_ok, stride_bn, stride_bk, K,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """acc[m, n] = sum_k A[rows[m], k] * B[offs_n[n], k] in fp32: the gathered main loop of a tile (b_ptr
+    already points at the expert's matrix)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_ok = offs_k < K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    return acc
+
+
+@triton.jit
 def gate_up_swiglu_kernel(x_ptr, w_ptr, act_ptr, preact_ptr, sorted_ids_ptr, expert_ids_ptr,
                           num_pairs, top_k, H, I, num_pid_m,
                           stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_am, stride_pm,
@@ -88,18 +107,9 @@ def gather_gemm_kernel(a_ptr, b_ptr, out_ptr, scale_ptr, sorted_ids_ptr, expert_
     pairs, valid = _block_pairs(sorted_ids_ptr, pid_m, num_pairs, BLOCK_M)
     rows = (pairs // a_div).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
     n_ok = offs_n < N
-    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        k_ok = offs_k < K - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
+    acc = _gathered_dot(a_ptr, rows, valid, stride_am, stride_ak, b_ptr + expert * stride_be, offs_n, n_ok,
+                        stride_bn, stride_bk, K, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
     out_dtype = out_ptr.dtype.element_ty
     if SCALE_ROWS:  # the reference rounds the product before weighting it
         acc = acc.to(out_dtype).to(tl.float32) * tl.load(scale_ptr + pairs, mask=valid, other=0.0)[:, None]
@@ -122,18 +132,9 @@ def down_backward_kernel(dy_ptr, w_ptr, preact_ptr, topk_w_ptr, dpre_ptr, act_pt
     pairs, valid = _block_pairs(sorted_ids_ptr, pid_m, num_pairs, BLOCK_M)
     rows = (pairs // top_k).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
     n_ok = offs_n < I
-    dy_ptrs = dy_ptr + rows[:, None] * stride_dym + offs_k[None, :] * stride_dyk
-    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wi + offs_k[:, None] * stride_wh
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(H, BLOCK_K)):
-        k_ok = offs_k < H - k * BLOCK_K
-        a = tl.load(dy_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        dy_ptrs += BLOCK_K * stride_dyk
-        w_ptrs += BLOCK_K * stride_wh
+    acc = _gathered_dot(dy_ptr, rows, valid, stride_dym, stride_dyk, w_ptr + expert * stride_we, offs_n, n_ok,
+                        stride_wi, stride_wh, H, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
     p64 = pairs.to(tl.int64)
     mask = valid[:, None] & n_ok[None, :]
     pre_ptrs = preact_ptr + p64[:, None] * stride_pm + offs_n[None, :]
