@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention.online_softmax import attend_block
+
 
 @triton.jit
 def _paged_decode_kernel(Q, K_cache, V_cache, Block_tables, Context_lens, Out, Part_out, Part_lse, scale,
@@ -41,27 +43,10 @@ def _paged_decode_kernel(Q, K_cache, V_cache, Block_tables, Context_lens, Out, P
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for j in range(start, end):
         block_id = tl.load(Block_tables + b * stride_bt + j).to(tl.int64)
-        k = tl.load(K_cache + block_id * stride_kb + offs_s[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
-                    mask=d_mask[None, :], other=0.0)
-        v = tl.load(V_cache + block_id * stride_vb + offs_s[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
-                    mask=d_mask[None, :], other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * scale
         pos = j * BLOCK_SIZE + offs_s
-        s = tl.where(pos[None, :] < ctx, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = attend_block(q, m_i, l_i, acc, K_cache, V_cache, block_id, kvh, offs_s, offs_d, d_mask,
+                                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                                     pos[None, :] < ctx, scale, IEEE)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # an empty range (split or padded row) gives 0
     mask = g_mask[:, None] & d_mask[None, :]

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention.online_softmax import attend_block
+
 
 @triton.jit
 def _paged_prefill_kernel(Q, K_cache, V_cache, Cu_seqlens_q, Context_lens, Block_tables, Out, scale,
@@ -44,28 +46,11 @@ def _paged_prefill_kernel(Q, K_cache, V_cache, Cu_seqlens_q, Context_lens, Block
     num_blocks = tl.cdiv(first_pos + tl.minimum((mb + 1) * BLOCK_M, q_len), BLOCK_SIZE)
     for j in range(0, num_blocks):
         block_id = tl.load(Block_tables + s * stride_bt + j).to(tl.int64)
-        k = tl.load(K_cache + block_id * stride_kb + offs_s[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
-                    mask=d_mask[None, :], other=0.0)
-        v = tl.load(V_cache + block_id * stride_vb + offs_s[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
-                    mask=d_mask[None, :], other=0.0)
-        if IEEE:
-            sc = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            sc = tl.dot(q, tl.trans(k))
-        sc = sc * scale
         kv_pos = j * BLOCK_SIZE + offs_s
         # position 0 is visible to every row, so each row's max is finite after the first block
-        sc = tl.where(kv_pos[None, :] <= q_pos[:, None], sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(sc - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = attend_block(q, m_i, l_i, acc, K_cache, V_cache, block_id, kvh, offs_s, offs_d, d_mask,
+                                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                                     kv_pos[None, :] <= q_pos[:, None], scale, IEEE)
     out = acc / l_i[:, None]
     tl.store(Out + (q_start + offs_m)[:, None] * stride_on + h * stride_oh + offs_d[None, :],
              out.to(Out.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])

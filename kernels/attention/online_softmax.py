@@ -1,0 +1,29 @@
+"""The step both paged attention kernels (decode.py, prefill.py) take per KV block."""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def attend_block(q, m_i, l_i, acc, K_cache, V_cache, block_id, kvh, offs_s, offs_d, d_mask,
+                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, visible, scale,
+                 IEEE: tl.constexpr):
+    """Loads KV block `block_id` of head kvh, scores q [R, D] against it (-inf where `visible` is false)
+    and folds it into the online softmax: running row max m_i, row sum l_i and output acc [R, D]."""
+    k = tl.load(K_cache + block_id * stride_kb + offs_s[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
+                mask=d_mask[None, :], other=0.0)
+    v = tl.load(V_cache + block_id * stride_vb + offs_s[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
+                mask=d_mask[None, :], other=0.0)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(visible, s * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE:
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc * alpha[:, None] + pv
