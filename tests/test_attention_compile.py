@@ -1,12 +1,9 @@
 """The paged attention Triton kernels compile for sm_90 (H100/H200) at Qwen3-30B-A3B's attention shape
 (8 query heads per KV head, head_dim 128) on a machine without a GPU, in bf16 and fp32: a kernel that only
-the interpreter accepts fails here, not on the GPU. Runs in a subprocess, as tests/test_moe_compile.py
-explains (triton.jit picks interpreter or compiler at import)."""
-import os
-import subprocess
-import sys
+the interpreter accepts fails here, not on the GPU. Runs in a subprocess
+(tests/sm90.py says why)."""
 
-import pytest
+from sm90 import check_compile_script, script_main
 
 
 def compile_all() -> list[str]:
@@ -45,23 +42,10 @@ def compile_all() -> list[str]:
     return failures
 
 
+
 def test_paged_attention_kernels_compile_for_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=root, capture_output=True, text=True,
-                          timeout=600)
-    if proc.returncode == 3:
-        pytest.skip(proc.stdout.strip())
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    check_compile_script(__file__)
 
 
 if __name__ == "__main__":
-    try:
-        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
-    except ImportError as e:
-        print(f"this triton has no NVIDIA backend: {e}")
-        sys.exit(3)
-    problems = compile_all()
-    print("\n".join(problems) or "the paged attention kernels compile for sm_90")
-    sys.exit(1 if problems else 0)
+    script_main(compile_all, "the paged attention kernels")

@@ -2,13 +2,11 @@
 tests check their numbers but not what only the compiler rejects (non-constexpr globals, types,
 shapes of tl.dot). Runs in a subprocess because TRITON_INTERPRET=1, set for this session, turns
 @triton.jit functions into interpreted ones."""
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from sm90 import run_compiler
 
 SCRIPT = textwrap.dedent('''
     import triton
@@ -39,8 +37,5 @@ SCRIPT = textwrap.dedent('''
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton tests compile and run these kernels on this machine")
 def test_triton_kernels_compile_for_sm90():
     pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", SCRIPT], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    out = run_compiler(["-c", SCRIPT])
     assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-3000:]

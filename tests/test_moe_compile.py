@@ -2,14 +2,10 @@
 machine without a GPU: Triton lowers to PTX and its bundled ptxas assembles it, so a kernel that only the
 interpreter accepts (or that needs more than 227 KiB of shared memory) fails here, not on the GPU.
 
-Runs in a subprocess: triton.jit chooses interpreter or compiler at import, and tests import the kernels
-under TRITON_INTERPRET=1."""
-import os
-import subprocess
-import sys
+Runs in a subprocess (tests/sm90.py says why)."""
 
-import pytest
 import torch
+from sm90 import check_compile_script, script_main
 
 from kernels.moe.configs import heuristic_config
 
@@ -98,23 +94,10 @@ def compile_all() -> list[str]:
     return failures
 
 
+
 def test_kernels_compile_for_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=root, capture_output=True, text=True,
-                          timeout=600)
-    if proc.returncode == 3:
-        pytest.skip(proc.stdout.strip())
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    check_compile_script(__file__)
 
 
 if __name__ == "__main__":
-    try:
-        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
-    except ImportError as e:
-        print(f"this triton has no NVIDIA backend: {e}")
-        sys.exit(3)
-    problems = compile_all()
-    print("\n".join(problems) or "all MoE kernels compile for sm_90")
-    sys.exit(1 if problems else 0)
+    script_main(compile_all, "all MoE kernels")

@@ -1,0 +1,40 @@
+"""Compiling Triton kernels for sm_90 (H100/H200) on a machine without a GPU: Triton lowers to PTX and its
+bundled ptxas assembles it, so a kernel that only the interpreter accepts fails here, not on the GPU. It
+runs in a subprocess, since triton.jit picks interpreter or compiler at import and this session's tests
+import the kernels under TRITON_INTERPRET=1."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NO_BACKEND = 3  # exit code of a script whose triton has no NVIDIA backend
+
+
+def run_compiler(args: list[str]) -> subprocess.CompletedProcess:
+    """python ARGS with the Triton compiler (not the interpreter), from the repository root."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # triton's current default, said explicitly
+    return subprocess.run([sys.executable, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def check_compile_script(path: str) -> None:
+    """Runs a test file's __main__ (script_main) and fails with its report."""
+    proc = run_compiler([os.path.abspath(path)])
+    if proc.returncode == NO_BACKEND:
+        pytest.skip(proc.stdout.strip())
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+
+def script_main(compile_all, what: str) -> None:
+    """The __main__ of a compile test: compile_all() returns one line per kernel that failed."""
+    try:
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+    except ImportError as e:
+        print(f"this triton has no NVIDIA backend: {e}")
+        sys.exit(NO_BACKEND)
+    problems = compile_all()
+    print("\n".join(problems) or f"{what} compile for sm_90")
+    sys.exit(1 if problems else 0)
