@@ -1,7 +1,11 @@
 """Paged-KV attention ops: store K/V by slot mapping, paged decode (split-KV, GQA packed), and causal
 prefill over a cached paged prefix. Each public function dispatches: Triton where the tensors are on a
-GPU (or backend="triton", e.g. under TRITON_INTERPRET=1), the PyTorch reference path otherwise."""
+GPU (or backend="triton", e.g. under TRITON_INTERPRET=1); on the CPU the C++ ops of
+csrc/paged_attention.cpp (K/V read in place through the block tables) when the extension is built, else
+(or with backend="reference") the PyTorch path of reference.py."""
 import torch
+
+from kernels import _ext
 
 from kernels.attention.reference import (decode_gather_index, gather_kv, paged_attention_reference,
                                          paged_decode_torch, paged_prefill_torch, store_kvcache_reference)
@@ -12,12 +16,22 @@ def _use_triton(t: torch.Tensor, backend: str) -> bool:
     return backend == "triton" or (backend == "auto" and t.is_cuda)
 
 
+_HAS_CPP = _ext.has_op("paged_attention")
+
+
+def _use_cpp(t: torch.Tensor, backend: str) -> bool:
+    """The C++ CPU ops: backend auto on a CPU tensor, where the extension is built."""
+    return _HAS_CPP and backend == "auto" and t.device.type == "cpu"
+
+
 def store_kvcache(k, v, k_cache, v_cache, slot_mapping, backend: str = "auto") -> None:
     """k/v [N, Hkv, D] into caches [num_blocks, block_size, Hkv, D] at flat slots [N] (-1: skip)."""
     if _use_triton(k, backend):
         from kernels.attention.store_kvcache import store_kvcache_triton
 
         store_kvcache_triton(k, v, k_cache, v_cache, slot_mapping)
+    elif _use_cpp(k, backend):
+        torch.ops.livemoe.store_kvcache(k, v, k_cache, v_cache, slot_mapping)
     else:
         store_kvcache_reference(k, v, k_cache, v_cache, slot_mapping)
 
@@ -33,6 +47,9 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
             max_ctx = k_cache.shape[1] * block_tables.shape[1]
             num_splits = choose_num_splits(q.shape[0], k_cache.shape[2], max_ctx, k_cache.shape[1])
         return paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, out)
+    if _use_cpp(q, backend):
+        result = torch.ops.livemoe.paged_attention(q, k_cache, v_cache, None, context_lens, block_tables, scale)
+        return result if out is None else out.copy_(result)
     gather = None
     if scratch is not None:
         gather = scratch.get("decode_gather")
@@ -72,6 +89,8 @@ def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
         from kernels.attention.prefill import paged_prefill_triton
 
         return paged_prefill_triton(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, max_seqlen_q)
+    if _use_cpp(q, backend):
+        return torch.ops.livemoe.paged_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale)
     return paged_prefill_torch(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale)
 
 
