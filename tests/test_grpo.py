@@ -69,7 +69,8 @@ def test_end_to_end_every_parameter_changes_and_the_loss_stays_finite(student, t
     table = (out / "eval_table.md").read_text()
     assert "| Correct. | Helpful. | TPR |" in table and "+ GRPO" in table
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["before"]["n"] == 2 and "tpr" in summary["after"] and "tpr_reduction_pct" in summary
+    assert summary["before"]["prompts"] == 2 and summary["before"]["n"] == 2 * 4  # 4 sampled responses each
+    assert "tpr" in summary["after"] and "tpr_reduction_pct" in summary
 
 
 def test_gspo_sequence_level_with_several_passes(student, tmp_path):

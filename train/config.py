@@ -71,14 +71,18 @@ class RunConfig:
     judge_api_key_env: str = "OPENAI_API_KEY"
     judge_concurrency: int = 8
     eval_max_new_tokens: int = 256
-    eval_temperature: float = 0.0
+    # sampled, as reasoning models are evaluated (greedy decoding of a small model shows one mode of
+    # its answers: the RFT student's greedy answer is its short one, while most of its samples copy
+    # the teacher's long thoughts); 0 = greedy
+    eval_temperature: float = field(default=0.7, metadata={"help": "held-out decoding temperature (the seed's τ); 0 = greedy"})
+    eval_samples: int = field(default=4, metadata={"help": "responses sampled per held-out prompt (1 when greedy)"})
 
     def check_model(self) -> None:
         if not os.path.isdir(self.model):
             raise ConfigError(f"--model {self.model}: no such checkpoint directory")
 
     def validate(self) -> None:
-        positive = ["batch_size", "grad_accum", "max_len", "keep_last", "log_every", "eval_max_new_tokens"]
+        positive = ["batch_size", "grad_accum", "max_len", "keep_last", "log_every", "eval_max_new_tokens", "eval_samples"]
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
@@ -86,6 +90,9 @@ class RunConfig:
                      "save_every", "train_rooms", "eval_rooms", "eval_temperature", "threads"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name} must be >= 0, got {getattr(self, name)}")
+        if self.eval_temperature == 0 and self.eval_samples != 1:
+            raise ConfigError(f"--eval_samples {self.eval_samples} needs --eval_temperature > 0: greedy responses are "
+                              "identical (use --eval_samples 1 with --eval_temperature 0)")
         if self.max_steps == 0 and self.epochs <= 0:
             raise ConfigError("--epochs must be > 0 when --max_steps is 0")
         if self.marker_weight <= 0:

@@ -11,7 +11,10 @@ from train.data import build_prompt
 
 
 def evaluate(model, tokenizer, records: list, judge, max_new_tokens: int = 256, temperature: float = 0.0,
-             seed: int = 0, progress: bool = True, label: str = "model") -> dict:
+             seed: int = 0, progress: bool = True, label: str = "model", samples: int = 1) -> dict:
+    """One row of the table. temperature 0: the greedy response per record; else `samples` responses
+    sampled per record, each request with its own seed (one seed shared by every request would draw
+    the same noise for all of them: correlated samples, not an estimate), metrics averaged over all."""
     from engine.llm import LLM
     from engine.flops import decode_flops, param_counts
     from engine.sampling import SamplingParams
@@ -20,20 +23,29 @@ def evaluate(model, tokenizer, records: list, judge, max_new_tokens: int = 256, 
     model.eval()
     llm = LLM.from_model(model, tokenizer, seed=seed, use_tqdm=progress)
     try:
-        params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens, seed=seed)
+        if temperature == 0 and samples != 1:
+            raise ValueError(f"evaluate: samples={samples} needs temperature > 0 (greedy responses are identical)")
+        # request r's samples get seeds base + r * samples + j: distinct for every response
+        base = seed * 1_000_003
+        params = [SamplingParams(temperature=temperature, max_tokens=max_new_tokens, n=samples,
+                                 seed=base + r * samples) for r in range(len(records))]
         outs = llm.generate([build_prompt(r, tokenizer) for r in records], params)
     finally:
         if not llm.requests:
             llm.release_kv_cache()
     model.train(was_training)
-    texts = [o.text for o in outs]
-    lengths = [len(o.token_ids) for o in outs]
+    prompts = len(records)
+    records = [r for r in records for _ in range(samples)]
+    completions = [c for o in outs for c in o.outputs]
+    texts = [c.text for c in completions]
+    lengths = [len(c.token_ids) for c in completions]
     counts = param_counts(model.config)
     flops = [decode_flops(model.config, n) for n in lengths]
     result = summarize(records, texts, lengths, judge, label)
     result.update(params_total=counts["total"], params_active=counts["active"],
                   decode_gflops=sum(flops) / max(1, len(flops)) / 1e9,
-                  truncated=sum(o.finish_reason == "length" for o in outs) / max(1, len(outs)))
+                  truncated=sum(c.finish_reason == "length" for c in completions) / max(1, len(completions)),
+                  prompts=prompts, samples_per_prompt=samples, temperature=temperature)
     return result
 
 

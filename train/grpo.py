@@ -52,12 +52,12 @@ class GRPOConfig(RunConfig):
     rft_output: str = field(default="", metadata={"help": "where --model auto looks for the RFT student (default: RFT's output_dir)"})
     lr: float = 2e-4
     warmup_steps: int = 2
-    max_steps: int = 40
+    max_steps: int = 60
     # rollouts
     num_generations: int = field(default=8, metadata={"help": "K rollouts per prompt (seed: 8)"})
     max_new_tokens: int = field(default=256, metadata={"help": "completion length limit of a rollout"})
-    temperature: float = field(default=0.7, metadata={"help": "rollout sampling temperature (0.7, the seed's τ: "
-                                                               "rollouts close to the greedy answers evaluated)"})
+    temperature: float = field(default=0.7, metadata={"help": "rollout sampling temperature (0.7, the seed's τ, "
+                                                               "as the held-out answers are sampled)"})
     top_p: float = 1.0
     top_k: int = -1
     ref_samples: int = field(default=4, metadata={"help": "L_ref = mean length of this many sampled responses of the "
@@ -430,14 +430,16 @@ class GRPOTrainer:
 
     # -- evaluation ---------------------------------------------------------------------------------
     def evaluate(self, label: str) -> dict:
-        """train.evaluate on the held-out records (greedy by default), one row of the Table-3 table."""
+        """train.evaluate on the held-out records (--eval_samples sampled responses per prompt at
+        --eval_temperature), one row of the Table-3 table."""
         from train.evaluate import evaluate
 
         # its decoder attaches its own KV cache to the shared attention layers: ours must be released
         # first (it comes back, re-attached, at the next rollout); it releases its own when done
         self.rollouts.release()
         return evaluate(self.model, self.tokenizer, self.eval_records, self.judge, self.cfg.eval_max_new_tokens,
-                        self.cfg.eval_temperature, self.cfg.seed, progress=False, label=label)
+                        self.cfg.eval_temperature, self.cfg.seed, progress=False, label=label,
+                        samples=self.cfg.eval_samples)
 
     # -- the loop -----------------------------------------------------------------------------------
     def train_step(self, step: int) -> dict:

@@ -333,7 +333,7 @@ def _run(cfg: RFTConfig) -> dict:
 
     rows = []
     eval_kw = dict(max_new_tokens=cfg.eval_max_new_tokens, temperature=cfg.eval_temperature, seed=cfg.seed,
-                   progress=cfg.progress)
+                   progress=cfg.progress, samples=cfg.eval_samples)
     before_path = os.path.join(cfg.output_dir, "eval_before.json")
     if held_out:
         if cfg.teacher == "scripted":  # the teacher's own row, as in the seed's Table 3 (no decode cost)
