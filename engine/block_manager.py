@@ -158,14 +158,26 @@ class BlockManager:
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self.blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
 
-    def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
-        """Adds blocks so a running seq can hold num_new_tokens more computed tokens."""
+    def try_append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Adds blocks so a running seq can hold num_new_tokens more computed tokens; False (nothing
+        changed) when there are not enough free blocks. The scheduler's per-sequence call of every step,
+        so the common decode case (no new block, no block filled) does no more than two comparisons."""
         assert seq.block_table, seq
-        needed = self.blocks_needed(seq, num_new_tokens)
-        assert needed <= self.num_free_blocks, (needed, self.num_free_blocks)
-        for _ in range(needed):
-            seq.block_table.append(self._take_free_block())
-        self.cache_blocks(seq, seq.num_computed_tokens + num_new_tokens)
+        total = seq.num_computed_tokens + num_new_tokens
+        needed = -(-total // self.block_size) - len(seq.block_table)
+        if needed > 0:
+            if needed > len(self.free_block_ids):
+                return False
+            for _ in range(needed):
+                seq.block_table.append(self._take_free_block())
+        if self.enable_prefix_caching and total // self.block_size > len(seq.block_hashes):
+            self.cache_blocks(seq, total)
+        return True
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
+        """try_append_slots where the caller knows the blocks are there (can_append)."""
+        ok = self.try_append_slots(seq, num_new_tokens)
+        assert ok, (self.blocks_needed(seq, num_new_tokens), self.num_free_blocks)
 
     def free(self, seq: Sequence) -> None:
         # last blocks first, so a sequence's tail is evicted before its (more shareable) head

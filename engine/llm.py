@@ -18,6 +18,7 @@ import torch
 
 from engine import flops
 from engine.block_manager import BlockManager
+from engine.detokenizer import IncrementalDetokenizer
 from engine.engine_config import EngineConfig
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -218,6 +219,7 @@ class LLM:
                 seq.generator = torch.Generator(device=logits.device).manual_seed(seq.seed)
         result = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
         now = time.perf_counter()
+        # the requests to report: every sampled one, or (generate) only those a finishing seq may complete
         touched: dict[str, Request] = {}
         for seq, token, lp in zip(seqs, result.token_ids, result.logprobs):
             seq.append_token(token, now)
@@ -226,7 +228,9 @@ class LLM:
             self._check_stop(seq)
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
-            touched[seq.request_id] = self.requests[seq.request_id]
+                touched[seq.request_id] = self.requests[seq.request_id]
+            elif not finished_only:
+                touched[seq.request_id] = self.requests[seq.request_id]
         outputs = pending
         for req in touched.values():
             if req.finished:
@@ -245,7 +249,10 @@ class LLM:
         elif token in p.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token
         elif p.stop:
-            text = self._decode(seq.output_token_ids, p)
+            if seq.detokenizer is None:  # incremental: a step decodes a few tokens, not the whole output
+                seq.detokenizer = IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens)
+            seq.detokenizer.push([token])
+            text = seq.detokenizer.decoded  # the complete characters so far
             # only a stop string ending in the newest text can be new
             tail_from = max(0, len(seq.text) - max(map(len, p.stop)))
             hits = [(i, s) for s in p.stop if (i := text.find(s, tail_from)) >= 0]

@@ -121,24 +121,34 @@ class ModelRunner:
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, Context, list[int]]:
         """(input_ids [N], positions [N], Context, sample row indices in N order)."""
         bs = self.block_size
-        input_ids, positions, slots, cu, context_lens, sample_rows = [], [], [], [0], [], []
-        for seq, n in zip(out.seqs, out.num_new_tokens):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            cu.append(cu[-1] + n)
-            context_lens.append(end)
-            if end == len(seq):
-                sample_rows.append(cu[-1] - 1)
-        width = max(len(seq.block_table) for seq in out.seqs)
-        tables = [seq.block_table + [-1] * (width - len(seq.block_table)) for seq in out.seqs]
+        seqs = out.seqs
+        is_decode = out.is_decode_only
+        if is_decode:  # the common step: one token per sequence (row i is seq i)
+            positions = [seq.num_computed_tokens for seq in seqs]
+            input_ids = [seq.token_ids[p] for seq, p in zip(seqs, positions)]
+            slots = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions)]
+            context_lens = [p + 1 for p in positions]
+            cu = list(range(len(seqs) + 1))
+            # a row samples when its token is the sequence's last (not a 1-token prefill chunk)
+            sample_rows = [i for i, (seq, n) in enumerate(zip(seqs, context_lens)) if n == len(seq.token_ids)]
+        else:
+            input_ids, positions, slots, cu, context_lens, sample_rows = [], [], [], [0], [], []
+            for seq, n in zip(seqs, out.num_new_tokens):
+                start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+                input_ids.extend(seq.token_ids[start:end])
+                positions.extend(range(start, end))
+                table = seq.block_table
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+                cu.append(cu[-1] + n)
+                context_lens.append(end)
+                if end == len(seq):
+                    sample_rows.append(cu[-1] - 1)
+        width = max(len(seq.block_table) for seq in seqs)
+        tables = [seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs]
 
         def t(data, dtype=torch.int32):
             return torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
 
-        is_decode = out.is_decode_only
         ctx = Context(slot_mapping=t(slots, torch.long), context_lens=t(context_lens), block_tables=t(tables),
                       cu_seqlens_q=t(cu), max_seqlen_q=max(out.num_new_tokens), is_decode=is_decode,
                       backend=self.backend, max_context_len=max(context_lens))
@@ -149,14 +159,18 @@ class ModelRunner:
         """Runs one step; returns (logits [num_sampling_seqs, V] fp32, indices into out.seqs that sample)."""
         self.attach_kv_cache()
         input_ids, positions, ctx, sample_rows = self.prepare(out)
-        sampling_seqs = [i for i, (seq, n) in enumerate(zip(out.seqs, out.num_new_tokens))
-                         if seq.num_computed_tokens + n == len(seq)]
+        if ctx.is_decode:
+            sampling_seqs = sample_rows  # row i is seq i
+        else:
+            sampling_seqs = [i for i, (seq, n) in enumerate(zip(out.seqs, out.num_new_tokens))
+                             if seq.num_computed_tokens + n == len(seq)]
         if ctx.is_decode and self.use_cuda_graphs:
             hidden = self._run_decode_graph(input_ids, positions, ctx)
         else:
             hidden = self._run_eager(input_ids, positions, ctx)
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows)).float()
+        if len(sample_rows) < hidden.shape[0]:  # logits only for the rows that sample
+            hidden = hidden.index_select(0, torch.tensor(sample_rows, dtype=torch.long, device=self.device))
+        logits = self.model.compute_logits(hidden).float()
         return logits, sampling_seqs
 
     def _run_eager(self, input_ids, positions, ctx: Context) -> torch.Tensor:

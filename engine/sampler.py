@@ -56,6 +56,8 @@ class Sampler:
         """logits [B, V]; params and generators (None: the shared one) per row."""
         B, V = logits.shape
         assert len(params) == B == len(generators)
+        if all(p.temperature == 0.0 and p.logprobs is None for p in params):  # greedy, nothing else asked
+            return SampleResult(logits.argmax(-1).tolist(), [None] * B)
         logits = logits.float()
         device = logits.device
         temperature = torch.tensor([p.temperature for p in params], device=device)

@@ -28,7 +28,7 @@ class SchedulerOutput:
 
     @property
     def is_decode_only(self) -> bool:
-        return all(n == 1 for n in self.num_new_tokens)
+        return sum(self.num_new_tokens) == len(self.num_new_tokens)  # every seq computes >= 1 token
 
 
 class Scheduler:
@@ -52,18 +52,18 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         preempted = False
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = min(seq.num_uncomputed_tokens, budget)
+        running, bm = self.running, self.block_manager
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             assert n > 0, seq
-            while not self.block_manager.can_append(seq, n):
-                victim = self.running.pop()  # the newest; never one scheduled already (those are < i)
+            while not bm.try_append_slots(seq, n):
+                victim = running.pop()  # the newest; never one scheduled already (those are < i)
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
                     break
             else:
-                self.block_manager.append_slots(seq, n)
                 out.seqs.append(seq)
                 out.num_new_tokens.append(n)
                 budget -= n
@@ -96,9 +96,9 @@ class Scheduler:
         sampled a token)."""
         sampled = []
         for seq, n in zip(out.seqs, out.num_new_tokens):
-            seq.num_computed_tokens += n
-            assert seq.num_computed_tokens <= len(seq), seq
-            sampled.append(seq.num_computed_tokens == len(seq))
+            seq.num_computed_tokens = computed = seq.num_computed_tokens + n
+            assert computed <= len(seq.token_ids), seq
+            sampled.append(computed == len(seq.token_ids))
         return sampled
 
     def finish(self, seq: Sequence) -> None:
