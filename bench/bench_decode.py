@@ -1,11 +1,19 @@
 """The decoder end to end: offline throughput, TTFT and TPOT of `engine.LLM` against transformers'
 `generate` on the same model in the same process.
 
-CPU: the tiny random Qwen3-MoE of tests/tiny_models.py, 64 requests with prompts of 8-48 tokens
-(quick: 8), greedy with ignore_eos. Baselines: one batched, left-padded `generate` call (its strongest
-offline mode) with equal output lengths and with a mix of output lengths, and `generate` one request
-at a time. Both sides run single-threaded: on this shared 2-core machine OpenMP spin-waits otherwise
-dominate tiny matmuls, for both sides alike.
+CPU, two random Qwen3-MoE checkpoints made by tests/tiny_models.py: the tiny one (H 64, 3 layers, 8 experts
+top-2, vocab 131) and, in full mode only, a small one (H 256, 4 layers, 32 experts top-4, 8/4 heads of 32,
+vocab 4096), where the expert matmuls weigh more than the per-op overhead. Workloads (quick: smaller):
+- 64 requests, prompts of 8-48 tokens, greedy with ignore_eos: equal output lengths (32), and a mix of output
+  lengths (uniform in [4, 64]: "useful tok/s", the tokens asked for). Baselines: one batched, left-padded
+  `generate` call (its strongest offline mode; with the mix it must run every row to the longest), and, for the
+  tiny model, `generate` one request at a time.
+- GRPO-rollout-shaped: 8 prompts of 32-96 tokens x n=8 samples each, what train/rollout.py asks (temperature
+  0.7, a seed, the sampled tokens' logprobs), every sample exactly 32 tokens (ignore_eos on ours, no EOS on
+  theirs). Baseline: `generate` with num_return_sequences=8, do_sample at temperature 0.7 (top_k off, as ours),
+  output_scores=True (what a trainer reads the logprobs from).
+Both sides run single-threaded: on this shared 2-core machine OpenMP spin-waits otherwise dominate tiny
+matmuls, for both sides alike. Every case is recorded; ratios come from the same process.
 GPU: a Qwen3-30B-A3B-shaped model with random bf16 weights made on the device; batch 1, 8, 64 at
 contexts 1k and 4k (quick: batch 1 at 1k); ms per decode step against the memory-bound floor (the
 weights a step touches plus the KV it reads, at the measured copy bandwidth).
@@ -18,15 +26,11 @@ import torch
 from bench.common import record
 
 SUITE = "decode"
-
-
-@pytest.fixture(scope="module")
-def one_thread(device):
-    n = torch.get_num_threads()
-    if device == "cpu":
-        torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+MODELS = {  # name -> tests/tiny_models.py overrides
+    "tiny MoE": {},
+    "small MoE": dict(hidden_size=256, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=128,
+                      vocab_size=4096, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=32),
+}
 
 
 def random_prompts(num, lo, hi, vocab, seed=0):
@@ -35,19 +39,26 @@ def random_prompts(num, lo, hi, vocab, seed=0):
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
 
 
-def hf_generate(hf, prompts, new_tokens):
-    """One left-padded batch through transformers' generate; returns (seconds, seconds to first token)."""
+def left_padded(prompts):
     width = max(map(len, prompts))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    kw = dict(attention_mask=mask, do_sample=False, pad_token_id=0)
+    return ids, mask
+
+
+def hf_generate(hf, prompts, new_tokens, **sampling):
+    """One left-padded batch through transformers' generate; returns (seconds, seconds to first token).
+    Greedy unless `sampling` (generate's keywords) says otherwise."""
+    ids, mask = left_padded(prompts)
+    kw = {"attention_mask": mask, "do_sample": False, "pad_token_id": 0, **sampling}
     t0 = time.perf_counter()
     hf.generate(ids, max_new_tokens=1, **kw)
     ttft = time.perf_counter() - t0
     t0 = time.perf_counter()
     out = hf.generate(ids, max_new_tokens=new_tokens, **kw)
     total = time.perf_counter() - t0
-    assert out.shape[1] == width + new_tokens
+    seqs = out.sequences if hasattr(out, "sequences") else out
+    assert seqs.shape == (ids.shape[0] * sampling.get("num_return_sequences", 1), ids.shape[1] + new_tokens)
     return total, ttft
 
 
@@ -59,16 +70,28 @@ def hf_sequential(hf, prompts, max_tokens):
     return time.perf_counter() - t0
 
 
+def timed_generate(llm, prompts, params, expect_lens):
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    t = time.perf_counter() - t0
+    assert [len(c.token_ids) for o in outs for c in o.outputs] == expect_lens
+    return outs, t
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU suite; the GPU suite is test_decode_gpu")
-def test_decode_tiny_moe_cpu(benchmark, bench_mode, tmp_path_factory, one_thread):
+@pytest.mark.parametrize("model", list(MODELS))
+def test_decode_moe_cpu(benchmark, bench_mode, tmp_path_factory, one_thread, model):
     from engine.llm import LLM
     from engine.sampling import SamplingParams
     from tiny_models import make_checkpoint
 
-    path, hf = make_checkpoint(tmp_path_factory.mktemp("bench_decode") / "moe", moe=True)
+    if model != "tiny MoE" and bench_mode == "quick":
+        pytest.skip(f"the {model} runs in full mode only (pytest bench/ --benchmark)")
+    path, hf = make_checkpoint(tmp_path_factory.mktemp("bench_decode") / "moe", moe=True, **MODELS[model])
     hf.generation_config.eos_token_id = None  # both sides generate exactly the tokens asked
+    vocab = hf.config.vocab_size
     num, new = (64, 32) if bench_mode == "full" else (8, 8)
-    prompts = random_prompts(num, 8, 48, hf.config.vocab_size)
+    prompts = random_prompts(num, 8, 48, vocab)
     # the serving mix: output lengths differ per request (uniform in [new/8, 2*new])
     g = torch.Generator().manual_seed(1)
     mixed = torch.randint(max(1, new // 8), 2 * new + 1, (num,), generator=g).tolist()
@@ -76,20 +99,16 @@ def test_decode_tiny_moe_cpu(benchmark, bench_mode, tmp_path_factory, one_thread
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=2))  # warm-up
     hf_generate(hf, prompts[:2], 2)
 
-    def run_ours(max_tokens):
+    def greedy(max_tokens):
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        t = time.perf_counter() - t0
-        assert [len(o.token_ids) for o in outs] == max_tokens
-        return outs, t
+        return timed_generate(llm, prompts, params, max_tokens)
 
     box = {}
-    benchmark.pedantic(lambda: box.update(equal=run_ours([new] * num)), rounds=1, iterations=1)
+    benchmark.pedantic(lambda: box.update(equal=greedy([new] * num)), rounds=1, iterations=1)
     outs, t_ours = box["equal"]
     t_hf, ttft_hf = hf_generate(hf, prompts, new)
     base = "transformers generate (batched)"
-    case = f"tiny MoE, {num} requests x {new} tokens"
+    case = f"{model}, {num} requests x {new} tokens"
     tokens = num * new
     record(suite=SUITE, case=case, metric="tok/s", ours=tokens / t_ours, baseline=tokens / t_hf,
            baseline_name=base, higher_is_better=True, extra={"ours_s": t_ours, "baseline_s": t_hf})
@@ -100,16 +119,30 @@ def test_decode_tiny_moe_cpu(benchmark, bench_mode, tmp_path_factory, one_thread
            baseline=(t_hf - ttft_hf) / (new - 1) * 1e3, baseline_name=base)
 
     # mixed output lengths: a padded batch runs every row to the longest; continuous batching does not
-    _, t_ours = run_ours(mixed)
+    _, t_ours = greedy(mixed)
     t_hf, _ = hf_generate(hf, prompts, max(mixed))
-    case = f"tiny MoE, {num} requests, {min(mixed)}-{max(mixed)} tokens"
+    case = f"{model}, {num} requests, {min(mixed)}-{max(mixed)} tokens"
     tokens = sum(mixed)
     record(suite=SUITE, case=case, metric="useful tok/s", ours=tokens / t_ours, baseline=tokens / t_hf,
            baseline_name=base, higher_is_better=True, extra={"ours_s": t_ours, "baseline_s": t_hf})
-    t_seq = hf_sequential(hf, prompts, mixed)
-    record(suite=SUITE, case=case, metric="useful tok/s", ours=tokens / t_ours, baseline=tokens / t_seq,
-           baseline_name="transformers generate (one request at a time)", higher_is_better=True,
-           extra={"ours_s": t_ours, "baseline_s": t_seq})
+    if model == "tiny MoE":  # one request at a time: minutes on the small model, and says nothing new
+        t_seq = hf_sequential(hf, prompts, mixed)
+        record(suite=SUITE, case=case, metric="useful tok/s", ours=tokens / t_ours, baseline=tokens / t_seq,
+               baseline_name="transformers generate (one request at a time)", higher_is_better=True,
+               extra={"ours_s": t_ours, "baseline_s": t_seq})
+
+    # GRPO rollouts: a few prompts, n samples each (the samples of a prompt share its cached blocks)
+    num_prompts, n = (8, 8) if bench_mode == "full" else (2, 4)
+    rollout_prompts = random_prompts(num_prompts, 32, 96, vocab, seed=2)
+    params = SamplingParams(temperature=0.7, n=n, max_tokens=new, ignore_eos=True, seed=0, logprobs=0)
+    _, t_ours = timed_generate(llm, rollout_prompts, params, [new] * (num_prompts * n))
+    t_hf, _ = hf_generate(hf, rollout_prompts, new, do_sample=True, temperature=0.7, top_k=0, top_p=1.0,
+                          num_return_sequences=n, output_scores=True, return_dict_in_generate=True)
+    case = f"{model}, GRPO rollouts: {num_prompts} prompts x n={n} x {new} tokens"
+    tokens = num_prompts * n * new
+    record(suite=SUITE, case=case, metric="tok/s", ours=tokens / t_ours, baseline=tokens / t_hf,
+           baseline_name=base + ", num_return_sequences", higher_is_better=True,
+           extra={"ours_s": t_ours, "baseline_s": t_hf})
 
 
 def decode_floor_s(cfg, batch: int, context: int, bandwidth_Bps: float, dtype_bytes: int = 2) -> float:

@@ -91,13 +91,18 @@ class Sampler:
         rows = [i for i in range(B) if params[i].logprobs is not None]
         if rows:
             raw = scaled[rows].log_softmax(-1)
-            processed = filtered[rows].log_softmax(-1) if any_filter else raw
+            dist = raw
+            if any_filter:
+                processed = filtered[rows].log_softmax(-1)
+                use_raw = torch.tensor([params[i].logprobs_mode == "raw" for i in rows], device=device)
+                dist = torch.where(use_raw[:, None], raw, processed)
+            # the sampled tokens' logprobs in one gather (a rollout asks for them at every step)
+            sampled = dist.gather(1, tokens[rows][:, None])[:, 0].tolist()
             for j, i in enumerate(rows):
-                dist = raw[j] if params[i].logprobs_mode == "raw" else processed[j]
-                entry = {token_ids[i]: float(dist[token_ids[i]])}
+                entry = {token_ids[i]: sampled[j]}
                 n = min(params[i].logprobs, V)
                 if n:
-                    top_lp, top_ids = dist.topk(n)
+                    top_lp, top_ids = dist[j].topk(n)
                     for t, lp in zip(top_ids.tolist(), top_lp.tolist()):
                         entry.setdefault(t, lp)
                 logprobs[i] = entry
