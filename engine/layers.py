@@ -6,6 +6,15 @@ from torch import nn
 from kernels.moe import fused_moe
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm: weight * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype), over the last dim;
+    weight [D], or [..., D] broadcasting over x's last dims (several norms at once). F.rms_norm is one op and
+    gives the same bits (checked in fp32 and bf16 on the CPU, with the weight inside or multiplied after)."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32 and weight.dim() == 1:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return weight * F.rms_norm(x.float(), x.shape[-1:], None, eps).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -13,11 +22,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # transformers: weight * (x32 * rsqrt(mean(x32^2) + eps)).to(dtype). F.rms_norm is one fused op and
-        # gives the same bits (checked in fp32 and bf16 on the CPU); a decode step runs 4 norms per layer
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -42,6 +47,18 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
     """x [B, T, heads, D]; cos/signed_sin [B, T, 1, D] from RotaryEmbedding:
     x * cos + rotate_half(x) * sin, with rotate_half(x) = cat(-x2, x1)."""
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+
+
+def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm, cos: torch.Tensor,
+                   signed_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's per-head RMSNorm of q [B, T, Hq, D] and k [B, T, Hkv, D], then RoPE, done once over the heads
+    of both (a decode step is op-bound: one norm and one rotation instead of two each). Each head row is
+    normalised on its own, so the bits are those of q_norm(q) and k_norm(k). Returns views of one tensor."""
+    assert q_norm.eps == k_norm.eps, (q_norm.eps, k_norm.eps)
+    hq, hkv = q.shape[-2], k.shape[-2]
+    weight = torch.cat((q_norm.weight.expand(hq, -1), k_norm.weight.expand(hkv, -1)))
+    qk = apply_rotary(rms_norm(torch.cat((q, k), dim=-2), weight, q_norm.eps), cos, signed_sin)
+    return qk[..., :hq, :], qk[..., hq:, :]
 
 
 class MLP(nn.Module):

@@ -9,7 +9,7 @@ from torch import nn
 
 from engine.attention import Attention
 from engine.config import ModelConfig
-from engine.layers import MLP, RMSNorm, RotaryEmbedding, SparseMoeBlock, apply_rotary
+from engine.layers import MLP, RMSNorm, RotaryEmbedding, SparseMoeBlock, qk_norm_rotary
 from engine.moe_loss import load_balancing_loss
 
 
@@ -28,10 +28,10 @@ class SelfAttention(nn.Module):
 
     def forward(self, x, cos, sin, attention_mask=None):
         B, T, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, T, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim))
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = qk_norm_rotary(q, k, self.q_norm, self.k_norm, cos, sin)
         out = self.attn(q, k, v, attention_mask)
         return self.o_proj(out.reshape(B, T, -1))
 
