@@ -1,11 +1,13 @@
 """Paged attention ops against attention over contiguous K/V (what a decoder without a paged cache
 runs: SDPA with the KV heads repeated for GQA), at the same shapes, in the same process.
 
-Decode: one query per sequence over its context. CPU: our dispatch is the batched PyTorch path; GPU:
-the Triton split-KV kernel in bf16 at Qwen3-30B-A3B attention shapes (32 query heads, 4 KV heads,
-head_dim 128), with the memory floor (reading the K/V once at the measured copy bandwidth).
-Prefill: a chunk of new tokens over a cached prefix (Triton on GPU, per-sequence SDPA over the gathered
-context on CPU).
+Decode: one query per sequence over its context. CPU: our dispatch is the C++ op of
+csrc/paged_attention.cpp (K/V read in place through the block tables), also recorded against the PyTorch
+paged path it replaced (backend="reference": gather the context, SDPA); GPU: the Triton split-KV kernel in
+bf16 at Qwen3-30B-A3B attention shapes (32 query heads, 4 KV heads, head_dim 128), with the memory floor
+(reading the K/V once at the measured copy bandwidth).
+Prefill: a chunk of new tokens over a cached prefix (Triton on GPU, the C++ op on CPU; there also against
+the PyTorch path: per-sequence SDPA over the gathered context).
 """
 import pytest
 import torch
@@ -78,9 +80,14 @@ def test_paged_decode(benchmark, bench_mode, device):
         if copy_gbps:
             kv_bytes = 2 * batch * context * hkv * d * dtype.itemsize
             floor = kv_bytes / (copy_gbps * 1e9) * 1e3
-        record(suite=SUITE, case=f"decode b{batch} ctx{context} h{hq}/{hkv} d{d}", metric="ms",
-               ours=t_ours * 1e3, baseline=t_base * 1e3, baseline_name="SDPA on contiguous KV (GQA repeated)",
-               floor=floor)
+        case = f"decode b{batch} ctx{context} h{hq}/{hkv} d{d}"
+        record(suite=SUITE, case=case, metric="ms", ours=t_ours * 1e3, baseline=t_base * 1e3,
+               baseline_name="SDPA on contiguous KV (GQA repeated)", floor=floor)
+        if device == "cpu":
+            t_ref = measure(lambda: paged_decode_attention(q, kc, vc, tables, ctx, scale, backend="reference"),
+                            device, warmup=2, reps=5)
+            record(suite=SUITE, case=case, metric="ms", ours=t_ours * 1e3, baseline=t_ref * 1e3,
+                   baseline_name="PyTorch paged path (gather + SDPA)")
 
 
 def test_paged_prefill_over_cached_prefix(benchmark, bench_mode, device):
@@ -109,5 +116,11 @@ def test_paged_prefill_over_cached_prefix(benchmark, bench_mode, device):
     benchmark.pedantic(ours, rounds=1, iterations=1)
     t_ours = measure(ours, device, warmup=1, reps=3 if device == "cpu" else 20)
     t_base = measure(baseline, device, warmup=1, reps=3 if device == "cpu" else 20)
-    record(suite=SUITE, case=f"prefill b{batch} prefix{prefix} chunk{chunk} h{hq}/{hkv} d{d}", metric="ms",
-           ours=t_ours * 1e3, baseline=t_base * 1e3, baseline_name="SDPA on contiguous KV (GQA repeated)")
+    case = f"prefill b{batch} prefix{prefix} chunk{chunk} h{hq}/{hkv} d{d}"
+    record(suite=SUITE, case=case, metric="ms", ours=t_ours * 1e3, baseline=t_base * 1e3,
+           baseline_name="SDPA on contiguous KV (GQA repeated)")
+    if device == "cpu":
+        t_ref = measure(lambda: paged_prefill_attention(q, kc, vc, cu, ctx, tables, scale, chunk, backend="reference"),
+                        device, warmup=1, reps=3)
+        record(suite=SUITE, case=case, metric="ms", ours=t_ours * 1e3, baseline=t_ref * 1e3,
+               baseline_name="PyTorch paged path (gather + SDPA)")

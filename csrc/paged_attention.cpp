@@ -4,8 +4,8 @@
 // sequence, i.e. decode); query i of a sequence with q_len new tokens sits at position
 // context_len - q_len + i and sees the cached positions <= its own (causal, bottom-right aligned). K/V are
 // read in place from the paged cache [num_blocks, block_size, Hkv, D] through block_tables [S, W]: no
-// gathered copy. One task = (sequence, kv head, tile of queries); the GQA group's query heads are rows of
-// the task, so one pass over K/V serves the group. Online softmax in fp32 per cache block; fp32, bf16 and
+// gathered copy. One task = (sequence, tile of queries, kv heads: all, or one when tasks are too few for the
+// threads); the GQA group's query heads are rows of the task, so one pass over K/V serves the group. Online softmax in fp32 per cache block; fp32, bf16 and
 // fp16 caches (a 16-bit block is widened to fp32 once per task). context_len 0: output 0 (as Triton).
 //
 // store_kvcache: k/v [N, Hkv, D] into the caches at flat slots (slot -1: a padded row, skipped).
@@ -26,7 +26,7 @@ namespace {
 constexpr int64_t kQueryTile = 16;  // query tokens of one sequence per task (a prefill chunk is split)
 
 struct Task {
-  int64_t seq, head, t0, t1;  // queries [t0, t1) of sequence seq, kv head `head`
+  int64_t seq, h0, h1, t0, t1;  // queries [t0, t1) of sequence seq, kv heads [h0, h1)
 };
 
 struct Problem {
@@ -46,51 +46,58 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
+// One task: the query rows of tokens [t0, t1) and kv heads [h0, h1) of one sequence, row r = (token t0 +
+// r / (nh * group), kv head h0 + (r / group) % nh, its query head r % group within the GQA group). A cache
+// block is read once, front to back (a token's kv heads are adjacent), for all of them.
 template <typename scalar_t>
 void attend(const Problem& p, const Task& task, const scalar_t* k_cache, const scalar_t* v_cache,
             std::vector<float>& buf) {
-  const int64_t d = p.d, bs = p.block_size, group = p.hq / p.hkv;
+  const int64_t d = p.d, bs = p.block_size, group = p.hq / p.hkv, nh = task.h1 - task.h0;
   const int64_t first = p.cu ? p.cu[task.seq] : task.seq;
   const int64_t q_len = p.cu ? p.cu[task.seq + 1] - first : 1;
   const int64_t ctx = p.ctx[task.seq];
-  const int64_t rows = (task.t1 - task.t0) * group;  // row r: query token t0 + r / group, head r % group
-  const int64_t token_stride = p.hkv * d;            // between consecutive tokens of a cache block
+  const int64_t per_token = nh * group;
+  const int64_t rows = (task.t1 - task.t0) * per_token;
+  const int64_t token_stride = p.hkv * d;  // between consecutive tokens of a cache block
   constexpr bool kWiden = !std::is_same_v<scalar_t, float>;
-  buf.assign(rows * d + 2 * rows + bs * rows + (kWiden ? 2 * bs * d : 0), 0.f);
+  buf.assign(rows * d + 2 * rows + bs + (kWiden ? 2 * bs * nh * d : 0), 0.f);
   float* acc = buf.data();
   float* m = acc + rows * d;
   float* l = m + rows;
-  float* s = l + rows;  // [rows, bs] scores of the current block
-  float* kw = s + rows * bs;
-  float* vw = kw + bs * d;
+  float* s = l + rows;  // [bs] scores of one row
+  float* kw = s + bs;   // [bs, nh, d] widened block (16-bit caches)
+  float* vw = kw + bs * nh * d;
   std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
   const int* table = p.tables + task.seq * p.table_width;
-  const int64_t pos0 = ctx - q_len;                  // position of the sequence's first new token
-  const int64_t num_keys = pos0 + task.t1;           // the tile's last query sees keys [0, num_keys)
+  const int64_t pos0 = ctx - q_len;        // position of the sequence's first new token
+  const int64_t num_keys = pos0 + task.t1;  // the tile's last query sees keys [0, num_keys)
   for (int64_t b0 = 0; b0 < num_keys; b0 += bs) {
     const int64_t n = std::min(bs, num_keys - b0);
-    const int64_t base = (static_cast<int64_t>(table[b0 / bs]) * bs * p.hkv + task.head) * d;
+    const int64_t base = (static_cast<int64_t>(table[b0 / bs]) * bs * p.hkv + task.h0) * d;
     const float *kb, *vb;
     int64_t kstride;
     if constexpr (kWiden) {
       for (int64_t j = 0; j < n; ++j)
-        for (int64_t i = 0; i < d; ++i) {
-          kw[j * d + i] = static_cast<float>(k_cache[base + j * token_stride + i]);
-          vw[j * d + i] = static_cast<float>(v_cache[base + j * token_stride + i]);
+        for (int64_t i = 0; i < nh * d; ++i) {
+          kw[j * nh * d + i] = static_cast<float>(k_cache[base + j * token_stride + i]);
+          vw[j * nh * d + i] = static_cast<float>(v_cache[base + j * token_stride + i]);
         }
-      kb = kw, vb = vw, kstride = d;
+      kb = kw, vb = vw, kstride = nh * d;
     } else {
       kb = k_cache + base, vb = v_cache + base, kstride = token_stride;
     }
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t t = task.t0 + r / group;
+      const int64_t t = task.t0 + r / per_token;
       const int64_t visible = std::min(n, pos0 + t + 1 - b0);  // causal: keys at positions <= pos0 + t
       if (visible <= 0) continue;
-      const float* qr = p.q + ((first + t) * p.hq + task.head * group + r % group) * d;
-      float* sr = s + r * bs;
+      const int64_t h = (r / group) % nh;  // kv head, relative to h0
+      const float* qr = p.q + ((first + t) * p.hq + (task.h0 + h) * group + r % group) * d;
+      const float* kh = kb + h * d;
+      const float* vh = vb + h * d;
+      float* sr = s;
       float mx = m[r];
       for (int64_t j = 0; j < visible; ++j) {
-        sr[j] = dot(qr, kb + j * kstride, d) * p.scale;
+        sr[j] = dot(qr, kh + j * kstride, d) * p.scale;
         mx = std::max(mx, sr[j]);
       }
       float* ar = acc + r * d;
@@ -105,7 +112,7 @@ void attend(const Problem& p, const Task& task, const scalar_t* k_cache, const s
       for (int64_t j = 0; j < visible; ++j) {
         const float e = std::exp(sr[j] - mx);
         sum += e;
-        const float* vr = vb + j * kstride;
+        const float* vr = vh + j * kstride;
 #pragma omp simd
         for (int64_t i = 0; i < d; ++i) ar[i] += e * vr[i];
       }
@@ -113,8 +120,9 @@ void attend(const Problem& p, const Task& task, const scalar_t* k_cache, const s
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t t = task.t0 + r / group;
-    float* o = p.out + ((first + t) * p.hq + task.head * group + r % group) * d;
+    const int64_t t = task.t0 + r / per_token;
+    const int64_t h = task.h0 + (r / group) % nh;
+    float* o = p.out + ((first + t) * p.hq + h * group + r % group) * d;
     const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;  // l == 0: no key (context_len 0)
     for (int64_t i = 0; i < d; ++i) o[i] = acc[r * d + i] * inv;
   }
@@ -170,8 +178,15 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, c
       TORCH_CHECK(id >= 0 && id < num_blocks, "paged_attention: sequence ", s, " block ", b, " is ", id,
                   ", outside [0, ", num_blocks, ")");
     }
-    for (int64_t t0 = 0; t0 < q_len; t0 += kQueryTile)
-      for (int64_t h = 0; h < hkv; ++h) tasks.push_back({s, h, t0, std::min(q_len, t0 + kQueryTile)});
+    for (int64_t t0 = 0; t0 < q_len; t0 += kQueryTile) tasks.push_back({s, 0, hkv, t0, std::min(q_len, t0 + kQueryTile)});
+  }
+  // all kv heads per task reads each cache block front to back once; split the heads over tasks only when
+  // there are too few (sequence, query tile) tasks to keep the threads busy (a long decode at small batch)
+  if (hkv > 1 && static_cast<int64_t>(tasks.size()) < 4 * at::get_num_threads()) {
+    std::vector<Task> split;
+    for (const Task& t : tasks)
+      for (int64_t h = 0; h < hkv; ++h) split.push_back({t.seq, h, h + 1, t.t0, t.t1});
+    tasks.swap(split);
   }
   auto qf = q.contiguous().to(at::kFloat);
   auto out = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
