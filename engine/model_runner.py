@@ -143,16 +143,23 @@ class ModelRunner:
                 context_lens.append(end)
                 if end == len(seq):
                     sample_rows.append(cu[-1] - 1)
+        S, N = len(seqs), len(input_ids)
         width = max(len(seq.block_table) for seq in seqs)
-        tables = [seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs]
+        ints = context_lens + cu
+        for seq in seqs:
+            ints += seq.block_table
+            ints += [-1] * (width - len(seq.block_table))
+        # one tensor per dtype (a host-to-device copy each); the step's tensors are views of them
+        longs = self._to_device(input_ids + positions + slots, torch.long)
+        ints = self._to_device(ints, torch.int32)
+        ctx = Context(slot_mapping=longs[2 * N:], context_lens=ints[:S], cu_seqlens_q=ints[S:2 * S + 1],
+                      block_tables=ints[2 * S + 1:].view(S, width), max_seqlen_q=max(out.num_new_tokens),
+                      is_decode=is_decode, backend=self.backend, max_context_len=max(context_lens))
+        return longs[:N], longs[N:2 * N], ctx, sample_rows
 
-        def t(data, dtype=torch.int32):
-            return torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
-
-        ctx = Context(slot_mapping=t(slots, torch.long), context_lens=t(context_lens), block_tables=t(tables),
-                      cu_seqlens_q=t(cu), max_seqlen_q=max(out.num_new_tokens), is_decode=is_decode,
-                      backend=self.backend, max_context_len=max(context_lens))
-        return t(input_ids, torch.long), t(positions, torch.long), ctx, sample_rows
+    def _to_device(self, data: list[int], dtype: torch.dtype) -> torch.Tensor:
+        cuda = self.device.type == "cuda"
+        return torch.tensor(data, dtype=dtype, pin_memory=cuda).to(self.device, non_blocking=cuda)
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
