@@ -2,7 +2,8 @@
 
 A suite times our op and its baseline in the same process (this machine is noisy: ratios, not
 absolute figures, are what a CPU run can claim) and records one row per case with `record(...)`.
-At the end of the session the rows are written to bench/out/results.{json,md} and a PNG chart.
+The rows land in $LIVEMOE_BENCH_OUT (default bench/out)/results.{json,md} as they are recorded, and again
+with a PNG chart at the end of the session.
 """
 import ctypes
 import gc
@@ -41,8 +42,11 @@ class Row:
 
 
 def record(**kw) -> Row:
+    """Adds a row, and rewrites results.{json,md} at once ("partial" until the session's end rewrites them): a
+    run killed by a time limit (bench/gpu_check.sh on a lent GPU) still leaves every figure measured so far."""
     row = Row(**kw)
     ROWS.append(row)
+    _write_tables("partial")
     return row
 
 
@@ -52,10 +56,19 @@ def sync(device) -> None:
 
 
 def measure(fn, device="cpu", warmup: int = 1, reps: int = 5) -> float:
-    """Median wall time of fn() in seconds."""
+    """Median time of fn() in seconds: wall time on the CPU; on CUDA the stream's time between events around
+    each call (no host sync between calls, whose cost would inflate a short kernel's figure)."""
     for _ in range(warmup):
         fn()
     sync(device)
+    if torch.device(device).type == "cuda":
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+        for start, end in events:
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize()
+        return statistics.median(start.elapsed_time(end) for start, end in events) / 1e3
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -124,13 +137,12 @@ def environment() -> dict:
     return env
 
 
-def write_results(mode: str) -> list[str]:
-    if not ROWS:
-        return []
+def _write_tables(mode: str) -> list[str]:
+    """results.json and results.md from the rows so far."""
     os.makedirs(OUT_DIR, exist_ok=True)
     env = environment()
     rows = [{**asdict(r), "speedup": r.speedup} for r in ROWS]
-    paths = [os.path.join(OUT_DIR, n) for n in ("results.json", "results.md", "results.png")]
+    paths = [os.path.join(OUT_DIR, n) for n in ("results.json", "results.md")]
     with open(paths[0], "w") as f:
         json.dump({"mode": mode, "environment": env, "rows": rows}, f, indent=1)
     with open(paths[1], "w") as f:
@@ -143,6 +155,14 @@ def write_results(mode: str) -> list[str]:
             sp = "" if r.speedup is None else f"{r.speedup:.2f}x"
             fl = "" if r.floor is None or not r.ours else f"{(r.ours / r.floor if r.higher_is_better else r.floor / r.ours):.0%}"
             f.write(f"| {r.suite} | {r.case} | {r.metric} | {r.ours:.4g} | {base} | {r.baseline_name} | {sp} | {fl} |\n")
+    return paths
+
+
+def write_results(mode: str) -> list[str]:
+    """The session's end: the tables with their mode, and a PNG chart of the ratios (where matplotlib is)."""
+    if not ROWS:
+        return []
+    paths = _write_tables(mode) + [os.path.join(OUT_DIR, "results.png")]
     try:
         import matplotlib
 
@@ -155,7 +175,7 @@ def write_results(mode: str) -> list[str]:
         ax.barh(labels, [r.speedup for r in ranked], color=["tab:green" if r.speedup >= 1 else "tab:red" for r in ranked])
         ax.axvline(1.0, color="k", lw=0.8)
         ax.set_xlabel("ours better than baseline by (x)")
-        ax.set_title(f"livemoe benchmarks, {mode} mode, {env.get('gpu', 'CPU')}")
+        ax.set_title(f"livemoe benchmarks, {mode} mode, {torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}")
         fig.tight_layout()
         fig.savefig(paths[2], dpi=100)
         plt.close(fig)

@@ -1,33 +1,118 @@
 #!/usr/bin/env bash
 # The one script for a GPU machine (no network; runs from the source tree with the python3 there):
-# builds the CUDA extension, runs the GPU-only correctness tests (bf16 at real shapes), runs the GPU
-# benchmark suites, and prints a short table last. Results land in bench/out/ (copy them to
-# bench/results/<date>-<gpu>/ to commit). Budget: 8 minutes.
+#   1. environment             (seconds)
+#   2. build the extension     in the background, on the CPUs, while the GPU tests run (csrc/ holds CPU
+#                              ops only, which no GPU path needs: a failed build costs no GPU figure)
+#   3. GPU correctness tests   the bf16 real-shape checks, the Triton kernels compiled for this GPU, CUDA graphs
+#   4. GPU benchmarks          kernels first (MoE, log-probs, attention), then the decoder, then the rest;
+#                              every row is written to results.{json,md} as soon as it is measured
+# Budget: LIVEMOE_GPU_CHECK_BUDGET seconds in all (default 450, i.e. under 8 minutes); each stage gets a
+# timeout from what is left, so a slow stage never takes the figures of the next with it.
+# Output: $OUT when set (the device tool's folder that comes back), else $LIVEMOE_BENCH_OUT, else bench/out:
+# gpu_check.log (everything printed here), build.log, tests.xml, results.{json,md,png}, pytest_benchmark.json
+# (7 files: the device tool returns at most 8). Copy them to bench/results/<date>-<gpu>/ to commit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+START=$(date +%s)
+BUDGET=${LIVEMOE_GPU_CHECK_BUDGET:-450}
+RES=${OUT:-${LIVEMOE_BENCH_OUT:-bench/out}}
+mkdir -p "$RES"
+RES=$(cd "$RES" && pwd)
+export LIVEMOE_BENCH_OUT=$RES PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-OUT=${LIVEMOE_BENCH_OUT:-bench/out}
-mkdir -p "$OUT"
-{
-  date -u +"date %Y-%m-%dT%H:%M:%SZ"
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | sed 's/^/gpu /'
-  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__)"
-} | tee "$OUT/environment.txt"
+unset TRITON_INTERPRET  # the GPU runs the compiled kernels
+PY=${PYTHON:-python3}
+exec > >(tee -a "$RES/gpu_check.log") 2>&1  # a kill still leaves everything printed so far in the log
 
-echo "== build the extension (CUDA sources included)"
-t0=$(date +%s)
-timeout 240 python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1
-build=$?
-echo "build rc=$build in $(( $(date +%s) - t0 ))s (log: $OUT/build.log)"; tail -3 "$OUT/build.log"
+left() { echo $(( BUDGET - ($(date +%s) - START) )); }
+limit() { local t=$(( $(left) * $1 / $2 - ${3:-0} )); echo $(( t < 20 ? 20 : t )); }  # share of what is left
+stage() { echo; echo "== [$(( $(date +%s) - START ))s] $*"; }
+# per-test limit where pytest-timeout is installed (it is on the GPU image): one hung test fails alone
+TIMEOUT_OPT=()
+"$PY" -c "import pytest_timeout" 2>/dev/null && TIMEOUT_OPT=(--timeout=150)
 
-echo "== GPU-only correctness tests"
-LIVEMOE_GPU_ONLY=1 timeout 180 python3 -m pytest tests -q -x -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" 2>&1 | tail -25
-tests=${PIPESTATUS[0]}
+stage "environment"
+date -u +"date %Y-%m-%dT%H:%M:%SZ"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,temperature.gpu --format=csv,noheader \
+  | sed 's/^/gpu /' || echo "nvidia-smi failed"
+"$PY" - <<'EOF' || echo "environment probe failed"
+import platform, torch
+print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda,
+      "cuda available", torch.cuda.is_available())
+for name in ("triton", "transformers", "numpy", "pytest", "pytest_benchmark", "pytest_timeout", "setuptools",
+             "ninja", "fastapi", "openai"):
+    try:
+        m = __import__(name)
+        print(" ", name, getattr(m, "__version__", "?"))
+    except Exception as e:  # noqa: BLE001
+        print(" ", name, "MISSING:", type(e).__name__)
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print("device", p.name, f"sm_{p.major}{p.minor}", p.multi_processor_count, "SMs",
+          round(p.total_memory / 2**30, 1), "GiB")
+EOF
+command -v nvcc >/dev/null && nvcc --version | tail -2 || echo "nvcc not on PATH"
+command -v ninja >/dev/null && echo "ninja $(ninja --version)" || echo "ninja not on PATH (setup.py falls back to setuptools)"
 
-echo "== GPU benchmarks"
-timeout 240 python3 -m pytest bench --benchmark -q -p no:cacheprovider --benchmark-json="$OUT/pytest_benchmark.json" 2>&1 | tail -60
-benches=${PIPESTATUS[0]}
+stage "build the extension (background; log: $RES/build.log)"
+build_pid=
+if "$PY" -c "import setuptools" 2>/dev/null; then
+  ( t0=$(date +%s)
+    timeout 300 "$PY" setup.py -q build_ext --inplace > "$RES/build.log" 2>&1
+    rc=$?
+    echo "build rc=$rc in $(( $(date +%s) - t0 ))s" >> "$RES/build.log"
+    exit $rc ) &
+  build_pid=$!
+else
+  echo "setuptools missing: no build (the GPU paths use Triton; only CPU ops live in csrc/)" | tee "$RES/build.log"
+fi
 
-echo "== summary: build rc=$build, gpu tests rc=$tests, benchmarks rc=$benches"
-[ -f "$OUT/results.md" ] && cat "$OUT/results.md"
+# modules that cannot import on this image (the HTTP server's tests need fastapi and openai, absent from the
+# GPU image) are left out by name; --continue-on-collection-errors keeps any other such module from
+# stopping the rest
+IGNORE=()
+"$PY" -c "import fastapi, openai, uvicorn" 2>/dev/null || IGNORE=(--ignore=tests/test_server.py)
+
+t=$(limit 2 5)
+stage "GPU correctness tests (limit ${t}s)"
+# LIVEMOE_GPU_ONLY=1 (tests/conftest.py) keeps the tests whose skip marker names the GPU
+LIVEMOE_GPU_ONLY=1 timeout $t "$PY" -m pytest tests -q -p no:cacheprovider -rfE --tb=short "${IGNORE[@]}" \
+  --continue-on-collection-errors --durations=8 --junitxml="$RES/tests.xml" "${TIMEOUT_OPT[@]}"
+tests=$?
+# GPU tests that skip inside their body (no marker, so LIVEMOE_GPU_ONLY cannot see them); -k by name
+extra=$(ls tests/test_paged_attention.py tests/test_llm.py 2>/dev/null | tr '\n' ' ')
+if [ -n "$extra" ]; then
+  t=$(limit 1 4)
+  stage "GPU tests that skip in their body (limit ${t}s)"
+  timeout $t "$PY" -m pytest $extra -q -p no:cacheprovider -rfEs --tb=short "${TIMEOUT_OPT[@]}" \
+    -k "bf16_gpu or flash_attn_prefill_gpu or cuda_graph_decode_matches_eager"
+  rc=$?
+  [ $rc -eq 5 ] && rc=0  # none selected (renamed): nothing failed
+  [ $tests -eq 0 ] && tests=$rc
+fi
+
+build=0
+if [ -n "$build_pid" ]; then
+  stage "waiting for the build"
+  wait "$build_pid"; build=$?
+  tail -4 "$RES/build.log"
+  ls kernels/_C*.so 2>/dev/null
+fi
+
+t=$(limit 1 1 15)
+stage "GPU benchmarks (limit ${t}s)"
+# kernels first, the end-to-end decoder next, the CPU-side suites last; any other suite after them
+order=(bench/bench_moe.py bench/bench_logprobs.py bench/bench_attention.py bench/bench_decode.py bench/bench_flops.py
+       bench/bench_serve.py)
+files=()
+for f in "${order[@]}" bench/bench_*.py; do
+  [ -f "$f" ] && [[ ! " ${files[*]} " =~ " $f " ]] && files+=("$f")
+done
+timeout $t "$PY" -m pytest "${files[@]}" --benchmark -q -p no:cacheprovider -rfEs --tb=short \
+  --continue-on-collection-errors --benchmark-json="$RES/pytest_benchmark.json" "${TIMEOUT_OPT[@]}"
+benches=$?
+
+stage "summary: build rc=$build, gpu tests rc=$tests, benchmarks rc=$benches (124: stage timed out)"
+[ -f "$RES/results.md" ] && cat "$RES/results.md"
+sleep 1  # let tee write the last lines to the log
 exit $(( build || tests || benches ))

@@ -1,6 +1,7 @@
-"""Routing align: the C++ op (csrc/moe_align.cpp) and the reference against the contract."""
-import pytest
+"""Routing align: the C++ op (csrc/moe_align.cpp), the Triton op and the reference against the contract."""
 import os
+
+import pytest
 
 import torch
 
@@ -85,23 +86,31 @@ TRITON_CASES = [(1, 1, 4, 16, None), (7, 2, 5, 4, None), (33, 4, 13, 16, 16), (6
                 (5, 3, 3, 64, None), (100, 3, 17, 16, 64), (600, 2, 37, 16, 16), (1, 1, 1, 16, None)]
 
 
+# the Triton op: compiled on a GPU, interpreted on the CPU (LIVEMOE_GPU_ONLY=1 selects these on a GPU)
+triton_here = pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+                                 reason="needs a CUDA GPU or TRITON_INTERPRET=1")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@triton_here
 @pytest.mark.parametrize("T,k,E,block,chunk", TRITON_CASES)
 def test_triton_op_equals_reference(T, k, E, block, chunk):
     from kernels.moe.align_triton import moe_align_triton
 
     g = torch.Generator().manual_seed(T * 7 + E)
     topk_ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
-    got = moe_align_triton(topk_ids, E, block, chunk=chunk)
+    got = [t.cpu() for t in moe_align_triton(topk_ids.to(DEVICE), E, block, chunk=chunk)]
     for a, b in zip(got, moe_align_reference(topk_ids, E, block)):
         assert torch.equal(a, b)
     check_invariants(topk_ids, E, block, got)
 
 
+@triton_here
 def test_triton_op_all_tokens_one_expert():
     from kernels.moe.align_triton import moe_align_triton
 
     topk_ids = torch.full((40, 1), 2)
-    got = moe_align_triton(topk_ids, 7, 16, chunk=16)
+    got = [t.cpu() for t in moe_align_triton(topk_ids.to(DEVICE), 7, 16, chunk=16)]
     check_invariants(topk_ids, 7, 16, got)
     assert got[2].tolist() == [0, 0, 40, 0, 0, 0, 0] and got[3].item() == 48
 

@@ -1,19 +1,26 @@
 """The Triton MoE kernels (kernels/moe/triton_moe.py) against the plain per-expert reference.
 
-On the CPU they run under TRITON_INTERPRET=1 (tests/conftest.py), fp32 and fp16 at small odd shapes;
-the bf16 tests at Qwen3-30B-A3B shapes and the CUDA-graph test need a GPU.
+On the CPU they run under TRITON_INTERPRET=1 (tests/conftest.py), fp32 and fp16 at small odd shapes; on a
+GPU the same tests run the compiled kernels there (and LIVEMOE_GPU_ONLY=1 selects them: their skip reason
+names the GPU). The bf16 tests at Qwen3-30B-A3B shapes and the CUDA-graph test need a GPU.
 
 Tolerances: fp32 (TF32 off, exact fp32 dots) max abs <= 1e-4 with O(1) outputs: only summation order
 differs. fp16 against the fp32 reference on the same fp16 inputs: the kernels round the pre-activations,
 activations and per-pair outputs to fp16 as the fp16 reference does (eps 2^-11 each), so max abs error
 <= 1e-2 of the largest reference value.
 """
+import os
+
 import pytest
 import torch
 
 from kernels.moe import MoEConfig, fused_moe
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# every test here runs the Triton kernels: compiled on a GPU, interpreted on the CPU
+pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+                                reason="needs a CUDA GPU or TRITON_INTERPRET=1")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = MoEConfig(16, 32, 32, group_m=2, grad_block_m=32, grad_block_n=32, grad_block_k=16)
 WIDE = MoEConfig(16, 64, 64, group_m=1, grad_block_m=64, grad_block_n=64, grad_block_k=32)
 
@@ -62,13 +69,13 @@ CASES = [
 
 @pytest.mark.parametrize("T,H,I,E,top_k,config", CASES)
 def test_fp32_forward_and_all_grads_match_reference(T, H, I, E, top_k, config):
-    inputs = make_inputs(T, H, I, E, seed=T * 31 + E)
+    inputs = make_inputs(T, H, I, E, device=DEVICE, seed=T * 31 + E)
     assert_close(run(inputs, top_k, backend="triton", config=config), reference(inputs, top_k), atol=1e-4)
 
 
 @pytest.mark.parametrize("T,H,I,E,top_k,config", [CASES[1], CASES[5]])
 def test_fp16_forward_and_all_grads_match_reference(T, H, I, E, top_k, config):
-    inputs = make_inputs(T, H, I, E, dtype=torch.float16, seed=7)
+    inputs = make_inputs(T, H, I, E, dtype=torch.float16, device=DEVICE, seed=7)
     assert_close(run(inputs, top_k, backend="triton", config=config), reference(inputs, top_k), rel=1e-2)
 
 
@@ -77,7 +84,7 @@ def test_all_tokens_to_one_expert_leaves_others_empty(top_k):
     T, E = 20, 6
     logits = torch.randn(T, E, generator=torch.Generator().manual_seed(3))
     logits[:, 4] += 50.0  # expert 4 always first; with k=2 the second choice varies
-    inputs = make_inputs(T, 24, 20, E, logits=logits)
+    inputs = make_inputs(T, 24, 20, E, device=DEVICE, logits=logits)
     got = run(inputs, top_k, backend="triton", config=SMALL)
     assert_close(got, reference(inputs, top_k), atol=1e-4)
     if top_k == 1:  # experts nobody chose get exactly zero weight gradients (their tiles are still written)
@@ -86,13 +93,13 @@ def test_all_tokens_to_one_expert_leaves_others_empty(top_k):
 
 
 def test_without_renormalize():
-    inputs = make_inputs(8, 24, 20, 6, seed=5)
+    inputs = make_inputs(8, 24, 20, 6, device=DEVICE, seed=5)
     assert_close(run(inputs, 3, renormalize=False, backend="triton", config=SMALL),
                  reference(inputs, 3, renormalize=False), atol=1e-4)
 
 
 def test_run_to_run_deterministic():
-    inputs = make_inputs(40, 32, 24, 3, seed=11)
+    inputs = make_inputs(40, 32, 24, 3, device=DEVICE, seed=11)
     first = run(inputs, 2, backend="triton", config=SMALL)
     second = run(inputs, 2, backend="triton", config=SMALL)
     for a, b in zip(first, second):
@@ -100,14 +107,14 @@ def test_run_to_run_deterministic():
 
 
 def test_inference_only_does_not_need_grad():
-    x, w1, w2, logits = (t.detach() for t in make_inputs(5, 24, 20, 4))
+    x, w1, w2, logits = (t.detach() for t in make_inputs(5, 24, 20, 4, device=DEVICE))
     out = fused_moe(x, w1, w2, logits, 2, True, backend="triton", config=SMALL)
     ref = fused_moe(x, w1, w2, logits, 2, True, backend="reference")
     assert not out.requires_grad and (out - ref).abs().max().item() <= 1e-4
 
 
 def test_only_router_requires_grad():
-    x, w1, w2, logits = make_inputs(6, 24, 20, 5)
+    x, w1, w2, logits = make_inputs(6, 24, 20, 5, device=DEVICE)
     x, w1, w2 = x.detach(), w1.detach(), w2.detach()
     out = fused_moe(x, w1, w2, logits, 2, True, backend="triton", config=SMALL)
     (got,) = torch.autograd.grad(out.sum(), logits)
@@ -163,7 +170,7 @@ def test_decode_step_replays_in_a_cuda_graph():
 
 
 def test_model_with_triton_kernel_matches_transformers(tmp_path, monkeypatch):
-    """Model level: the engine's MoE layers on the Triton kernels (interpreter) still give transformers' logits
+    """Model level: the engine's MoE layers on the Triton kernels (interpreter, or the GPU) still give transformers' logits
     (fp32, 1e-4 as in tests/test_model_parity.py)."""
     import functools
 
@@ -179,8 +186,8 @@ def test_model_with_triton_kernel_matches_transformers(tmp_path, monkeypatch):
 
     monkeypatch.setattr(engine.layers, "fused_moe", functools.wraps(fused_moe)(triton_moe))
     path, hf = make_checkpoint(tmp_path / "m", moe=True, seed=3, num_experts=7, num_experts_per_tok=2)
-    model = engine.load_model(path, device="cpu")
+    model = engine.load_model(path, device=DEVICE)
     ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        ours, ref = model(ids), hf(ids).logits
+        ours, ref = model(ids.to(DEVICE)).cpu(), hf(ids).logits
     assert calls and (ours - ref).abs().max().item() <= 1e-4
