@@ -1,9 +1,11 @@
 """Builds csrc/ as one torch extension, `kernels._C`.
 
 Every csrc/*.cpp is compiled (CPU ops, OpenMP); csrc/*.cu only where a CUDA toolkit and a CUDA build of
-torch are both present. Ops register themselves with TORCH_LIBRARY_FRAGMENT(livemoe, ...), so adding an
-op is adding a file: nothing here changes. Set LIVEMOE_NO_EXT=1 to install without the extension (the
-Python code then falls back to PyTorch).
+torch are both present (with no .cu file it is a plain C++ extension, so a CUDA toolkit that does not
+match torch's cannot break the build). Ops register themselves with TORCH_LIBRARY_FRAGMENT(livemoe, ...),
+so adding an op is adding a file: nothing here changes. Set LIVEMOE_NO_EXT=1 to install without the
+extension (the Python code then falls back to PyTorch). Ninja is used where it is installed, else
+setuptools compiles the files one by one. Offline use (a GPU machine): `python setup.py build_ext --inplace`.
 """
 import glob
 import os
@@ -16,12 +18,13 @@ def extensions():
     if os.environ.get("LIVEMOE_NO_EXT") == "1":
         return [], {}
     import torch
-    from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+    from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension, is_ninja_available
 
     here = os.path.dirname(os.path.abspath(__file__))
     cpp = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
     cu = sorted(glob.glob(os.path.join("csrc", "*.cu")))
-    use_cuda = torch.version.cuda is not None and CUDA_HOME is not None and os.environ.get("LIVEMOE_NO_CUDA") != "1"
+    use_cuda = bool(cu) and torch.version.cuda is not None and CUDA_HOME is not None and \
+        os.environ.get("LIVEMOE_NO_CUDA") != "1"
     cxx = ["-O3", "-std=c++17"] + ([] if sys.platform == "darwin" else ["-fopenmp"])
     link = [] if sys.platform == "darwin" else ["-fopenmp"]
     include = [os.path.join(here, "csrc")]
@@ -41,7 +44,7 @@ def extensions():
     else:
         ext = CppExtension("kernels._C", cpp, include_dirs=include,
                            extra_compile_args={"cxx": cxx}, extra_link_args=link)
-    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
+    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=is_ninja_available())}
 
 
 ext_modules, cmdclass = extensions()
