@@ -25,12 +25,13 @@ def extensions():
     cu = sorted(glob.glob(os.path.join("csrc", "*.cu")))
     use_cuda = bool(cu) and torch.version.cuda is not None and CUDA_HOME is not None and \
         os.environ.get("LIVEMOE_NO_CUDA") != "1"
-    cxx = ["-O3", "-std=c++17"] + ([] if sys.platform == "darwin" else ["-fopenmp"])
+    # no -std flag: torch picks the standard its headers need (C++17 up to 2.12, C++20 from 2.13 on)
+    cxx = ["-O3"] + ([] if sys.platform == "darwin" else ["-fopenmp"])
     link = [] if sys.platform == "darwin" else ["-fopenmp"]
     include = [os.path.join(here, "csrc")]
     if use_cuda:
         arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
-        nvcc = ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo"]
+        nvcc = ["-O3", "--use_fast_math", "-lineinfo"]
         if not arch:  # build for the GPU that is here (fast build), else a portable default
             if torch.cuda.is_available():
                 major, minor = torch.cuda.get_device_capability()
