@@ -72,19 +72,23 @@ class Sampler:
         else:
             filtered = scaled
 
-        tokens = logits.argmax(-1)
         sample_rows = [i for i in range(B) if not params[i].greedy]
+        every_row = len(sample_rows) == B  # a rollout batch: skip the row indexing
+        tokens = None if every_row else logits.argmax(-1)
         if sample_rows:
             noise = torch.empty(len(sample_rows), V, device=device)
             shared = [j for j, i in enumerate(sample_rows) if generators[i] is None]
             if shared:
                 noise[shared] = torch.empty(len(shared), V, device=device).exponential_(
                     generator=self._shared_generator(device))
+            noise_rows = noise.unbind(0)
             for j, i in enumerate(sample_rows):
                 if generators[i] is not None:
-                    noise[j].exponential_(generator=generators[i])
-            probs = filtered[sample_rows].softmax(-1)
-            tokens[sample_rows] = (probs / noise).argmax(-1)
+                    noise_rows[j].exponential_(generator=generators[i])
+            if every_row:
+                tokens = (filtered.softmax(-1) / noise).argmax(-1)
+            else:
+                tokens[sample_rows] = (filtered[sample_rows].softmax(-1) / noise).argmax(-1)
 
         token_ids = tokens.tolist()
         logprobs: list[dict[int, float] | None] = [None] * B
