@@ -49,8 +49,14 @@ struct Problem {
 #define LIVEMOE_SIMD_CLONES
 #endif
 
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_bit_cast)
+#define LIVEMOE_HAS_BIT_CAST 1
+#endif
+#endif
+
 inline float float_from_bits(int32_t bits) {
-#if defined(__has_builtin) && __has_builtin(__builtin_bit_cast)
+#ifdef LIVEMOE_HAS_BIT_CAST
   return __builtin_bit_cast(float, bits);
 #else
   float f;
