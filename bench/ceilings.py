@@ -1,11 +1,14 @@
 """The device's ceilings, measured in the same run as the benchmarks: a large device-to-device copy for
 memory bandwidth, a large bf16 GEMM for matrix throughput. Every GPU figure is reported as a fraction
 of these."""
+import functools
+
 import torch
 
 from bench.common import measure
 
 
+@functools.cache  # once per process: every suite that reports a fraction of them asks
 def measure_ceilings(device: str) -> dict | None:
     if torch.device(device).type != "cuda":
         return None

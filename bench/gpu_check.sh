@@ -30,6 +30,11 @@ stage() { echo; echo "== [$(( $(date +%s) - START ))s] $*"; }
 # per-test limit where pytest-timeout is installed (it is on the GPU image): one hung test fails alone
 TIMEOUT_OPT=()
 "$PY" -c "import pytest_timeout" 2>/dev/null && TIMEOUT_OPT=(--timeout=150)
+# the correctness tests compile a hundred-odd Triton kernels, one CPU core each: pytest-xdist (on the GPU image)
+# spreads them over LIVEMOE_GPU_CHECK_WORKERS processes (0: one process)
+WORKERS_OPT=()
+WORKERS=${LIVEMOE_GPU_CHECK_WORKERS:-4}
+[ "$WORKERS" -gt 0 ] && "$PY" -c "import xdist" 2>/dev/null && WORKERS_OPT=(-n "$WORKERS")
 
 stage "environment"
 date -u +"date %Y-%m-%dT%H:%M:%SZ"
@@ -76,15 +81,15 @@ IGNORE=()
 t=$(limit 2 5)
 stage "GPU correctness tests (limit ${t}s)"
 # LIVEMOE_GPU_ONLY=1 (tests/conftest.py) keeps the tests whose skip marker names the GPU
-LIVEMOE_GPU_ONLY=1 timeout $t "$PY" -m pytest tests -q -p no:cacheprovider -rfE --tb=short "${IGNORE[@]}" \
-  --continue-on-collection-errors --durations=8 --junitxml="$RES/tests.xml" "${TIMEOUT_OPT[@]}"
+LIVEMOE_GPU_ONLY=1 timeout $t "$PY" -m pytest tests -v -p no:cacheprovider -rfE --tb=short "${IGNORE[@]}" \
+  --continue-on-collection-errors --durations=8 --junitxml="$RES/tests.xml" "${TIMEOUT_OPT[@]}" "${WORKERS_OPT[@]}"
 tests=$?
 # GPU tests that skip inside their body (no marker, so LIVEMOE_GPU_ONLY cannot see them); -k by name
 extra=$(ls tests/test_paged_attention.py tests/test_llm.py 2>/dev/null | tr '\n' ' ')
 if [ -n "$extra" ]; then
   t=$(limit 1 4)
   stage "GPU tests that skip in their body (limit ${t}s)"
-  timeout $t "$PY" -m pytest $extra -q -p no:cacheprovider -rfEs --tb=short "${TIMEOUT_OPT[@]}" \
+  timeout $t "$PY" -m pytest $extra -v -p no:cacheprovider -rfEs --tb=short "${TIMEOUT_OPT[@]}" \
     -k "bf16_gpu or flash_attn_prefill_gpu or cuda_graph_decode_matches_eager"
   rc=$?
   [ $rc -eq 5 ] && rc=0  # none selected (renamed): nothing failed
@@ -108,7 +113,7 @@ files=()
 for f in "${order[@]}" bench/bench_*.py; do
   [ -f "$f" ] && [[ ! " ${files[*]} " =~ " $f " ]] && files+=("$f")
 done
-timeout $t "$PY" -m pytest "${files[@]}" --benchmark -q -p no:cacheprovider -rfEs --tb=short \
+timeout $t "$PY" -m pytest "${files[@]}" --benchmark -v -p no:cacheprovider -rfEs --tb=short \
   --continue-on-collection-errors --benchmark-json="$RES/pytest_benchmark.json" "${TIMEOUT_OPT[@]}"
 benches=$?
 

@@ -40,9 +40,10 @@ def compile_all() -> list[str]:
     def consts(**kw):
         return {k: "constexpr" for k in kw}, kw
 
-    for torch_dtype, dt in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+    # bf16: every tier of the heuristic (decode, 32-, 64-row blocks, the wide tile); fp32: the two ends
+    for torch_dtype, dt, token_counts in ((torch.bfloat16, "bf16", (1, 512, 1024, 4096)), (torch.float32, "fp32", (1, 4096))):
         prec = "ieee" if dt == "fp32" else "tf32"
-        for tokens in (1, 4096):
+        for tokens in token_counts:
             cfg = heuristic_config(tokens, 128, 2048, 768, 8, torch_dtype)
             opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
             tiles = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
