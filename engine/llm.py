@@ -249,10 +249,7 @@ class LLM:
         elif token in p.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token
         elif p.stop:
-            if seq.detokenizer is None:  # incremental: a step decodes a few tokens, not the whole output
-                seq.detokenizer = IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens)
-            seq.detokenizer.push([token])
-            text = seq.detokenizer.decoded  # the complete characters so far
+            text = self._text_so_far(seq)
             # only a stop string ending in the newest text can be new
             tail_from = max(0, len(seq.text) - max(map(len, p.stop)))
             hits = [(i, s) for s in p.stop if (i := text.find(s, tail_from)) >= 0]
@@ -269,12 +266,24 @@ class LLM:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
 
+    def _text_so_far(self, seq: Sequence) -> str:
+        """The complete characters of seq's output so far, decoded incrementally (stop strings and streaming
+        callers ask at every step: a step decodes its new tokens, not the whole output again)."""
+        det = seq.detokenizer
+        if det is None:
+            det = seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.params.skip_special_tokens)
+        if len(det.ids) < seq.num_output_tokens:
+            det.push(seq.token_ids[seq.num_prompt_tokens + len(det.ids):])
+        return det.decoded
+
     def _output(self, req: Request) -> RequestOutput:
         completions = []
         for seq in req.seqs:
             ids = seq.output_token_ids
             if seq.stop_reason is not None and isinstance(seq.stop_reason, str):
                 text = seq.text
+            elif seq.finish_reason is None:  # in flight (step()'s cumulative outputs)
+                text = self._text_so_far(seq) if self.tokenizer is not None else ""
             else:
                 ended_by_token = seq.finish_reason == "stop" and isinstance(seq.stop_reason, int)
                 text = self._decode(ids[:-1] if ended_by_token else ids, req.params)
