@@ -11,6 +11,9 @@
 # Output: $OUT when set (the device tool's folder that comes back), else $LIVEMOE_BENCH_OUT, else bench/out:
 # gpu_check.log (everything printed here), build.log, tests.xml, results.{json,md,png}, pytest_benchmark.json
 # (7 files: the device tool returns at most 8). Copy them to bench/results/<date>-<gpu>/ to commit.
+# On a lent GPU: run `bash bench/gpu_check.sh` with a timeout_s of about 540 (the budget plus a margin).
+# Here, without a GPU, LIVEMOE_GPU_CHECK_BUDGET=300 PYTHON=<venv python> bash bench/gpu_check.sh walks every
+# stage (the Triton tests under the interpreter, the CPU benchmarks until the limit stops them).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 START=$(date +%s)

@@ -2,8 +2,8 @@
 import os
 
 import pytest
-
 import torch
+from test_moe_triton import DEVICE, triton_here
 
 from kernels import _ext
 from kernels.moe import moe_align, moe_align_reference, num_align_blocks
@@ -87,9 +87,6 @@ TRITON_CASES = [(1, 1, 4, 16, None), (7, 2, 5, 4, None), (33, 4, 13, 16, 16), (6
 
 
 # the Triton op: compiled on a GPU, interpreted on the CPU (LIVEMOE_GPU_ONLY=1 selects these on a GPU)
-triton_here = pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
-                                 reason="needs a CUDA GPU or TRITON_INTERPRET=1")
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @triton_here

@@ -1,9 +1,9 @@
 """Block-size configs (kernels/moe/configs.py): the heuristic, the per-GPU JSON cache, and tuning."""
 import json
-import os
 
 import pytest
 import torch
+from test_moe_triton import DEVICE, triton_here
 
 from kernels.moe import configs
 from kernels.moe.configs import MoEConfig
@@ -73,17 +73,15 @@ def test_tune_picks_the_fastest_runnable_candidate_and_saves_it(cache):
     assert configs.get_config(8, 16, 64, 32, 2, torch.float16) == cands[1]
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
-                    reason="needs a CUDA GPU or TRITON_INTERPRET=1")
+@triton_here
 def test_tune_runs_the_real_kernels(cache):
     # the run function fused_moe's autotune uses, on the interpreter (or the GPU), with a wall-clock timer
     import time
 
     from kernels.moe.triton_moe import experts_forward
 
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    x, w1, w2 = (t.to(dev) for t in (torch.randn(4, 32), torch.randn(3, 32, 32) * 0.1, torch.randn(3, 32, 16) * 0.1))
-    topk_w, topk_ids = torch.rand(4, 2, device=dev), torch.tensor([[0, 1], [1, 2], [2, 0], [0, 2]], device=dev)
+    x, w1, w2 = (t.to(DEVICE) for t in (torch.randn(4, 32), torch.randn(3, 32, 32) * 0.1, torch.randn(3, 32, 16) * 0.1))
+    topk_w, topk_ids = torch.rand(4, 2, device=DEVICE), torch.tensor([[0, 1], [1, 2], [2, 0], [0, 2]], device=DEVICE)
 
     def timer(fn):
         t0 = time.perf_counter()

@@ -17,9 +17,10 @@ import torch
 from kernels.moe import MoEConfig, fused_moe
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-# every test here runs the Triton kernels: compiled on a GPU, interpreted on the CPU
-pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
-                                reason="needs a CUDA GPU or TRITON_INTERPRET=1")
+# the Triton kernels run compiled on a GPU, interpreted on the CPU; every test here runs them
+triton_here = pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+                                 reason="needs a CUDA GPU or TRITON_INTERPRET=1")
+pytestmark = triton_here
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = MoEConfig(16, 32, 32, group_m=2, grad_block_m=32, grad_block_n=32, grad_block_k=16)
 WIDE = MoEConfig(16, 64, 64, group_m=1, grad_block_m=64, grad_block_n=64, grad_block_k=32)
