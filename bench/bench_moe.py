@@ -123,10 +123,12 @@ def test_moe_layer(benchmark, bench_mode, device, ceilings, backward):
         x = torch.randn(T, H, dtype=dtype, device=device, requires_grad=backward)
         ours = step(ours_layer(loop, k), x, backward)
         base = step(loop_layer(loop), x, backward)
-        # same answer before timing anything
+        # same answer before timing anything: relative Frobenius error (a max-abs bound over the 8M outputs of
+        # T=4096 would sit near the two sides' bf16 rounding, the loop's bf16 accumulation over k included)
         with torch.no_grad():
-            diff = (ours_layer(loop, k)(x) - loop_layer(loop)(x)).abs().max().item()
-        assert diff <= (5e-2 if dtype == torch.bfloat16 else 1e-4), f"fused_moe differs from the loop by {diff}"
+            got, want = ours_layer(loop, k)(x).float(), loop_layer(loop)(x).float()
+            rel = ((got - want).norm() / want.norm()).item()
+        assert rel <= (1e-2 if dtype == torch.bfloat16 else 1e-5), f"fused_moe differs from the loop by {rel:.2e} (relative)"
         contenders = {"transformers per-expert loop": base}
         for name, make in (("transformers grouped_mm", lambda: hf_block(H, I, E, k, dtype, device, "grouped_mm")),
                            ("megablocks dMoE", lambda: megablocks_layer(H, I, E, k, dtype, device))):
