@@ -2,7 +2,8 @@
 store_kvcache) against the plain reference, and the CPU dispatch of kernels.attention that uses them.
 
 Tolerances: fp32 2e-5 (online softmax per cache block reorders the sums against the reference's one
-softmax; both accumulate in fp32); bf16 / fp16 caches: the reference reads the same rounded K/V widened to
+softmax, and the op's exp is a polynomial with relative error ~1e-7; both accumulate in fp32); bf16 / fp16
+caches: the reference reads the same rounded K/V widened to
 fp32, so only the fp32 summation order differs (2e-5), and the output rounding to q's 16-bit dtype
 (1e-2 for fp16, 2e-2 for bf16).
 """
