@@ -12,8 +12,8 @@
 # gpu_check.log (everything printed here), build.log, tests.xml, results.{json,md,png}, pytest_benchmark.json
 # (7 files: the device tool returns at most 8). Copy them to bench/results/<date>-<gpu>/ to commit.
 # On a lent GPU: run `bash bench/gpu_check.sh` with a timeout_s of about 540 (the budget plus a margin).
-# Here, without a GPU, LIVEMOE_GPU_CHECK_BUDGET=300 PYTHON=<venv python> bash bench/gpu_check.sh walks every
-# stage (the Triton tests under the interpreter, the CPU benchmarks until the limit stops them).
+# Here, without a GPU, LIVEMOE_GPU_CHECK_ALLOW_CPU=1 LIVEMOE_GPU_CHECK_BUDGET=300 PYTHON=<venv python> bash
+# bench/gpu_check.sh walks every stage (Triton tests under the interpreter, CPU benchmarks until the limit).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 START=$(date +%s)
@@ -61,6 +61,13 @@ if torch.cuda.is_available():
 EOF
 command -v nvcc >/dev/null && nvcc --version | tail -2 || echo "nvcc not on PATH"
 command -v ninja >/dev/null && echo "ninja $(ninja --version)" || echo "ninja not on PATH (setup.py falls back to setuptools)"
+# without a usable GPU every later stage would measure the CPU: stop here, unless asked to walk the stages
+if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null \
+    && [ "${LIVEMOE_GPU_CHECK_ALLOW_CPU:-0}" != 1 ]; then
+  echo "no CUDA device visible to torch: stopping (LIVEMOE_GPU_CHECK_ALLOW_CPU=1 walks the stages on the CPU)"
+  sleep 1
+  exit 2
+fi
 
 stage "build the extension (background; log: $RES/build.log)"
 build_pid=
