@@ -31,8 +31,10 @@ left() { echo $(( BUDGET - ($(date +%s) - START) )); }
 limit() { local t=$(( $(left) * $1 / $2 - ${3:-0} )); echo $(( t < 20 ? 20 : t )); }  # share of what is left
 stage() { echo; echo "== [$(( $(date +%s) - START ))s] $*"; }
 # per-test limit where pytest-timeout is installed (it is on the GPU image): one hung test fails alone
-TIMEOUT_OPT=()
-"$PY" -c "import pytest_timeout" 2>/dev/null && TIMEOUT_OPT=(--timeout=150)
+TIMEOUT_OPT=() BENCH_TIMEOUT_OPT=()
+if "$PY" -c "import pytest_timeout" 2>/dev/null; then
+  TIMEOUT_OPT=(--timeout=150) BENCH_TIMEOUT_OPT=(--timeout=300)  # the 30B-shaped decode suite runs long
+fi
 # the correctness tests compile a hundred-odd Triton kernels, one CPU core each: pytest-xdist (on the GPU image)
 # spreads them over LIVEMOE_GPU_CHECK_WORKERS processes (0: one process)
 WORKERS_OPT=()
@@ -124,7 +126,7 @@ for f in "${order[@]}" bench/bench_*.py; do
   [ -f "$f" ] && [[ ! " ${files[*]} " =~ " $f " ]] && files+=("$f")
 done
 timeout $t "$PY" -m pytest "${files[@]}" --benchmark -v -p no:cacheprovider -rfEs --tb=short \
-  --continue-on-collection-errors --benchmark-json="$RES/pytest_benchmark.json" "${TIMEOUT_OPT[@]}"
+  --continue-on-collection-errors --benchmark-json="$RES/pytest_benchmark.json" "${BENCH_TIMEOUT_OPT[@]}"
 benches=$?
 
 stage "summary: build rc=$build, gpu tests rc=$tests, benchmarks rc=$benches (124: stage timed out)"
