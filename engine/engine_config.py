@@ -25,7 +25,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # fraction of the GPU's memory the whole process may use
     enforce_eager: bool = False  # no CUDA graphs
     max_graph_batch_size: int = 256  # largest decode batch captured in a CUDA graph
-    attention_backend: str = "auto"  # auto: Triton on CUDA, the PyTorch reference on CPU
+    attention_backend: str = "auto"  # auto: Triton on CUDA, csrc/paged_attention.cpp on CPU; "reference": PyTorch
     seed: int = 0  # the generator of requests that give no seed
     use_tqdm: bool = True  # progress bar in generate() for batches of more than 16 prompts
 

@@ -152,6 +152,11 @@ def test_append_slots_and_can_append():
     bm.append_slots(s, 1)
     assert len(s.block_table) == 2
     assert not bm.can_append(s, 9) and bm.can_append(s, 8)
+    # short of blocks: try_append_slots says so and changes nothing
+    table, free = list(s.block_table), bm.num_free_blocks
+    assert not bm.try_append_slots(s, 9)
+    assert s.block_table == table and bm.num_free_blocks == free
+    check_invariants(bm, [s])
 
 
 def test_prefix_caching_off():

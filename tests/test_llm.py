@@ -245,6 +245,10 @@ def test_add_step_abort_frees_blocks(checkpoints):
     seen = []
     for _ in range(3):
         seen += llm.step()
+    for o in seen:  # in-flight text: the decode of the tokens so far, up to its last complete character
+        full = llm.tokenizer.decode(o.token_ids, skip_special_tokens=True)
+        assert full.startswith(o.text) and set(full[len(o.text):]) <= {"\ufffd"}, (o.text, full)
+    assert any(o.text for o in seen)
     assert llm.stats()["kv_blocks_used"] > 0
     assert llm.abort(a) and not llm.abort(a)
     while llm.has_unfinished_requests():
