@@ -15,6 +15,8 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
+#include "simd.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -41,13 +43,7 @@ struct Problem {
   float scale;
 };
 
-// The hot loop is compiled for AVX2 + FMA as well as the baseline and picked at load time (the build passes no
-// -march, so it would be SSE2 only; measured 1.3-1.6x on decode). AVX-512 measured slower here.
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
-#define LIVEMOE_SIMD_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define LIVEMOE_SIMD_CLONES
-#endif
+// The hot loop: an AVX2 + FMA clone picked at load time (simd.h). AVX-512 measured slower here.
 
 #if defined(__has_builtin)
 #if __has_builtin(__builtin_bit_cast)

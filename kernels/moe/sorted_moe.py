@@ -6,10 +6,13 @@ one autograd.Function; saved for backward: x, the weights, the routing weights, 
 pre-activations [T*k, 2I] (the gathered x is re-gathered, the expanded output is never kept).
 
 It runs on any device but reads the per-expert counts on the host, so CUDA uses the Triton path instead.
+Inference on the CPU (no gradient needed) calls the C++ op of csrc/moe_experts.cpp instead: the same
+steps in one call.
 """
 import torch
 import torch.nn.functional as F
 
+from kernels import _ext
 from kernels.moe.align import moe_align
 
 
@@ -121,6 +124,15 @@ class SortedMoEFunction(torch.autograd.Function):
         return dx, dw_gate_up, dw_down, d_topk_w, None
 
 
+_HAS_CPP = _ext.has_op("moe_experts")
+
+
 def experts_sorted(hidden_states, w_gate_up, w_down, topk_weights, topk_ids):
-    """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x_t), sorted-segment path (see module doc)."""
+    """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x_t), sorted-segment path (see module doc).
+    Where no gradient is needed on a CPU (the decoder, rollouts), the same computation in one C++ call
+    (csrc/moe_experts.cpp): a decode step of a small model otherwise pays ~20 dispatched ops per layer."""
+    tensors = (hidden_states, w_gate_up, w_down, topk_weights)
+    if _HAS_CPP and hidden_states.device.type == "cpu" and not (
+            torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+        return torch.ops.livemoe.moe_experts(hidden_states, w_gate_up, w_down, topk_weights, topk_ids)
     return SortedMoEFunction.apply(hidden_states, w_gate_up, w_down, topk_weights.float(), topk_ids)
