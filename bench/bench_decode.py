@@ -88,8 +88,6 @@ def test_decode_moe_cpu(benchmark, bench_mode, tmp_path_factory, one_thread, mod
     from engine.sampling import SamplingParams
     from tiny_models import make_checkpoint
 
-    if model != "tiny MoE" and bench_mode == "quick":
-        pytest.skip(f"the {model} runs in full mode only (pytest bench/ --benchmark)")
     path, hf = make_checkpoint(tmp_path_factory.mktemp("bench_decode") / "moe", moe=True, **MODELS[model])
     hf.generation_config.eos_token_id = None  # both sides generate exactly the tokens asked
     hf.set_attn_implementation("sdpa")  # tiny_models builds it with eager attention (for logits parity)

@@ -93,18 +93,6 @@ stage "GPU correctness tests (limit ${t}s)"
 LIVEMOE_GPU_ONLY=1 timeout $t "$PY" -m pytest tests -v -p no:cacheprovider -rfE --tb=short "${IGNORE[@]}" \
   --continue-on-collection-errors --durations=8 --junitxml="$RES/tests.xml" "${TIMEOUT_OPT[@]}" "${WORKERS_OPT[@]}"
 tests=$?
-# GPU tests that skip inside their body (no marker, so LIVEMOE_GPU_ONLY cannot see them); -k by name
-extra=$(ls tests/test_paged_attention.py tests/test_llm.py 2>/dev/null | tr '\n' ' ')
-if [ -n "$extra" ]; then
-  t=$(limit 1 4)
-  stage "GPU tests that skip in their body (limit ${t}s)"
-  timeout $t "$PY" -m pytest $extra -v -p no:cacheprovider -rfEs --tb=short "${TIMEOUT_OPT[@]}" \
-    -k "bf16_gpu or flash_attn_prefill_gpu or cuda_graph_decode_matches_eager"
-  rc=$?
-  [ $rc -eq 5 ] && rc=0  # none selected (renamed): nothing failed
-  [ $tests -eq 0 ] && tests=$rc
-fi
-
 build=0
 if [ -n "$build_pid" ]; then
   stage "waiting for the build (at most 90s: the GPU benchmarks do not need it, and it would load the CPUs)"

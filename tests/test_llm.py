@@ -58,10 +58,16 @@ def hf_greedy(hf, prompt, n=NEW):
     return out[0, len(prompt):].tolist()
 
 
-def engine(path, **options):
+# the Triton backend: compiled on a GPU where there is one, else on CPU tensors under the interpreter
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+triton_here = pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+                                 reason="needs a CUDA GPU or TRITON_INTERPRET=1 (set by conftest)")
+
+
+def engine(path, device="cpu", **options):
     options.setdefault("block_size", 4)
     options.setdefault("num_kv_blocks", 256)
-    return LLM(path, dtype=torch.float32, device="cpu", **options)
+    return LLM(path, dtype=torch.float32, device=device, **options)
 
 
 @pytest.fixture(scope="module")
@@ -288,18 +294,16 @@ def test_from_model_shares_weights_and_kv_cache_release(checkpoints):
         llm.release_kv_cache()
 
 
-def test_triton_backend_under_interpreter(checkpoints, reference):
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("needs TRITON_INTERPRET=1 (set by conftest) or a CUDA GPU")
+@triton_here
+def test_triton_backend_matches_transformers(checkpoints, reference):
     prompts, expected = reference
-    llm = engine(checkpoints[True][0], attention_backend="triton", block_size=16, num_kv_blocks=32)
+    llm = engine(checkpoints[True][0], TRITON_DEVICE, attention_backend="triton", block_size=16, num_kv_blocks=32)
     outs = llm.generate([prompts[0], prompts[4]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     assert outs[0].token_ids == expected[True][0][:6] and outs[1].token_ids == expected[True][4][:6]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_graph_decode_matches_eager(checkpoints, reference):
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
     prompts, _ = reference
     path = checkpoints[True][0]
     eager = LLM(path, dtype=torch.float32, device="cuda", enforce_eager=True, num_kv_blocks=64).generate(prompts, GREEDY)
@@ -309,12 +313,13 @@ def test_cuda_graph_decode_matches_eager(checkpoints, reference):
     assert llm.stats()["num_graph_replays"] > 0 and llm.stats()["num_eager_fallbacks"] == 0
 
 
-@pytest.mark.parametrize("backend,block_size", [("reference", 4), ("triton", 16)])
+@pytest.mark.parametrize("backend,block_size", [("reference", 4), pytest.param("triton", 16, marks=triton_here)])
 def test_padded_decode_rows_as_in_cuda_graphs(checkpoints, backend, block_size):
     """A decode step padded the way a CUDA graph of a larger batch runs it (slot -1, context 0) gives
     the real rows the same hidden states and stores nothing for the padding. Graph capture itself
     needs a GPU; this checks everything the graph replays."""
-    llm = engine(checkpoints[True][0], attention_backend=backend, block_size=block_size, num_kv_blocks=16)
+    device = TRITON_DEVICE if backend == "triton" else "cpu"
+    llm = engine(checkpoints[True][0], device, attention_backend=backend, block_size=block_size, num_kv_blocks=16)
     for p in ([3, 4, 5, 6, 7], [8, 9, 10]):
         llm.add_request(p, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     llm.step()  # prefill both
@@ -337,7 +342,7 @@ def test_padded_decode_rows_as_in_cuda_graphs(checkpoints, backend, block_size):
     torch.testing.assert_close(runner.kv_cache, after_eager, atol=1e-5, rtol=1e-5)
     # ... and every other slot is untouched: the padding rows stored nothing
     flat = lambda c: c.flatten(2, 3)  # [2, layers, slots, Hkv, D]
-    others = torch.ones(flat(cache_before).shape[2], dtype=torch.bool)
+    others = torch.ones(flat(cache_before).shape[2], dtype=torch.bool, device=cache_before.device)
     others[ctx.slot_mapping] = False
     assert torch.equal(flat(runner.kv_cache)[:, :, others], flat(cache_before)[:, :, others])
 

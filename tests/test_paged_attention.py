@@ -4,6 +4,8 @@ the plain reference, and the reference itself against dense causal attention.
 Tolerances: fp32 1e-4 (online softmax reorders the sums; dot in IEEE fp32), fp16 2e-2 (inputs and
 outputs rounded to fp16, accumulation in fp32).
 """
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,6 +15,15 @@ from kernels.attention import (paged_attention_reference, paged_decode_attention
                                store_kvcache_reference)
 
 TOL = {torch.float32: 1e-4, torch.float16: 2e-2}
+# the Triton tests: compiled on a GPU where there is one, else under the interpreter (inputs made on the
+# CPU either way, so both see the same numbers)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+triton_here = pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+                                 reason="needs a CUDA GPU or TRITON_INTERPRET=1")
+
+
+def dev(*tensors):
+    return [t.to(DEVICE) for t in tensors]
 
 
 def make_cache(num_blocks, block_size, hkv, d, dtype, gen):
@@ -62,6 +73,7 @@ def test_reference_equals_dense_attention():
         torch.testing.assert_close(out[cu[s]:cu[s + 1]], exp, atol=1e-5, rtol=1e-5)
 
 
+@triton_here
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("hkv,d", [(2, 16), (3, 24)])
 def test_store_kvcache_triton(dtype, hkv, d):
@@ -73,13 +85,14 @@ def test_store_kvcache_triton(dtype, hkv, d):
     slots[[2, 7]] = -1  # padded rows
     ref_k, ref_v = torch.zeros(nb, bs, hkv, d, dtype=dtype), torch.zeros(nb, bs, hkv, d, dtype=dtype)
     store_kvcache_reference(k, v, ref_k, ref_v, slots)
-    out_k, out_v = torch.zeros_like(ref_k), torch.zeros_like(ref_v)
-    store_kvcache(k, v, out_k, out_v, slots, backend="triton")
-    assert torch.equal(out_k, ref_k) and torch.equal(out_v, ref_v)
+    out_k, out_v = dev(torch.zeros_like(ref_k), torch.zeros_like(ref_v))
+    store_kvcache(*dev(k, v), out_k, out_v, *dev(slots), backend="triton")
+    assert torch.equal(out_k.cpu(), ref_k) and torch.equal(out_v.cpu(), ref_v)
     written = (ref_k.flatten(0, 1).abs().sum((1, 2)) > 0).sum()
     assert written == N - 2
 
 
+@triton_here
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("bs,hq,hkv,d", [(16, 4, 4, 16), (16, 8, 2, 16), (32, 6, 1, 24)])
 @pytest.mark.parametrize("num_splits", [1, 3])
@@ -93,10 +106,11 @@ def test_paged_decode_triton(dtype, bs, hq, hkv, d, num_splits):
     ctx_t = torch.tensor(ctx, dtype=torch.int32)
     cu = torch.arange(len(ctx) + 1, dtype=torch.int32)
     ref = paged_attention_reference(q.float(), kc.float(), vc.float(), cu, ctx_t, tables, d ** -0.5)
-    out = paged_decode_attention(q, kc, vc, tables, ctx_t, d ** -0.5, num_splits=num_splits, backend="triton")
-    torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+    out = paged_decode_attention(*dev(q, kc, vc, tables, ctx_t), d ** -0.5, num_splits=num_splits, backend="triton")
+    torch.testing.assert_close(out.cpu().float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@triton_here
 def test_paged_decode_triton_padded_row_is_zero():
     gen = torch.Generator().manual_seed(3)
     kc, vc = make_cache(4, 16, 2, 16, torch.float32, gen)
@@ -104,10 +118,11 @@ def test_paged_decode_triton_padded_row_is_zero():
     ctx = torch.tensor([20, 0], dtype=torch.int32)  # row 1: a CUDA-graph padding row
     q = torch.randn(2, 4, 16, generator=gen)
     for splits in (1, 2):
-        out = paged_decode_attention(q, kc, vc, tables, ctx, 0.25, num_splits=splits, backend="triton")
+        out = paged_decode_attention(*dev(q, kc, vc, tables, ctx), 0.25, num_splits=splits, backend="triton").cpu()
         assert torch.isfinite(out).all() and out[1].abs().max() == 0
 
 
+@triton_here
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("bs,hq,hkv,d", [(16, 4, 2, 16), (32, 3, 3, 8)])
 def test_paged_prefill_triton(dtype, bs, hq, hkv, d):
@@ -123,8 +138,8 @@ def test_paged_prefill_triton(dtype, bs, hq, hkv, d):
     cu = torch.tensor([0] + torch.tensor(new).cumsum(0).tolist(), dtype=torch.int32)
     ctx_t = torch.tensor(ctx, dtype=torch.int32)
     ref = paged_attention_reference(q.float(), kc.float(), vc.float(), cu, ctx_t, tables, d ** -0.5)
-    out = paged_prefill_attention(q, kc, vc, cu, ctx_t, tables, d ** -0.5, max(new), backend="triton")
-    torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+    out = paged_prefill_attention(*dev(q, kc, vc, cu, ctx_t, tables), d ** -0.5, max(new), backend="triton")
+    torch.testing.assert_close(out.cpu().float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2)])
@@ -169,11 +184,10 @@ def test_prefill_torch_fast_path(hq, hkv):
     torch.testing.assert_close(paged_prefill_torch(*args), paged_attention_reference(*args), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_triton_kernels_bf16_gpu(num_splits):
     """Real shapes (Qwen3-30B-A3B attention: 32/4 heads, d 128) in bf16; tolerance of bf16 rounding."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
     gen = torch.Generator(device="cuda").manual_seed(8)
     bs, hq, hkv, d, nb = 16, 32, 4, 128, 600
     ctx = [1, 17, 1000, 4000 // 16 * 16 + 5]
@@ -194,9 +208,8 @@ def test_triton_kernels_bf16_gpu(num_splits):
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_flash_attn_prefill_gpu():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
     pytest.importorskip("flash_attn", reason="needs flash-attn (GPU only)")
     gen = torch.Generator().manual_seed(9)
     bs, hq, hkv, d, nb = 256, 8, 2, 128, 12

@@ -13,13 +13,18 @@ import time
 import urllib.error
 import urllib.request
 
-import openai
 import pytest
 import torch
 
-from engine.async_llm import AsyncLLM
-from engine.server import BackgroundServer, ServerProcess
-from tiny_tokenizer import make_cycle_checkpoint, make_text_checkpoint
+# the server's extras (installed by `pip install -e .[test]`; the GPU image lacks them)
+_EXTRAS = "needs the server extras fastapi, uvicorn and openai (pip install -e .[test])"
+openai = pytest.importorskip("openai", reason=_EXTRAS)
+pytest.importorskip("fastapi", reason=_EXTRAS)
+pytest.importorskip("uvicorn", reason=_EXTRAS)
+
+from engine.async_llm import AsyncLLM  # noqa: E402
+from engine.server import BackgroundServer, ServerProcess  # noqa: E402
+from tiny_tokenizer import make_cycle_checkpoint, make_text_checkpoint  # noqa: E402
 
 MODEL = "tiny"
 CYCLE_TEXT = "aé你b🙂界"
