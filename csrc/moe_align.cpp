@@ -5,6 +5,8 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
+#include "moe_sort.h"
+
 #include <algorithm>
 #include <vector>
 
@@ -25,23 +27,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_align_cpu(
   auto num_post_padded = at::zeros({1}, opts);
 
   const int64_t* id = ids.data_ptr<int64_t>();
-  int* counts = tokens_per_expert.data_ptr<int>();
-  for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(id[i] >= 0 && id[i] < num_experts, "moe_align: expert id ", id[i], " at flat index ", i,
-                " is outside [0, ", num_experts, ")");
-    ++counts[id[i]];
-  }
+  const std::vector<int64_t> counts = count_pairs_per_expert(id, n, num_experts, "moe_align");
+  int* counts_out = tokens_per_expert.data_ptr<int>();
   std::vector<int64_t> start(num_experts + 1, 0);
   for (int64_t e = 0; e < num_experts; ++e) {
+    counts_out[e] = static_cast<int>(counts[e]);
     const int64_t padded = (counts[e] + block_size - 1) / block_size * block_size;
     start[e + 1] = start[e] + padded;
   }
   int* eid = expert_ids.data_ptr<int>();
   for (int64_t e = 0; e < num_experts; ++e)
     for (int64_t b = start[e] / block_size; b < start[e + 1] / block_size; ++b) eid[b] = static_cast<int>(e);
-  std::vector<int64_t> cursor(start.begin(), start.end() - 1);
   int* sorted = sorted_token_ids.data_ptr<int>();
-  for (int64_t i = 0; i < n; ++i) sorted[cursor[id[i]]++] = static_cast<int>(i);
+  place_pairs_by_expert(id, n, std::vector<int64_t>(start.begin(), start.end() - 1),
+                        [&](int64_t i, int64_t pos) { sorted[pos] = static_cast<int>(i); });
   num_post_padded.data_ptr<int>()[0] = static_cast<int>(start[num_experts]);
   return {sorted_token_ids, expert_ids, tokens_per_expert, num_post_padded};
 }

@@ -3,7 +3,7 @@
 //
 // out[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j]
 //
-// 1. a stable counting sort of the (token, slot) pairs by expert (as moe_align with block 1);
+// 1. a stable counting sort of the (token, slot) pairs by expert (moe_sort.h, shared with moe_align);
 // 2. per expert with pairs: its rows of x gathered once, one GEMM for gate||up, SiLU(gate) * up in fp32,
 //    one GEMM for down (BLAS for long segments, a skinny fp32 kernel for decode-sized ones); experts in
 //    parallel;
@@ -14,6 +14,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
+#include "moe_sort.h"
 #include "simd.h"
 
 #include <algorithm>
@@ -91,19 +92,15 @@ at::Tensor moe_experts_cpu(const at::Tensor& x, const at::Tensor& w_gate_up, con
   auto weights = topk_weights.contiguous().to(at::kFloat);
   const int64_t* id = ids.data_ptr<int64_t>();
 
-  // 1. stable counting sort: rank[p] = position of pair p in expert order
+  // 1. stable counting sort: rank[p] = position of pair p in expert order, order its inverse
+  const std::vector<int64_t> counts = count_pairs_per_expert(id, pairs, E, "moe_experts");
   std::vector<int64_t> offs(E + 1, 0);
-  for (int64_t p = 0; p < pairs; ++p) {
-    TORCH_CHECK(id[p] >= 0 && id[p] < E, "moe_experts: expert id ", id[p], " at flat index ", p,
-                " is outside [0, ", E, ")");
-    ++offs[id[p] + 1];
-  }
-  for (int64_t e = 0; e < E; ++e) offs[e + 1] += offs[e];
-  std::vector<int64_t> cursor(offs.begin(), offs.end() - 1), order(pairs), rank(pairs);
-  for (int64_t p = 0; p < pairs; ++p) {
-    rank[p] = cursor[id[p]]++;
-    order[rank[p]] = p;
-  }
+  for (int64_t e = 0; e < E; ++e) offs[e + 1] = offs[e] + counts[e];
+  std::vector<int64_t> order(pairs), rank(pairs);
+  place_pairs_by_expert(id, pairs, std::vector<int64_t>(offs.begin(), offs.end() - 1), [&](int64_t p, int64_t pos) {
+    rank[p] = pos;
+    order[pos] = p;
+  });
 
   auto xc = x.contiguous();
   auto wgu = w_gate_up.contiguous();
