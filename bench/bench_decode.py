@@ -2,8 +2,8 @@
 `generate` on the same model in the same process.
 
 CPU, two random Qwen3-MoE checkpoints made by tests/tiny_models.py: the tiny one (H 64, 3 layers, 8 experts
-top-2, vocab 131) and, in full mode only, a small one (H 256, 4 layers, 32 experts top-4, 8/4 heads of 32,
-vocab 4096), where the expert matmuls weigh more than the per-op overhead. Workloads (quick: smaller):
+top-2, vocab 131) and a small one (H 256, 4 layers, 32 experts top-4, 8/4 heads of 32, vocab 4096), where the
+expert matmuls weigh more than the per-op overhead. Workloads (quick: fewer requests and tokens):
 - 64 requests, prompts of 8-48 tokens, greedy with ignore_eos: equal output lengths (32), and a mix of output
   lengths (uniform in [4, 64]: "useful tok/s", the tokens asked for). Baselines: one batched, left-padded
   `generate` call (its strongest offline mode; with the mix it must run every row to the longest), and, for the

@@ -43,7 +43,7 @@ class Sequence:
         self.num_preemptions = 0
         self.num_cached_prompt_tokens = 0  # prefix-cache hit at first scheduling
         self.text = ""  # detokenized output, kept only when stop strings need it
-        self.detokenizer = None  # engine.detokenizer.IncrementalDetokenizer of the output, for stop strings
+        self.detokenizer = None  # IncrementalDetokenizer of the output: stop strings, in-flight text
         # metrics
         self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None

@@ -19,12 +19,12 @@ def evaluate(model, tokenizer, records: list, judge, max_new_tokens: int = 256, 
     from engine.flops import decode_flops, param_counts
     from engine.sampling import SamplingParams
 
+    if temperature == 0 and samples != 1:
+        raise ValueError(f"evaluate: samples={samples} needs temperature > 0 (greedy responses are identical)")
     was_training = model.training
     model.eval()
     llm = LLM.from_model(model, tokenizer, seed=seed, use_tqdm=progress)
     try:
-        if temperature == 0 and samples != 1:
-            raise ValueError(f"evaluate: samples={samples} needs temperature > 0 (greedy responses are identical)")
         # request r's samples get seeds base + r * samples + j: distinct for every response
         base = seed * 1_000_003
         params = [SamplingParams(temperature=temperature, max_tokens=max_new_tokens, n=samples,
