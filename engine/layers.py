@@ -4,15 +4,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.moe import fused_moe
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' RMSNorm: weight * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype), over the last dim;
-    weight [D], or [..., D] broadcasting over x's last dims (several norms at once). F.rms_norm is one op and
-    gives the same bits (checked in fp32 and bf16 on the CPU, with the weight inside or multiplied after)."""
-    if x.dtype == torch.float32 and weight.dtype == torch.float32 and weight.dim() == 1:
-        return F.rms_norm(x, weight.shape, weight, eps)
-    return weight * F.rms_norm(x.float(), x.shape[-1:], None, eps).to(x.dtype)
+from kernels.norm import qk_norm_rope, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -28,9 +20,8 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """Default (unscaled) RoPE with the rotate-half convention; cos/sin computed in fp32.
 
-    Returns (cos, signed_sin) [B, T, 1, D] for apply_rotary: signed_sin is sin with its first half negated,
-    so rotate_half(x) * sin == roll(x, D/2) * signed_sin exactly (a negation is exact) and each of the
-    q and k rotations of every layer is 4 ops instead of 6."""
+    Returns (cos, signed_sin) [B, T, 1, D]: signed_sin is sin with its first half negated (what
+    kernels.norm's rotation takes; see rotate_half_reference)."""
 
     def __init__(self, head_dim: int, theta: float):
         super().__init__()
@@ -43,22 +34,11 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x [B, T, heads, D]; cos/signed_sin [B, T, 1, D] from RotaryEmbedding:
-    x * cos + rotate_half(x) * sin, with rotate_half(x) = cat(-x2, x1)."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
-
-
 def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm, cos: torch.Tensor,
                    signed_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen3's per-head RMSNorm of q [B, T, Hq, D] and k [B, T, Hkv, D], then RoPE, done once over the heads
-    of both (a decode step is op-bound: one norm and one rotation instead of two each). Each head row is
-    normalised on its own, so the bits are those of q_norm(q) and k_norm(k). Returns views of one tensor."""
+    """Qwen3's per-head RMSNorm of q [B, T, Hq, D] and k [B, T, Hkv, D], then RoPE (kernels.norm.qk_norm_rope)."""
     assert q_norm.eps == k_norm.eps, (q_norm.eps, k_norm.eps)
-    hq, hkv = q.shape[-2], k.shape[-2]
-    weight = torch.cat((q_norm.weight.expand(hq, -1), k_norm.weight.expand(hkv, -1)))
-    qk = apply_rotary(rms_norm(torch.cat((q, k), dim=-2), weight, q_norm.eps), cos, signed_sin)
-    return qk[..., :hq, :], qk[..., hq:, :]
+    return qk_norm_rope(q, k, q_norm.weight, k_norm.weight, cos, signed_sin, q_norm.eps)
 
 
 class MLP(nn.Module):
