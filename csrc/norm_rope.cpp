@@ -6,7 +6,7 @@
 // Numerics follow transformers' formulas op by op: x in fp32, y = x * (1 / sqrt(mean(x^2) + eps)), rounded
 // to x's dtype, times the weight in x's dtype; RoPE (rotate-half) as x * cos + rotate_half(x) * sin with
 // each product rounded to the dtype before the sum, so a 16-bit model rounds where transformers does. The
-// mean is one fp32 sum in index order (PyTorch's vectorised sum adds in another order: ~1 ulp apart).
+// mean is an fp32 sum in SIMD order (PyTorch's vectorised sum adds in another order: ~1 ulp apart).
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -22,6 +22,7 @@ namespace {
 template <typename scalar_t>
 inline float inv_rms(const scalar_t* x, int64_t n, float eps) {
   float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
   for (int64_t i = 0; i < n; ++i) {
     const float v = static_cast<float>(x[i]);
     sum += v * v;
@@ -71,11 +72,15 @@ inline void norm_rope_row(const scalar_t* x, const scalar_t* weight, const scala
                           int64_t d, float eps, scalar_t* normed, scalar_t* out) {
   norm_row(x, weight, d, eps, normed);
   const int64_t half = d / 2;
-  for (int64_t i = 0; i < d; ++i) {
-    const scalar_t a = static_cast<scalar_t>(static_cast<float>(normed[i]) * static_cast<float>(cos[i]));
-    const scalar_t b = static_cast<scalar_t>(static_cast<float>(normed[(i + half) % d]) * static_cast<float>(sin[i]));
-    out[i] = static_cast<scalar_t>(static_cast<float>(a) + static_cast<float>(b));
-  }
+  auto rotate = [&](int64_t from, int64_t to, int64_t shift) {  // two loops: no modulo, so they vectorise
+    for (int64_t i = from; i < to; ++i) {
+      const scalar_t a = static_cast<scalar_t>(static_cast<float>(normed[i]) * static_cast<float>(cos[i]));
+      const scalar_t b = static_cast<scalar_t>(static_cast<float>(normed[i + shift]) * static_cast<float>(sin[i]));
+      out[i] = static_cast<scalar_t>(static_cast<float>(a) + static_cast<float>(b));
+    }
+  };
+  rotate(0, half, half);
+  rotate(half, d, -half);
 }
 
 // q [N, Hq, D] and k [N, Hkv, D] (any strides between tokens and heads, D contiguous), the norms' weights [D],
@@ -106,6 +111,8 @@ std::tuple<at::Tensor, at::Tensor> qk_norm_rope_cpu(const at::Tensor& q, const a
   auto k_out = at::empty({n, hkv, d}, k.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "qk_norm_rope", [&] {
     std::vector<scalar_t> normed(d);
+    const scalar_t* cos_p = cc.data_ptr<scalar_t>();
+    const scalar_t* sin_p = sc.data_ptr<scalar_t>();
     auto rotate = [&](const at::Tensor& src, const at::Tensor& w, at::Tensor& dst) {
       const scalar_t* s = src.data_ptr<scalar_t>();
       const scalar_t* wp = w.data_ptr<scalar_t>();
@@ -113,7 +120,7 @@ std::tuple<at::Tensor, at::Tensor> qk_norm_rope_cpu(const at::Tensor& q, const a
       const int64_t heads = src.size(1), st = src.stride(0), sh = src.stride(1);
       for (int64_t t = 0; t < n; ++t)
         for (int64_t h = 0; h < heads; ++h)
-          norm_rope_row(s + t * st + h * sh, wp, cc.data_ptr<scalar_t>() + t * d, sc.data_ptr<scalar_t>() + t * d, d,
+          norm_rope_row(s + t * st + h * sh, wp, cos_p + t * d, sin_p + t * d, d,
                         static_cast<float>(eps), normed.data(), o + (t * heads + h) * d);
     };
     rotate(qc, qw, q_out);

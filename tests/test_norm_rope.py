@@ -1,7 +1,7 @@
 """kernels.norm: RMSNorm and per-head q/k RMSNorm + RoPE. The C++ ops (csrc/norm_rope.cpp, the CPU path where
 no gradient is needed) against the PyTorch references, which are transformers' formulas.
 
-Tolerances: fp32 within 2 ulp-scale (rtol 1e-6, atol 1e-6): the op sums x^2 in index order, PyTorch's
+Tolerances: fp32 within 2 ulp-scale (rtol 1e-6, atol 1e-6): the op sums x^2 in its SIMD order, PyTorch's
 vectorised mean in another (the rest is op by op the same). 16-bit: the op rounds exactly where the
 reference does, so at most one unit in the last place apart (from a different rounding of the fp32 mean):
 rtol 1e-2 (bf16's ulp is 2^-7) and atol at the outputs' scale.
