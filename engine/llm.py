@@ -158,18 +158,28 @@ class LLM:
         params = SamplingParams() if params is None else params
         if self.scheduler is None:
             self.reserve_kv_cache()
-        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        request_id = self._new_request_id() if request_id is None else str(request_id)
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in flight")
         text, ids = self._tokenize(prompt)
         self._validate(ids, params)
+        self._queue(request_id, text, ids, params)
+        return request_id
+
+    def _new_request_id(self) -> str:
+        """The next counter value that no request in flight uses (a caller may have chosen ids like "3")."""
+        while (rid := str(next(self._ids))) in self.requests:
+            pass
+        return rid
+
+    def _queue(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams) -> None:
+        """Queues a tokenized, validated request."""
         now = time.perf_counter()
         seqs = [Sequence(ids, params, request_id, i, None if params.seed is None else params.seed + i, now)
                 for i in range(params.n)]
         self.requests[request_id] = Request(request_id, text, ids, params, seqs)
         for seq in seqs:
             self.scheduler.add(seq)
-        return request_id
 
     def abort(self, request_id: str) -> bool:
         """Stops a request and frees its blocks; False if it is not in flight."""
@@ -324,9 +334,12 @@ class LLM:
             raise RequestError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
         if self.scheduler is None:
             self.reserve_kv_cache()
-        for prompt, p in zip(prompts, params):
-            self._validate(self._tokenize(prompt)[1], p)
-        ids = [self.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+        tokenized = [self._tokenize(prompt) for prompt in prompts]  # all validated before any is queued
+        for (_, prompt_ids), p in zip(tokenized, params):
+            self._validate(prompt_ids, p)
+        ids = [self._new_request_id() for _ in prompts]
+        for rid, (text, prompt_ids), p in zip(ids, tokenized, params):
+            self._queue(rid, text, prompt_ids, p)
         mine = set(ids)
         results: dict[str, RequestOutput] = {}
         show = self.config.use_tqdm if use_tqdm is None else use_tqdm

@@ -262,6 +262,10 @@ def test_add_step_abort_frees_blocks(checkpoints):
     assert llm.stats()["kv_blocks_used"] == 0
     final = [o for o in seen if o.finished]
     assert [o.request_id for o in final] == [b] and len(final[0].token_ids) == 5
+    # a caller's own id that the counter will reach next: generated ids step around it
+    mine = llm.add_request([6] * 4, SamplingParams(max_tokens=2, ignore_eos=True), request_id=str(int(b) + 1))
+    outs = llm.generate([[7] * 3, [8] * 3], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert mine not in {o.request_id for o in outs} and len({o.request_id for o in outs}) == 2
     assert final[0].metrics.ttft > 0 and final[0].metrics.tpot > 0 and final[0].metrics.decode_flops > 0
 
 
