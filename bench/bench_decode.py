@@ -15,7 +15,8 @@ expert matmuls weigh more than the per-op overhead. Workloads (quick: fewer requ
 transformers runs its fastest settings here: SDPA attention and its grouped_mm experts (its eager attention is
 ~5% slower on the tiny model; its eager and batched_mm experts are 1.4-25x slower). Both sides run
 single-threaded: on this shared 2-core machine OpenMP spin-waits otherwise dominate tiny matmuls, for both
-sides alike. Every case is recorded; ratios come from the same process.
+sides alike. Every case is recorded; ratios come from the same process (full mode: the median of 3 runs of
+each side, run alternately; quick mode: one run).
 GPU: a Qwen3-30B-A3B-shaped model with random bf16 weights made on the device; batch 1, 8, 64 at
 contexts 1k and 4k (quick: batch 1 at 1k); ms per decode step against the memory-bound floor (the
 weights a step touches plus the KV it reads, at the measured copy bandwidth).
@@ -25,7 +26,7 @@ import time
 import pytest
 import torch
 
-from bench.common import record
+from bench.common import median_pair, record
 
 SUITE = "decode"
 MODELS = {  # name -> tests/tiny_models.py overrides
@@ -50,7 +51,7 @@ def left_padded(prompts):
 
 def hf_generate(hf, prompts, new_tokens, **sampling):
     """One left-padded batch through transformers' generate; returns (seconds, seconds to first token).
-    Greedy unless `sampling` (generate's keywords) says otherwise."""
+    Greedy unless `sampling` (generate's keywords) says otherwise. The first-token call is timed apart."""
     ids, mask = left_padded(prompts)
     kw = {"attention_mask": mask, "do_sample": False, "pad_token_id": 0, **sampling}
     t0 = time.perf_counter()
@@ -73,12 +74,13 @@ def hf_sequential(hf, prompts, max_tokens):
 
 
 def timed_generate(llm, prompts, params, expect_lens):
+    """(seconds, outputs) of one llm.generate call."""
     llm.reset_prefix_cache()  # no blocks cached by an earlier case (transformers keeps nothing between calls)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     t = time.perf_counter() - t0
     assert [len(c.token_ids) for o in outs for c in o.outputs] == expect_lens
-    return outs, t
+    return t, outs
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU suite; the GPU suite is test_decode_gpu")
@@ -93,6 +95,7 @@ def test_decode_moe_cpu(benchmark, bench_mode, tmp_path_factory, one_thread, mod
     hf.set_attn_implementation("sdpa")  # tiny_models builds it with eager attention (for logits parity)
     vocab = hf.config.vocab_size
     num, new = (64, 32) if bench_mode == "full" else (8, 8)
+    reps = 3 if bench_mode == "full" else 1  # each case: medians of `reps` alternating runs of both sides
     prompts = random_prompts(num, 8, 48, vocab)
     # the serving mix: output lengths differ per request (uniform in [new/8, 2*new])
     g = torch.Generator().manual_seed(1)
@@ -105,10 +108,8 @@ def test_decode_moe_cpu(benchmark, bench_mode, tmp_path_factory, one_thread, mod
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
         return timed_generate(llm, prompts, params, max_tokens)
 
-    box = {}
-    benchmark.pedantic(lambda: box.update(equal=greedy([new] * num)), rounds=1, iterations=1)
-    outs, t_ours = box["equal"]
-    t_hf, ttft_hf = hf_generate(hf, prompts, new)
+    benchmark.pedantic(lambda: greedy([new] * num), rounds=1, iterations=1)  # pytest-benchmark's own row
+    t_ours, outs, t_hf, ttft_hf = median_pair(lambda: greedy([new] * num), lambda: hf_generate(hf, prompts, new), reps)
     base = "transformers generate (batched)"
     case = f"{model}, {num} requests x {new} tokens"
     tokens = num * new
@@ -121,8 +122,7 @@ def test_decode_moe_cpu(benchmark, bench_mode, tmp_path_factory, one_thread, mod
            baseline=(t_hf - ttft_hf) / (new - 1) * 1e3, baseline_name=base)
 
     # mixed output lengths: a padded batch runs every row to the longest; continuous batching does not
-    _, t_ours = greedy(mixed)
-    t_hf, _ = hf_generate(hf, prompts, max(mixed))
+    t_ours, _, t_hf, _ = median_pair(lambda: greedy(mixed), lambda: hf_generate(hf, prompts, max(mixed)), reps)
     case = f"{model}, {num} requests, {min(mixed)}-{max(mixed)} tokens"
     tokens = sum(mixed)
     record(suite=SUITE, case=case, metric="useful tok/s", ours=tokens / t_ours, baseline=tokens / t_hf,
@@ -137,9 +137,10 @@ def test_decode_moe_cpu(benchmark, bench_mode, tmp_path_factory, one_thread, mod
     num_prompts, n = (8, 8) if bench_mode == "full" else (2, 4)
     rollout_prompts = random_prompts(num_prompts, 32, 96, vocab, seed=2)
     params = SamplingParams(temperature=0.7, n=n, max_tokens=new, ignore_eos=True, seed=0, logprobs=0)
-    _, t_ours = timed_generate(llm, rollout_prompts, params, [new] * (num_prompts * n))
-    t_hf, _ = hf_generate(hf, rollout_prompts, new, do_sample=True, temperature=0.7, top_k=0, top_p=1.0,
-                          num_return_sequences=n, output_scores=True, return_dict_in_generate=True)
+    t_ours, _, t_hf, _ = median_pair(
+        lambda: timed_generate(llm, rollout_prompts, params, [new] * (num_prompts * n)),
+        lambda: hf_generate(hf, rollout_prompts, new, do_sample=True, temperature=0.7, top_k=0, top_p=1.0,
+                            num_return_sequences=n, output_scores=True, return_dict_in_generate=True), reps)
     case = f"{model}, GRPO rollouts: {num_prompts} prompts x n={n} x {new} tokens"
     tokens = num_prompts * n * new
     record(suite=SUITE, case=case, metric="tok/s", ours=tokens / t_ours, baseline=tokens / t_hf,

@@ -55,6 +55,18 @@ def sync(device) -> None:
         torch.cuda.synchronize()
 
 
+def median_pair(ours, baseline, reps: int):
+    """ours() and baseline() each time themselves and return (seconds, result); they run alternately, `reps`
+    times each, so drift on a noisy machine hits both alike. Returns (median seconds of ours, its last result,
+    median seconds of the baseline, its last result)."""
+    runs: tuple[list, list] = ([], [])
+    for _ in range(reps):
+        runs[0].append(ours())
+        runs[1].append(baseline())
+    (t_ours, r_ours), (t_base, r_base) = ([statistics.median(t for t, _ in side), side[-1][1]] for side in runs)
+    return t_ours, r_ours, t_base, r_base
+
+
 def measure(fn, device="cpu", warmup: int = 1, reps: int = 5) -> float:
     """Median time of fn() in seconds: wall time on the CPU; on CUDA the stream's time between events around
     each call (no host sync between calls, whose cost would inflate a short kernel's figure)."""
