@@ -94,14 +94,15 @@ class Sampler:
         logprobs: list[dict[int, float] | None] = [None] * B
         rows = [i for i in range(B) if params[i].logprobs is not None]
         if rows:
-            raw = scaled[rows].log_softmax(-1)
+            pick = (lambda t: t) if len(rows) == B else (lambda t: t[rows])  # a rollout batch asks on every row
+            raw = pick(scaled).log_softmax(-1)
             dist = raw
             if any_filter:
-                processed = filtered[rows].log_softmax(-1)
+                processed = pick(filtered).log_softmax(-1)
                 use_raw = torch.tensor([params[i].logprobs_mode == "raw" for i in rows], device=device)
                 dist = torch.where(use_raw[:, None], raw, processed)
             # the sampled tokens' logprobs in one gather (a rollout asks for them at every step)
-            sampled = dist.gather(1, tokens[rows][:, None])[:, 0].tolist()
+            sampled = dist.gather(1, pick(tokens)[:, None])[:, 0].tolist()
             for j, i in enumerate(rows):
                 entry = {token_ids[i]: sampled[j]}
                 n = min(params[i].logprobs, V)
