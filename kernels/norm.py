@@ -26,9 +26,12 @@ def rotate_half_reference(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
+_BUILT = {name: _ext.has_op(name) for name in ("rms_norm", "qk_norm_rope")}  # looked up once, not per call
+
+
 def use_cpp(name: str, *tensors: torch.Tensor) -> bool:
     """The C++ op `name` serves this call: built, every tensor on the CPU, and no gradient to record."""
-    return _ext.has_op(name) and all(t.device.type == "cpu" for t in tensors) and not (
+    return _BUILT[name] and all(t.device.type == "cpu" for t in tensors) and not (
         torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
