@@ -29,7 +29,7 @@
 
 namespace {
 
-using livemoe_attn::HeadChunk;
+using livemoe_attn::Chunk;
 using livemoe_attn::PortableKernels;
 
 constexpr int64_t kQueryTile = 16;  // query tokens of one sequence per task (a prefill chunk is split)
@@ -48,7 +48,7 @@ struct Problem {
   float scale;
 };
 
-// Per thread, kept across calls (grown, never shrunk: bounded by the chunk sizes below).
+// Per thread, kept across calls (grown, never shrunk: bounded by the chunk sizes of attend).
 struct Scratch {
   std::vector<float> f;
   std::vector<int64_t> off, woff, vis;
@@ -56,7 +56,14 @@ struct Scratch {
 
 inline int64_t round_up8(int64_t n) { return (n + 7) & ~int64_t{7}; }
 
-// One task: its query rows per kv head, row r = (token t0 + r / group, query head r % group of the GQA group).
+template <typename T>
+T* grown(std::vector<T>& v, int64_t n) {
+  if (v.size() < static_cast<size_t>(n)) v.resize(n);
+  return v.data();
+}
+
+// One task: its query rows, row h * head_rows + t * group + g = (kv head h0 + h, token t0 + t, query head g of
+// the GQA group); the keys [0, pos0 + t1) that its last token sees, in chunks.
 // kD: the head size at compile time (0: p.d at run time).
 template <class Kernels, typename scalar_t, int64_t kD>
 void attend(const Problem& p, const Task& task, const scalar_t* k_cache, const scalar_t* v_cache, Scratch& sc) {
@@ -64,69 +71,70 @@ void attend(const Problem& p, const Task& task, const scalar_t* k_cache, const s
   const int64_t d = kD ? kD : p.d, bs = p.block_size, group = p.hq / p.hkv, nh = task.h1 - task.h0;
   const int64_t first = p.cu ? p.cu[task.seq] : task.seq;
   const int64_t q_len = p.cu ? p.cu[task.seq + 1] - first : 1;
-  const int64_t rows = (task.t1 - task.t0) * group;  // per kv head
-  const int64_t pos0 = p.ctx[task.seq] - q_len;      // position of the sequence's first new token
-  const int64_t num_keys = pos0 + task.t1;           // the tile's last query sees keys [0, num_keys)
-  // keys per chunk, a multiple of 8: scores [rows, chunk] within ~32 KiB, a widened K + V chunk ~64 KiB
-  int64_t chunk = std::max<int64_t>(8192 / rows, 64);
-  if (kWiden) chunk = std::min(chunk, std::max<int64_t>(8192 / d, 64));
+  const int64_t tokens = task.t1 - task.t0, head_rows = tokens * group, rows = nh * head_rows;
+  const int64_t pos0 = p.ctx[task.seq] - q_len;  // position of the sequence's first new token
+  const int64_t num_keys = pos0 + task.t1;
+  // keys per chunk, a multiple of 8: scores [rows, chunk] within ~32 KiB, a widened K + V chunk ~256 KiB
+  int64_t chunk = std::max<int64_t>(8192 / rows, 32);
+  if (kWiden) chunk = std::min(chunk, std::max<int64_t>(32768 / (nh * d), 32));
   chunk = std::min(chunk & ~int64_t{7}, round_up8(num_keys));
-  const int64_t lds = chunk, state = nh * rows;
-  const size_t need = static_cast<size_t>(2 * state * d + 2 * state + rows * lds + (kWiden ? 2 * chunk * d : 0));
-  if (sc.f.size() < need) sc.f.resize(need);
-  if (sc.off.size() < static_cast<size_t>(chunk)) sc.off.resize(chunk), sc.woff.resize(chunk);
-  if (sc.vis.size() < static_cast<size_t>(rows)) sc.vis.resize(rows);
-  float* qs = sc.f.data();    // [nh, rows, d] queries x scale
-  float* acc = qs + state * d;  // [nh, rows, d]
-  float* m = acc + state * d;   // [nh, rows]
-  float* l = m + state;
-  float* s = l + state;  // [rows, lds]
-  float* wk = s + rows * lds;  // [chunk, d] widened K / V of one kv head (16-bit caches)
-  float* wv = wk + chunk * d;
-  int64_t* off = sc.off.data();
-  int64_t* vis = sc.vis.data();
-  for (int64_t h = 0; h < nh; ++h)
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* src = p.q + ((first + task.t0 + r / group) * p.hq + (task.h0 + h) * group + r % group) * d;
-      float* dst = qs + (h * rows + r) * d;
-      for (int64_t i = 0; i < d; ++i) dst[i] = src[i] * p.scale;
-    }
-  std::fill(acc, acc + state * d, 0.f);
-  std::fill(m, m + state, -std::numeric_limits<float>::infinity());
-  std::fill(l, l + state, 0.f);
-  const int* table = p.tables + task.seq * p.table_width;
+  const int64_t lds = chunk, wide = kWiden ? nh * chunk * d : 0;
+  float* qs = grown(sc.f, 2 * rows * d + 2 * rows + rows * lds + 2 * wide);  // [rows, d] queries x scale
+  float* acc = qs + rows * d;  // [rows, d]
+  float* m = acc + rows * d;   // [rows]
+  float* l = m + rows;
+  float* s = l + rows;         // [rows, lds]
+  float* wk = s + rows * lds;  // [nh, chunk, d] widened K / V (16-bit caches)
+  float* wv = wk + wide;
+  int64_t* vis = grown(sc.vis, head_rows);
   const int64_t token_stride = p.hkv * d;  // between consecutive tokens of a cache block
+  for (int64_t t = 0; t < tokens; ++t) {  // a token's query heads of kv heads [h0, h1) are adjacent
+    const float* src = p.q + ((first + task.t0 + t) * p.hq + task.h0 * group) * d;
+    for (int64_t h = 0; h < nh; ++h)
+      for (int64_t x = 0; x < group * d; ++x) qs[(h * head_rows + t * group) * d + x] = src[h * group * d + x] * p.scale;
+  }
+  std::fill(acc, acc + rows * d, 0.f);
+  std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + rows, 0.f);
+  // cache offset of every key's row (kv head h0), padded to a multiple of 8 with the last key
+  int64_t* off = grown(sc.off, round_up8(num_keys));
+  const int* table = p.tables + task.seq * p.table_width;
+  for (int64_t j0 = 0; j0 < num_keys; j0 += bs) {
+    const int64_t base = (static_cast<int64_t>(table[j0 / bs]) * bs) * token_stride + task.h0 * d;
+    const int64_t n = std::min(bs, num_keys - j0);
+    for (int64_t j = 0; j < n; ++j) off[j0 + j] = base + j * token_stride;
+  }
+  std::fill(off + num_keys, off + round_up8(num_keys), off[num_keys - 1]);
+  int64_t* woff = nullptr;
+  if (kWiden) {
+    woff = grown(sc.woff, chunk);
+    for (int64_t j = 0; j < chunk; ++j) woff[j] = j * d;
+  }
   for (int64_t c0 = 0; c0 < num_keys; c0 += chunk) {
     const int64_t n = std::min(chunk, num_keys - c0);
-    for (int64_t j = 0, blk = c0 / bs, slot = c0 % bs; j < n; ++j) {  // cache row of key c0 + j
-      off[j] = (static_cast<int64_t>(table[blk]) * bs + slot) * token_stride;
-      if (++slot == bs) slot = 0, ++blk;
+    for (int64_t t = 0; t < tokens; ++t) {
+      const int64_t v = std::clamp<int64_t>(pos0 + task.t0 + t + 1 - c0, 0, n);  // causal
+      for (int64_t g = 0; g < group; ++g) vis[t * group + g] = v;
     }
-    std::fill(off + n, off + round_up8(n), off[n - 1]);  // kernels read keys in groups of 8
-    for (int64_t r = 0; r < rows; ++r) vis[r] = std::clamp<int64_t>(pos0 + task.t0 + r / group + 1 - c0, 0, n);
-    for (int64_t h = 0; h < nh; ++h) {
-      HeadChunk c{qs + h * rows * d, rows, d, nullptr, nullptr, off, n, vis, s, lds, m + h * rows, l + h * rows,
-                  acc + h * rows * d};
-      const int64_t head = (task.h0 + h) * d;
-      if constexpr (kWiden) {
-        Kernels::widen(k_cache + head, off, n, d, wk);
-        Kernels::widen(v_cache + head, off, n, d, wv);
-        int64_t* woff = sc.woff.data();
-        for (int64_t j = 0; j < round_up8(n); ++j) woff[j] = std::min(j, n - 1) * d;
-        c.k = wk, c.v = wv, c.off = woff;
-      } else {
-        c.k = k_cache + head, c.v = v_cache + head;
-      }
-      Kernels::template attend_chunk<kD>(c);
+    Chunk c{qs, nh, head_rows, d, nullptr, nullptr, 0, off + c0, n, vis, s, lds, m, l, acc};
+    if constexpr (kWiden) {
+      Kernels::widen(k_cache, off + c0, round_up8(n), nh, d, wk, chunk * d);
+      Kernels::widen(v_cache, off + c0, round_up8(n), nh, d, wv, chunk * d);
+      c.k = wk, c.v = wv, c.head_stride = chunk * d, c.off = woff;
+    } else {
+      c.k = k_cache, c.v = v_cache, c.head_stride = d;
     }
+    Kernels::template attend_chunk<kD>(c);
   }
-  for (int64_t h = 0; h < nh; ++h)
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t i = h * rows + r;
-      float* o = p.out + ((first + task.t0 + r / group) * p.hq + (task.h0 + h) * group + r % group) * d;
-      const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
-      for (int64_t x = 0; x < d; ++x) o[x] = acc[i * d + x] * inv;
-    }
+  for (int64_t t = 0; t < tokens; ++t) {
+    float* dst = p.out + ((first + task.t0 + t) * p.hq + task.h0 * group) * d;
+    for (int64_t h = 0; h < nh; ++h)
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t r = h * head_rows + t * group + g;
+        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+        for (int64_t x = 0; x < d; ++x) dst[(h * group + g) * d + x] = acc[r * d + x] * inv;
+      }
+  }
 }
 
 // tasks [begin, end) with the kernels' head-size specialisations: the common head sizes at compile time
