@@ -158,17 +158,19 @@ struct Avx2Kernels {
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
   }
 
+  // k = round(x / ln 2) by adding 1.5 * 2^23 + 127: the sum's low mantissa bits are k + 127, so one shift
+  // makes them the exponent of 2^k (x >= -87: k + 127 in [1, 127])
   static LIVEMOE_AVX2_INLINE __m256 exp256(__m256 x) {
+    const __m256 magic = _mm256_set1_ps(12582912.f + 127.f);
     x = _mm256_max_ps(x, _mm256_set1_ps(kExpLo));
-    const __m256 k =
-        _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 kb = _mm256_fmadd_ps(x, _mm256_set1_ps(kLog2e), magic);
+    const __m256 k = _mm256_sub_ps(kb, magic);
     __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(kLn2Hi), x);
     r = _mm256_fnmadd_ps(k, _mm256_set1_ps(kLn2Lo), r);
     __m256 p = _mm256_set1_ps(kExpP[0]);
     for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpP[i]));
-    p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(kb), 23)));
   }
 
   // lanes < n set, the others clear

@@ -55,6 +55,7 @@ struct Scratch {
 };
 
 inline int64_t round_up8(int64_t n) { return (n + 7) & ~int64_t{7}; }
+inline int64_t round_up16(int64_t n) { return (n + 15) & ~int64_t{15}; }
 
 template <typename T>
 T* grown(std::vector<T>& v, int64_t n) {
@@ -78,13 +79,15 @@ void attend(const Problem& p, const Task& task, const scalar_t* k_cache, const s
   int64_t chunk = std::max<int64_t>(8192 / rows, 32);
   if (kWiden) chunk = std::min(chunk, std::max<int64_t>(32768 / (nh * d), 32));
   chunk = std::min(chunk & ~int64_t{7}, round_up8(num_keys));
-  const int64_t lds = chunk, wide = kWiden ? nh * chunk * d : 0;
-  float* qs = grown(sc.f, 2 * rows * d + 2 * rows + rows * lds + 2 * wide);  // [rows, d] queries x scale
-  float* acc = qs + rows * d;  // [rows, d]
-  float* m = acc + rows * d;   // [rows]
-  float* l = m + rows;
-  float* s = l + rows;         // [rows, lds]
-  float* wk = s + rows * lds;  // [nh, chunk, d] widened K / V (16-bit caches)
+  // the float buffers at 64-byte boundaries (a vector load then never splits a cache line)
+  const int64_t lds = chunk, wide = kWiden ? nh * chunk * d : 0, qd = round_up16(rows * d), rr = round_up16(rows);
+  float* qs = grown(sc.f, 2 * qd + 2 * rr + round_up16(rows * lds) + 2 * wide + 16);  // [rows, d] queries x scale
+  qs += (64 - reinterpret_cast<uintptr_t>(qs) % 64) % 64 / sizeof(float);
+  float* acc = qs + qd;   // [rows, d]
+  float* m = acc + qd;    // [rows]
+  float* l = m + rr;
+  float* s = l + rr;      // [rows, lds]
+  float* wk = s + round_up16(rows * lds);  // [nh, chunk, d] widened K / V (16-bit caches)
   float* wv = wk + wide;
   int64_t* vis = grown(sc.vis, head_rows);
   const int64_t token_stride = p.hkv * d;  // between consecutive tokens of a cache block
