@@ -76,8 +76,9 @@ void attend(const Problem& p, const Task& task, const scalar_t* k_cache, const s
   const int64_t pos0 = p.ctx[task.seq] - q_len;  // position of the sequence's first new token
   const int64_t num_keys = pos0 + task.t1;
   // keys per chunk, a multiple of 8: scores [rows, chunk] within ~32 KiB, a widened K + V chunk ~256 KiB
-  int64_t chunk = std::max<int64_t>(8192 / rows, 32);
-  if (kWiden) chunk = std::min(chunk, std::max<int64_t>(32768 / (nh * d), 32));
+  // (float divisions: an integer one per task is a visible cost at decode)
+  int64_t chunk = std::max<int64_t>(static_cast<int64_t>(8192.f / static_cast<float>(rows)), 32);
+  if (kWiden) chunk = std::min(chunk, std::max<int64_t>(static_cast<int64_t>(32768.f / static_cast<float>(nh * d)), 32));
   chunk = std::min(chunk & ~int64_t{7}, round_up8(num_keys));
   // the float buffers at 64-byte boundaries (a vector load then never splits a cache line)
   const int64_t lds = chunk, wide = kWiden ? nh * chunk * d : 0, qd = round_up16(rows * d), rr = round_up16(rows);
@@ -102,8 +103,8 @@ void attend(const Problem& p, const Task& task, const scalar_t* k_cache, const s
   // cache offset of every key's row (kv head h0), padded to a multiple of 8 with the last key
   int64_t* off = grown(sc.off, round_up8(num_keys));
   const int* table = p.tables + task.seq * p.table_width;
-  for (int64_t j0 = 0; j0 < num_keys; j0 += bs) {
-    const int64_t base = (static_cast<int64_t>(table[j0 / bs]) * bs) * token_stride + task.h0 * d;
+  for (int64_t j0 = 0, b = 0; j0 < num_keys; j0 += bs, ++b) {
+    const int64_t base = static_cast<int64_t>(table[b]) * bs * token_stride + task.h0 * d;
     const int64_t n = std::min(bs, num_keys - j0);
     for (int64_t j = 0; j < n; ++j) off[j0 + j] = base + j * token_stride;
   }
