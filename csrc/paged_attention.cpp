@@ -9,7 +9,7 @@
 // A task walks its keys in chunks (the whole context of a short decode): all scores of a chunk, then the
 // softmax with one rescale per chunk (online softmax across chunks, in fp32), then probabilities x V; the
 // kernels are in attention_cpu.h (AVX2 + FMA where the CPU has it and D % 8 == 0, else portable C++).
-// fp32, bf16 and fp16 caches (a 16-bit chunk is widened to fp32 once per kv head); exp by a vectorised
+// fp32, bf16 and fp16 caches (a 16-bit chunk is widened to fp32 once, all heads); exp by a vectorised
 // polynomial (relative error ~1e-7). context_len 0: output 0 (as Triton).
 //
 // store_kvcache: k/v [N, Hkv, D] into the caches at flat slots (slot -1: a padded row, skipped).
@@ -75,10 +75,12 @@ void attend(const Problem& p, const Task& task, const scalar_t* k_cache, const s
   const int64_t tokens = task.t1 - task.t0, head_rows = tokens * group, rows = nh * head_rows;
   const int64_t pos0 = p.ctx[task.seq] - q_len;  // position of the sequence's first new token
   const int64_t num_keys = pos0 + task.t1;
-  // keys per chunk, a multiple of 8: scores [rows, chunk] within ~32 KiB, a widened K + V chunk ~256 KiB
-  // (float divisions: an integer one per task is a visible cost at decode)
-  int64_t chunk = std::max<int64_t>(static_cast<int64_t>(8192.f / static_cast<float>(rows)), 32);
-  if (kWiden) chunk = std::min(chunk, std::max<int64_t>(static_cast<int64_t>(32768.f / static_cast<float>(nh * d)), 32));
+  // keys per chunk, a multiple of 8: scores [rows, chunk] within ~32 KiB, a widened K + V chunk ~256 KiB. Sized
+  // by all Hkv heads, not the task's: a row's sums then do not depend on whether the heads were split over
+  // tasks (which depends on the thread count). Float divisions: an integer one per task shows at decode.
+  const float all_rows = static_cast<float>(p.hkv * head_rows);
+  int64_t chunk = std::max<int64_t>(static_cast<int64_t>(8192.f / all_rows), 32);
+  if (kWiden) chunk = std::min(chunk, std::max<int64_t>(static_cast<int64_t>(32768.f / static_cast<float>(p.hkv * d)), 32));
   chunk = std::min(chunk & ~int64_t{7}, round_up8(num_keys));
   // the float buffers at 64-byte boundaries (a vector load then never splits a cache line)
   const int64_t lds = chunk, wide = kWiden ? nh * chunk * d : 0, qd = round_up16(rows * d), rr = round_up16(rows);
