@@ -6,8 +6,11 @@
 // read in place from the paged cache [num_blocks, block_size, Hkv, D] through block_tables [S, W]: no
 // gathered copy. One task = (sequence, tile of queries, kv heads: all, or one when tasks are too few for
 // the threads); the GQA group's query heads are rows of the task, so one pass over K/V serves the group.
-// Online softmax in fp32 per cache block; fp32, bf16 and fp16 caches (a 16-bit block is widened to fp32
-// once per task); exp by a vectorised polynomial (relative error ~1e-7). context_len 0: output 0 (as Triton).
+// A task walks its keys in chunks (the whole context of a short decode): all scores of a chunk, then the
+// softmax with one rescale per chunk (online softmax across chunks, in fp32), then probabilities x V; the
+// kernels are in attention_cpu.h (AVX2 + FMA where the CPU has it and D % 8 == 0, else portable C++).
+// fp32, bf16 and fp16 caches (a 16-bit chunk is widened to fp32 once, all heads); exp by a vectorised
+// polynomial (relative error ~1e-7). context_len 0: output 0 (as Triton).
 //
 // store_kvcache: k/v [N, Hkv, D] into the caches at flat slots (slot -1: a padded row, skipped).
 #include <torch/library.h>
@@ -15,10 +18,9 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
-#include "simd.h"
+#include "attention_cpu.h"
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -26,6 +28,9 @@
 #include <vector>
 
 namespace {
+
+using livemoe_attn::Chunk;
+using livemoe_attn::PortableKernels;
 
 constexpr int64_t kQueryTile = 16;  // query tokens of one sequence per task (a prefill chunk is split)
 
@@ -43,135 +48,114 @@ struct Problem {
   float scale;
 };
 
-// The hot loop: an AVX2 + FMA clone picked at load time (simd.h). AVX-512 measured slower here.
+// Per thread, kept across calls (grown, never shrunk: bounded by the chunk sizes of attend).
+struct Scratch {
+  std::vector<float> f;
+  std::vector<int64_t> off, woff, vis;
+};
 
-#if defined(__has_builtin)
-#if __has_builtin(__builtin_bit_cast)
-#define LIVEMOE_HAS_BIT_CAST 1
-#endif
-#endif
+inline int64_t round_up8(int64_t n) { return (n + 7) & ~int64_t{7}; }
+inline int64_t round_up16(int64_t n) { return (n + 15) & ~int64_t{15}; }
 
-inline float float_from_bits(int32_t bits) {
-#ifdef LIVEMOE_HAS_BIT_CAST
-  return __builtin_bit_cast(float, bits);
-#else
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-#endif
+template <typename T>
+T* grown(std::vector<T>& v, int64_t n) {
+  if (v.size() < static_cast<size_t>(n)) v.resize(n);
+  return v.data();
 }
 
-// exp(x) for the scores minus their running maximum (x <= 0), over an array so that it vectorises: Cephes'
-// expf (round x / ln 2 by the 1.5 * 2^23 trick, a degree-6 polynomial, 2^k through the exponent bits);
-// relative error ~1e-7. Below -87 (exp < 2^-126) it returns ~1e-38 instead of 0: nothing a sum notices.
-inline float exp_sum_inplace(float* x, int64_t n) {
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = std::max(x[i], -87.f);
-    const float k = (v * 1.44269504f + 12582912.f) - 12582912.f;
-    const float r = v - k * 0.693359375f + k * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.f;
-    const float e = p * float_from_bits((static_cast<int32_t>(k) + 127) << 23);
-    x[i] = e;
-    sum += e;
-  }
-  return sum;
-}
-
-inline float dot(const float* a, const float* b, int64_t n) {
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
-// One task: the query rows of tokens [t0, t1) and kv heads [h0, h1) of one sequence, row r = (token t0 +
-// r / (nh * group), kv head h0 + (r / group) % nh, its query head r % group within the GQA group). A cache
-// block is read once, front to back (a token's kv heads are adjacent), for all of them.
+// One task: its query rows, row h * head_rows + t * group + g = (kv head h0 + h, token t0 + t, query head g of
+// the GQA group); the keys [0, pos0 + t1) that its last token sees, in chunks.
 // kD: the head size at compile time (0: p.d at run time).
-template <typename scalar_t, int64_t kD>
-LIVEMOE_SIMD_CLONES void attend(const Problem& p, const Task& task, const scalar_t* k_cache, const scalar_t* v_cache,
-                                std::vector<float>& buf) {
+template <class Kernels, typename scalar_t, int64_t kD>
+void attend(const Problem& p, const Task& task, const scalar_t* k_cache, const scalar_t* v_cache, Scratch& sc) {
+  constexpr bool kWiden = !std::is_same_v<scalar_t, float>;
   const int64_t d = kD ? kD : p.d, bs = p.block_size, group = p.hq / p.hkv, nh = task.h1 - task.h0;
   const int64_t first = p.cu ? p.cu[task.seq] : task.seq;
   const int64_t q_len = p.cu ? p.cu[task.seq + 1] - first : 1;
-  const int64_t ctx = p.ctx[task.seq];
-  const int64_t per_token = nh * group;
-  const int64_t rows = (task.t1 - task.t0) * per_token;
+  const int64_t tokens = task.t1 - task.t0, head_rows = tokens * group, rows = nh * head_rows;
+  const int64_t pos0 = p.ctx[task.seq] - q_len;  // position of the sequence's first new token
+  const int64_t num_keys = pos0 + task.t1;
+  // keys per chunk, a multiple of 8: scores [rows, chunk] within ~32 KiB, a widened K + V chunk ~256 KiB. Sized
+  // by all Hkv heads, not the task's: a row's sums then do not depend on whether the heads were split over
+  // tasks (which depends on the thread count). Float divisions: an integer one per task shows at decode.
+  const float all_rows = static_cast<float>(p.hkv * head_rows);
+  int64_t chunk = std::max<int64_t>(static_cast<int64_t>(8192.f / all_rows), 32);
+  if (kWiden) chunk = std::min(chunk, std::max<int64_t>(static_cast<int64_t>(32768.f / static_cast<float>(p.hkv * d)), 32));
+  chunk = std::min(chunk & ~int64_t{7}, round_up8(num_keys));
+  // the float buffers at 64-byte boundaries (a vector load then never splits a cache line)
+  const int64_t lds = chunk, wide = kWiden ? nh * chunk * d : 0, qd = round_up16(rows * d), rr = round_up16(rows);
+  float* qs = grown(sc.f, 2 * qd + 2 * rr + round_up16(rows * lds) + 2 * wide + 16);  // [rows, d] queries x scale
+  qs += (64 - reinterpret_cast<uintptr_t>(qs) % 64) % 64 / sizeof(float);
+  float* acc = qs + qd;   // [rows, d]
+  float* m = acc + qd;    // [rows]
+  float* l = m + rr;
+  float* s = l + rr;      // [rows, lds]
+  float* wk = s + round_up16(rows * lds);  // [nh, chunk, d] widened K / V (16-bit caches)
+  float* wv = wk + wide;
+  int64_t* vis = grown(sc.vis, head_rows);
   const int64_t token_stride = p.hkv * d;  // between consecutive tokens of a cache block
-  constexpr bool kWiden = !std::is_same_v<scalar_t, float>;
-  buf.assign(rows * d + 2 * rows + bs + (kWiden ? 2 * bs * nh * d : 0), 0.f);
-  float* acc = buf.data();
-  float* m = acc + rows * d;
-  float* l = m + rows;
-  float* s = l + rows;  // [bs] scores of one row
-  float* kw = s + bs;   // [bs, nh, d] widened block (16-bit caches)
-  float* vw = kw + bs * nh * d;
-  std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
-  const int* table = p.tables + task.seq * p.table_width;
-  const int64_t pos0 = ctx - q_len;        // position of the sequence's first new token
-  const int64_t num_keys = pos0 + task.t1;  // the tile's last query sees keys [0, num_keys)
-  for (int64_t b0 = 0; b0 < num_keys; b0 += bs) {
-    const int64_t n = std::min(bs, num_keys - b0);
-    const int64_t base = (static_cast<int64_t>(table[b0 / bs]) * bs * p.hkv + task.h0) * d;
-    const float *kb, *vb;
-    int64_t kstride;
-    if constexpr (kWiden) {
-      for (int64_t j = 0; j < n; ++j)
-        for (int64_t i = 0; i < nh * d; ++i) {
-          kw[j * nh * d + i] = static_cast<float>(k_cache[base + j * token_stride + i]);
-          vw[j * nh * d + i] = static_cast<float>(v_cache[base + j * token_stride + i]);
-        }
-      kb = kw, vb = vw, kstride = nh * d;
-    } else {
-      kb = k_cache + base, vb = v_cache + base, kstride = token_stride;
-    }
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t t = task.t0 + r / per_token;
-      const int64_t visible = std::min(n, pos0 + t + 1 - b0);  // causal: keys at positions <= pos0 + t
-      if (visible <= 0) continue;
-      const int64_t h = (r / group) % nh;  // kv head, relative to h0
-      const float* qr = p.q + ((first + t) * p.hq + (task.h0 + h) * group + r % group) * d;
-      const float* kh = kb + h * d;
-      const float* vh = vb + h * d;
-      float* sr = s;
-      float mx = m[r];
-      for (int64_t j = 0; j < visible; ++j) {
-        sr[j] = dot(qr, kh + j * kstride, d) * p.scale;
-        mx = std::max(mx, sr[j]);
-      }
-      float* ar = acc + r * d;
-      if (mx > m[r]) {  // rescale what was accumulated under the old maximum
-        const float corr = std::exp(m[r] - mx);
-        l[r] *= corr;
-#pragma omp simd
-        for (int64_t i = 0; i < d; ++i) ar[i] *= corr;
-        m[r] = mx;
-      }
-      for (int64_t j = 0; j < visible; ++j) sr[j] -= mx;
-      const float sum = exp_sum_inplace(sr, visible);
-      for (int64_t j = 0; j < visible; ++j) {
-        const float e = sr[j];
-        const float* vr = vh + j * kstride;
-#pragma omp simd
-        for (int64_t i = 0; i < d; ++i) ar[i] += e * vr[i];
-      }
-      l[r] += sum;
-    }
+  for (int64_t t = 0; t < tokens; ++t) {  // a token's query heads of kv heads [h0, h1) are adjacent
+    const float* src = p.q + ((first + task.t0 + t) * p.hq + task.h0 * group) * d;
+    for (int64_t h = 0; h < nh; ++h)
+      for (int64_t x = 0; x < group * d; ++x) qs[(h * head_rows + t * group) * d + x] = src[h * group * d + x] * p.scale;
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t t = task.t0 + r / per_token;
-    const int64_t h = task.h0 + (r / group) % nh;
-    float* o = p.out + ((first + t) * p.hq + h * group + r % group) * d;
-    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;  // l == 0: no key (context_len 0)
-    for (int64_t i = 0; i < d; ++i) o[i] = acc[r * d + i] * inv;
+  std::fill(acc, acc + rows * d, 0.f);
+  std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + rows, 0.f);
+  // cache offset of every key's row (kv head h0), padded to a multiple of 8 with the last key
+  int64_t* off = grown(sc.off, round_up8(num_keys));
+  const int* table = p.tables + task.seq * p.table_width;
+  for (int64_t j0 = 0, b = 0; j0 < num_keys; j0 += bs, ++b) {
+    const int64_t base = static_cast<int64_t>(table[b]) * bs * token_stride + task.h0 * d;
+    const int64_t n = std::min(bs, num_keys - j0);
+    for (int64_t j = 0; j < n; ++j) off[j0 + j] = base + j * token_stride;
+  }
+  std::fill(off + num_keys, off + round_up8(num_keys), off[num_keys - 1]);
+  int64_t* woff = nullptr;
+  if (kWiden) {
+    woff = grown(sc.woff, chunk);
+    for (int64_t j = 0; j < chunk; ++j) woff[j] = j * d;
+  }
+  for (int64_t c0 = 0; c0 < num_keys; c0 += chunk) {
+    const int64_t n = std::min(chunk, num_keys - c0);
+    for (int64_t t = 0; t < tokens; ++t) {
+      const int64_t v = std::clamp<int64_t>(pos0 + task.t0 + t + 1 - c0, 0, n);  // causal
+      for (int64_t g = 0; g < group; ++g) vis[t * group + g] = v;
+    }
+    Chunk c{qs, nh, head_rows, d, nullptr, nullptr, 0, off + c0, n, vis, s, lds, m, l, acc};
+    if constexpr (kWiden) {
+      Kernels::widen(k_cache, off + c0, round_up8(n), nh, d, wk, chunk * d);
+      Kernels::widen(v_cache, off + c0, round_up8(n), nh, d, wv, chunk * d);
+      c.k = wk, c.v = wv, c.head_stride = chunk * d, c.off = woff;
+    } else {
+      c.k = k_cache, c.v = v_cache, c.head_stride = d;
+    }
+    Kernels::template attend_chunk<kD>(c);
+  }
+  for (int64_t t = 0; t < tokens; ++t) {
+    float* dst = p.out + ((first + task.t0 + t) * p.hq + task.h0 * group) * d;
+    for (int64_t h = 0; h < nh; ++h)
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t r = h * head_rows + t * group + g;
+        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+        for (int64_t x = 0; x < d; ++x) dst[(h * group + g) * d + x] = acc[r * d + x] * inv;
+      }
+  }
+}
+
+// tasks [begin, end) with the kernels' head-size specialisations: the common head sizes at compile time
+template <class Kernels, typename scalar_t>
+void run_tasks(const Problem& p, const std::vector<Task>& tasks, int64_t begin, int64_t end, const scalar_t* kc,
+               const scalar_t* vc, Scratch& sc) {
+  auto run = [&](auto attend_fn) {
+    for (int64_t i = begin; i < end; ++i) attend_fn(p, tasks[i], kc, vc, sc);
+  };
+  switch (p.d) {
+    case 16: run(attend<Kernels, scalar_t, 16>); break;
+    case 32: run(attend<Kernels, scalar_t, 32>); break;
+    case 64: run(attend<Kernels, scalar_t, 64>); break;
+    case 128: run(attend<Kernels, scalar_t, 128>); break;
+    default: run(attend<Kernels, scalar_t, 0>);
   }
 }
 
@@ -211,13 +195,20 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, c
   const int64_t width = tables.size(1), num_blocks = k_cache.size(0);
   TORCH_CHECK(q.size(0) == (cu_p ? cu_p[num_seqs] : num_seqs), "paged_attention: q has ", q.size(0),
               " rows, cu_seqlens_q says ", cu_p ? cu_p[num_seqs] : num_seqs);
+  auto qf = q.contiguous().to(at::kFloat);
+  auto out = at::empty(q.sizes(), q.options().dtype(at::kFloat));
+  const int64_t row_elems = hq * q.size(2);
   std::vector<Task> tasks;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t q_len = cu_p ? cu_p[s + 1] - cu_p[s] : 1;
     const int64_t c = ctx_p[s];
     TORCH_CHECK(q_len >= 0 && (c == 0 || q_len <= c), "paged_attention: sequence ", s, " has ", q_len,
                 " new tokens but context_len ", c);
-    if (c == 0 || q_len == 0) continue;  // no keys: the output rows stay 0
+    if (c == 0 || q_len == 0) {  // no keys: output 0 (every other row is written by its task)
+      const int64_t first = cu_p ? cu_p[s] : s;
+      std::fill(out.data_ptr<float>() + first * row_elems, out.data_ptr<float>() + (first + q_len) * row_elems, 0.f);
+      continue;
+    }
     const int64_t used = (c + bs - 1) / bs;
     TORCH_CHECK(used <= width, "paged_attention: sequence ", s, " needs ", used, " blocks, block_tables has ", width);
     for (int64_t b = 0; b < used; ++b) {
@@ -235,25 +226,20 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, c
       for (int64_t h = 0; h < hkv; ++h) split.push_back({t.seq, h, h + 1, t.t0, t.t1});
     tasks.swap(split);
   }
-  auto qf = q.contiguous().to(at::kFloat);
-  auto out = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
   Problem p{qf.data_ptr<float>(), out.data_ptr<float>(), cu_p, ctx_p, tab_p, width, hq, hkv, q.size(2), bs,
             static_cast<float>(scale)};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "paged_attention", [&] {
     const scalar_t* kc = k_cache.data_ptr<scalar_t>();
     const scalar_t* vc = v_cache.data_ptr<scalar_t>();
     at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> buf;
-      auto run = [&](auto attend_fn) {
-        for (int64_t i = begin; i < end; ++i) attend_fn(p, tasks[i], kc, vc, buf);
-      };
-      switch (p.d) {  // the common head sizes at compile time: the loops over d unroll and vectorise
-        case 16: run(attend<scalar_t, 16>); break;
-        case 32: run(attend<scalar_t, 32>); break;
-        case 64: run(attend<scalar_t, 64>); break;
-        case 128: run(attend<scalar_t, 128>); break;
-        default: run(attend<scalar_t, 0>);
+      thread_local Scratch sc;
+#ifdef LIVEMOE_ATTN_AVX2
+      if (livemoe_attn::use_avx2() && p.d % 8 == 0) {
+        run_tasks<livemoe_attn::Avx2Kernels>(p, tasks, begin, end, kc, vc, sc);
+        return;
       }
+#endif
+      run_tasks<PortableKernels>(p, tasks, begin, end, kc, vc, sc);
     });
   });
   return out.scalar_type() == q.scalar_type() ? out : out.to(q.scalar_type());

@@ -1,11 +1,15 @@
 """The C++ CPU paged-attention ops (csrc/paged_attention.cpp: torch.ops.livemoe.paged_attention and
 store_kvcache) against the plain reference, and the CPU dispatch of kernels.attention that uses them.
 
-Tolerances: fp32 2e-5 (online softmax per cache block reorders the sums against the reference's one
-softmax, and the op's exp is a polynomial with relative error ~1e-7; both accumulate in fp32); bf16 / fp16
-caches: the reference reads the same rounded K/V widened to
-fp32, so only the fp32 summation order differs (2e-5), and the output rounding to q's 16-bit dtype
-(1e-2 for fp16, 2e-2 for bf16).
+Two implementations of the op's kernels (csrc/attention_cpu.h): AVX2 + FMA, taken on an x86 CPU that has
+them for head sizes that are a multiple of 8, and portable C++, taken elsewhere and for the other head sizes
+(12 and 20 below), so both run here.
+
+Tolerances: fp32 2e-5 (the softmax runs per chunk of keys with a rescale between chunks, which reorders the
+sums against the reference's one softmax; the queries are scaled before the dot products; the op's exp is a
+polynomial with relative error ~1e-7; all accumulate in fp32); bf16 / fp16 caches: the reference reads the
+same rounded K/V widened to fp32, so only the fp32 summation order differs (2e-5), and the output rounding to
+q's 16-bit dtype (1e-2 for fp16, 2e-2 for bf16).
 """
 import pytest
 import torch
@@ -45,8 +49,9 @@ OUT_TOL = {torch.float32: 2e-5, torch.float16: 1e-2, torch.bfloat16: 2e-2}
 
 
 @pytest.mark.parametrize("bs", [1, 4, 16, 32])
-@pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2), (8, 2)])
-@pytest.mark.parametrize("d", [8, 16, 24, 32, 64, 128])  # 16/32/64/128: compile-time sizes; 8, 24: generic
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2), (6, 2), (8, 2)])  # GQA groups of 1, 2, 3 (odd), 4 rows
+# 16/32/64/128: compile-time sizes; 8, 24: run-time sizes (AVX2 on x86); 12, 20: the portable kernels
+@pytest.mark.parametrize("d", [8, 12, 16, 20, 24, 32, 64, 128])
 def test_decode_matches_reference(bs, hq, hkv, d):
     gen = torch.Generator().manual_seed(bs * 100 + hq * 10 + d)
     # one token, an exact block, just past a block, many blocks, a padded row (context 0)
@@ -65,10 +70,10 @@ def test_decode_matches_reference(bs, hq, hkv, d):
 
 
 @pytest.mark.parametrize("bs", [4, 16])
-@pytest.mark.parametrize("hq,hkv", [(2, 2), (6, 3), (8, 2)])
-def test_prefill_matches_reference(bs, hq, hkv):
-    gen = torch.Generator().manual_seed(bs + 7 * hq)
-    d = 16
+@pytest.mark.parametrize("hq,hkv", [(2, 2), (6, 3), (8, 2), (3, 1)])
+@pytest.mark.parametrize("d", [16, 20])  # AVX2 where there is AVX2 / portable
+def test_prefill_matches_reference(bs, hq, hkv, d):
+    gen = torch.Generator().manual_seed(bs + 7 * hq + d)
     # (cached prefix, new tokens): plain prefill, a chunk over a cached prefix, decode rows, a chunk longer than
     # the C++ query tile (16), a chunk ending mid-block, and a sequence with no new token this step
     cached = [0, 2 * bs, 3 * bs + 5, 0, 9, 5 * bs + 1, 4]
@@ -79,6 +84,23 @@ def test_prefill_matches_reference(bs, hq, hkv):
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
     assert max(new) * int(ctx.max()) * hq * d <= CPP_PREFILL_MAX_WORK  # so the dispatch takes the C++ op
     torch.testing.assert_close(paged_prefill_attention(q, kc, vc, cu, ctx, tables, 0.3, max(new)), out, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 20])  # AVX2 where there is AVX2 / portable
+def test_long_contexts_span_chunks(dtype, d):
+    """Contexts of thousands of keys run in several chunks: the maximum found in a later chunk rescales what
+    the earlier ones summed (one key per sequence is made the sharpest, late in its context)."""
+    gen = torch.Generator().manual_seed(17 + d)
+    bs, hq, hkv = 16, 8, 2
+    cached, new = [2999, 1500, 4000, 700], [1, 1, 1, 24]  # decode rows and a prefill chunk
+    q, kc, vc, cu, ctx, tables = case(gen, bs, hq, hkv, d, new, cached, dtype)
+    for s, pos in enumerate([2900, 1499, 3100, 650]):  # key at pos of sequence s along its first query's head 0
+        blk, slot = tables[s, pos // bs], pos % bs
+        kc[blk, slot, 0] = (q[cu[s], 0].float() * 3).to(dtype)
+    ref = reference(q.float(), kc, vc, cu, ctx, tables, d ** -0.5)
+    out = torch.ops.livemoe.paged_attention(q.float(), kc, vc, cu, ctx, tables, d ** -0.5)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
 def test_long_prefill_dispatches_to_sdpa():
@@ -121,10 +143,13 @@ def test_sharp_softmax():
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
-def test_many_threads_same_result():
-    """The tasks (sequence, kv head, query tile) are independent: the thread count changes nothing."""
+@pytest.mark.parametrize("d", [16, 20])  # AVX2 where there is AVX2 / portable
+def test_many_threads_same_result(d):
+    """The tasks (sequence, kv head, query tile) are independent: the thread count changes nothing, not even
+    where it decides whether the kv heads are split over tasks (7 tasks: split for 2 threads, not for 1),
+    over several chunks of keys (the 1200-key context)."""
     gen = torch.Generator().manual_seed(12)
-    q, kc, vc, cu, ctx, tables = case(gen, 8, 8, 2, 16, [30, 1, 1, 45], [0, 70, 5, 12])
+    q, kc, vc, cu, ctx, tables = case(gen, 8, 8, 2, d, [30, 1, 1, 45], [0, 1200, 5, 12])
     n = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
