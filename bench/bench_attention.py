@@ -92,8 +92,8 @@ def test_paged_decode(benchmark, bench_mode, device):
                    baseline_name="PyTorch paged path (gather + SDPA)")
 
 
-# (batch, prefix, chunk); on the CPU the short ones go to the C++ op (bench_decode's prompts: 16-48 tokens over
-# contexts up to 80), the long one to SDPA (past CPP_PREFILL_MAX_WORK)
+# (batch, prefix, chunk); on the CPU the C++ op (bench_decode's prompts: 16-48 tokens over contexts up to 80,
+# and a long chunk over a long prefix)
 PREFILL = {
     ("quick", "cpu"): [(2, 64, 32)],
     ("full", "cpu"): [(8, 48, 32), (64, 0, 48), (4, 512, 256)],
