@@ -29,6 +29,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -147,9 +148,13 @@ LIVEMOE_AVX2_FN void skinny_gemm_avx2(const float* const* a, int64_t n, const W*
                                       int64_t ldo, const float* scale) {
   int64_t j = 0;
   if (n == 1) {  // a matrix-vector product: four weight rows per pass, for four independent accumulators
-    for (; j + 4 <= m; j += 4) tile<W, 1, 4>(a, w + j * K, K, out + j, ldo, scale);
+    for (; j + 8 <= m; j += 8) tile<W, 1, 8>(a, w + j * K, K, out + j, ldo, scale);
   } else {
-    for (; j + 2 <= m; j += 2) column_block<W, 2>(a, n, w + j * K, K, out + j, ldo, scale);
+    for (; j + 4 <= m; j += 4) {
+      int64_t r = 0;
+      for (; r + 2 <= n; r += 2) tile<W, 2, 4>(a + r, w + j * K, K, out + r * ldo + j, ldo, scale ? scale + r : nullptr);
+      if (r < n) tile<W, 1, 4>(a + r, w + j * K, K, out + r * ldo + j, ldo, scale ? scale + r : nullptr);
+    }
   }
   for (; j < m; ++j) column_block<W, 1>(a, n, w + j * K, K, out + j, ldo, scale);
 }
@@ -308,11 +313,7 @@ at::Tensor experts_core(const at::Tensor& x, const at::Tensor& w_gate_up, const 
   // 1. stable counting sort: rank[p] = position of pair p in expert order, order its inverse
   const std::vector<int64_t> counts = count_pairs_per_expert(id, pairs, E, op);
   std::vector<int64_t> offs(E + 1, 0);
-  bool any_long = false;
-  for (int64_t e = 0; e < E; ++e) {
-    offs[e + 1] = offs[e] + counts[e];
-    any_long = any_long || counts[e] > kSkinnyRows;
-  }
+  for (int64_t e = 0; e < E; ++e) offs[e + 1] = offs[e] + counts[e];
   std::vector<int64_t> order(pairs), rank(pairs);
   place_pairs_by_expert(id, pairs, std::vector<int64_t>(offs.begin(), offs.end() - 1), [&](int64_t p, int64_t pos) {
     rank[p] = pos;
@@ -325,26 +326,22 @@ at::Tensor experts_core(const at::Tensor& x, const at::Tensor& w_gate_up, const 
   auto out = at::empty({T, H}, x.options());
   if (pairs == 0) return out.zero_();  // T = 0 (k >= 1 for moe_forward; k = 0 would mean no expert: zeros)
 
-  // one fp32 workspace: x widened [T, H] (16-bit x only), gathered rows [pairs, H] (long segments only),
-  // gate||up [pairs, 2I] (act in place of gate), weighted expert outputs y [pairs, H], weights in expert order
+  // one fp32 workspace: x rows gathered in expert order [pairs, ldx], gate||up [pairs, ldp] (act in place of
+  // gate), weighted expert outputs y [pairs, H], routing weights in expert order [pairs]. Row strides padded
+  // off powers of two (rows 2^12 bytes apart would share L1 sets while the kernel streams them together).
   const bool is_f32 = x.scalar_type() == at::kFloat;
-  const int64_t n_xf = is_f32 ? 0 : T * H, n_xs = any_long ? pairs * H : 0;
-  auto ws = at::empty({n_xf + n_xs + pairs * (I2 + H + 1)}, x.options().dtype(at::kFloat));
-  float* xf = is_f32 ? xc.data_ptr<float>() : ws.data_ptr<float>();
-  float* xs = ws.data_ptr<float>() + n_xf;
-  float* pre = xs + n_xs;
-  float* y = pre + pairs * I2;
+  auto padded = [](int64_t n) { return (n + 15) / 16 * 16 + 16; };
+  const int64_t ldx = padded(H), ldp = padded(I2);
+  auto ws = at::empty({pairs * (ldx + ldp + H + 1)}, x.options().dtype(at::kFloat));
+  float* xs = ws.data_ptr<float>();
+  float* pre = xs + pairs * ldx;
+  float* y = pre + pairs * ldp;
   float* wsorted = y + pairs * H;
   for (int64_t p = 0; p < pairs; ++p) wsorted[p] = weight[order[p]];
 
   auto run = [&](auto type_tag) {
     using scalar_t = decltype(type_tag);
-    if (!is_f32) {
-      const scalar_t* src = xc.data_ptr<scalar_t>();
-      at::parallel_for(0, T * H, 1 << 14, [&](int64_t i0, int64_t i1) {
-        for (int64_t i = i0; i < i1; ++i) xf[i] = static_cast<float>(src[i]);
-      });
-    }
+    const scalar_t* src = xc.data_ptr<scalar_t>();
     const scalar_t* wgu_p = wgu.data_ptr<scalar_t>();
     const scalar_t* wd_p = wd.data_ptr<scalar_t>();
     const auto f32 = at::TensorOptions().dtype(at::kFloat);
@@ -358,27 +355,35 @@ at::Tensor experts_core(const at::Tensor& x, const at::Tensor& w_gate_up, const 
         if (n == 0) continue;
         const scalar_t* wgu_e = wgu_p + e * I2 * H;
         const scalar_t* wd_e = wd_p + e * H * I;
-        float* pre_e = pre + s * I2;
+        float* xs_e = xs + s * ldx;
+        float* pre_e = pre + s * ldp;
         rows.resize(n);
-        for (int64_t r = 0; r < n; ++r) rows[r] = xf + (order[s + r] / k) * H;
+        for (int64_t r = 0; r < n; ++r) {
+          const scalar_t* xr = src + (order[s + r] / k) * H;
+          float* d = xs_e + r * ldx;
+          if constexpr (std::is_same_v<scalar_t, float>) {
+            std::memcpy(d, xr, H * sizeof(float));
+          } else {
+            for (int64_t h = 0; h < H; ++h) d[h] = static_cast<float>(xr[h]);
+          }
+          rows[r] = d;
+        }
         if (n <= kSkinnyRows) {
-          skinny_gemm(rows.data(), n, wgu_e, I2, H, pre_e, I2, nullptr);
-          silu_mul_rows(pre_e, n, I, I2);
-          for (int64_t r = 0; r < n; ++r) rows[r] = pre_e + r * I2;
+          skinny_gemm(rows.data(), n, wgu_e, I2, H, pre_e, ldp, nullptr);
+          silu_mul_rows(pre_e, n, I, ldp);
+          for (int64_t r = 0; r < n; ++r) rows[r] = pre_e + r * ldp;
           skinny_gemm(rows.data(), n, wd_e, H, I, y + s * H, H, wsorted + s);
         } else {
-          float* xs_e = xs + s * H;
-          for (int64_t r = 0; r < n; ++r) std::memcpy(xs_e + r * H, rows[r], H * sizeof(float));
           // BLAS in fp32: a 16-bit expert's weights are widened first (its product costs far more)
           auto weight_f32 = [&](const scalar_t* p, int64_t r0, int64_t c0) {
             auto w = at::from_blob(const_cast<scalar_t*>(p), {r0, c0}, at::TensorOptions().dtype(x.scalar_type()));
             return is_f32 ? w : w.to(at::kFloat);
           };
-          auto pre_t = at::from_blob(pre_e, {n, I2}, f32);
-          at::mm_out(pre_t, at::from_blob(xs_e, {n, H}, f32), weight_f32(wgu_e, I2, H).t());
-          silu_mul_rows(pre_e, n, I, I2);
+          auto pre_t = at::from_blob(pre_e, {n, I2}, {ldp, 1}, f32);
+          at::mm_out(pre_t, at::from_blob(xs_e, {n, H}, {ldx, 1}, f32), weight_f32(wgu_e, I2, H).t());
+          silu_mul_rows(pre_e, n, I, ldp);
           auto y_t = at::from_blob(y + s * H, {n, H}, f32);
-          at::mm_out(y_t, at::from_blob(pre_e, {n, I}, {I2, 1}, f32), weight_f32(wd_e, H, I).t());
+          at::mm_out(y_t, at::from_blob(pre_e, {n, I}, {ldp, 1}, f32), weight_f32(wd_e, H, I).t());
           for (int64_t r = 0; r < n; ++r) {
             float* yr = y + (s + r) * H;
             const float wr = wsorted[s + r];
