@@ -51,11 +51,31 @@ inline float widen(c10::Half v) { return static_cast<float>(v); }
 // ---- out[r * ldo + j] = s_r * (a[r] . w[j]) for r < n, j < m: a[r] an fp32 row of K, w [m, K] row-major,
 // s_r = scale[r] (1 when scale is null). Each weight row is read once for all n rows of a.
 
-// Portable version (the AVX2 one below is used where the CPU has it).
+// Portable version (the AVX2 one below is used where the CPU has it): four weight rows at a time, so one load
+// of a serves four multiply-adds.
 template <typename W>
 LIVEMOE_SIMD_CLONES void skinny_gemm_portable(const float* const* a, int64_t n, const W* w, int64_t m, int64_t K,
                                               float* out, int64_t ldo, const float* scale) {
-  for (int64_t j = 0; j < m; ++j) {
+  int64_t j = 0;
+  for (; j + 4 <= m; j += 4) {
+    const W *w0 = w + j * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
+    for (int64_t r = 0; r < n; ++r) {
+      const float* ar = a[r];
+      float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+      for (int64_t i = 0; i < K; ++i) {
+        const float x = ar[i];
+        s0 += x * widen(w0[i]);
+        s1 += x * widen(w1[i]);
+        s2 += x * widen(w2[i]);
+        s3 += x * widen(w3[i]);
+      }
+      const float sr = scale ? scale[r] : 1.f;
+      float* o = out + r * ldo + j;
+      o[0] = sr * s0, o[1] = sr * s1, o[2] = sr * s2, o[3] = sr * s3;
+    }
+  }
+  for (; j < m; ++j) {
     const W* wj = w + j * K;
     for (int64_t r = 0; r < n; ++r) {
       const float* ar = a[r];
