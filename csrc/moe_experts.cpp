@@ -167,7 +167,7 @@ template <typename W>
 LIVEMOE_AVX2_FN void skinny_gemm_avx2(const float* const* a, int64_t n, const W* w, int64_t m, int64_t K, float* out,
                                       int64_t ldo, const float* scale) {
   int64_t j = 0;
-  if (n == 1) {  // a matrix-vector product: four weight rows per pass, for four independent accumulators
+  if (n == 1) {  // a matrix-vector product: eight weight rows per pass, for eight independent accumulators
     for (; j + 8 <= m; j += 8) tile<W, 1, 8>(a, w + j * K, K, out + j, ldo, scale);
   } else {
     for (; j + 4 <= m; j += 4) {
