@@ -115,6 +115,16 @@ def test_16bit_inputs_round_once(dtype, ulp, T, E, k):
     assert ((got_experts.float() - want).abs() <= ulp * want.abs() + 1e-5).all()
 
 
+def test_bf16_large_experts():
+    # experts with >= 2^20 gate||up weights and >= 3 rows: where the CPU has AVX512-BF16 they run BLAS in bf16
+    # on bf16-rounded activations (transformers' bf16 numerics): within 2e-2 of the max of the fp32 reference,
+    # as any bf16 computation; elsewhere the widening kernels, which pass this too
+    x, w_gate_up, w_down, logits = make_routed(9, 1024, 512, 2, 1, dtype=torch.bfloat16, seed=7)
+    got = forward(x, w_gate_up, w_down, logits, 1)
+    want = fused_moe_reference(x.float(), w_gate_up.float(), w_down.float(), logits, 1, True)
+    assert got.dtype == torch.bfloat16 and (got.float() - want).abs().max() <= 2e-2 * want.abs().max()
+
+
 def test_16bit_logits():
     # bf16 logits are widened exactly; distinct values, so route() and moe_forward pick the same experts
     x, w_gate_up, w_down, _ = make_routed(12, 32, 24, 8, 2, seed=6)
