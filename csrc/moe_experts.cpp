@@ -8,8 +8,9 @@
 // 0. (moe_forward) per token: softmax of the logits in fp32, the top_k experts, optional renormalisation;
 // 1. a stable counting sort of the (token, slot) pairs by expert (moe_sort.h, shared with moe_align);
 // 2. per expert with pairs, experts in parallel: gate||up = x_rows @ w_gate_up[e].T, act = SiLU(gate) * up
-//    in place, y = routing weight * (act @ w_down[e].T); a skinny fp32 kernel reading the x rows in place for
-//    decode-sized segments, BLAS (at::mm on gathered rows) for long ones (prefill);
+//    in place, y = routing weight * (act @ w_down[e].T), on the expert's x rows gathered (widened) into the
+//    workspace; a skinny fp32 kernel for decode-sized segments (AVX2 where the CPU has it), BLAS (at::mm)
+//    for long ones (prefill);
 // 3. per token, its k rows of y summed in expert order in fp32 (deterministic, no atomics): transformers'
 //    loop over experts adds `down(...) * weight` in that order, so fp32 results match it to GEMM rounding.
 // Everything between the input and the output is fp32 (one workspace): 16-bit x is widened once, 16-bit
@@ -41,8 +42,8 @@
 
 namespace {
 
-// Segments this short (a decode step's share of an expert) run the skinny kernel on the x rows in place;
-// longer ones (prefill) are gathered for at::mm, whose packing of the weight pays off from there on.
+// Segments this short (a decode step's share of an expert) run the skinny kernel; longer ones (prefill) go to
+// at::mm, whose packing of the weight pays off from there on (the two measured even at 32-33 rows).
 constexpr int64_t kSkinnyRows = 32;
 
 // bf16 experts with at least this many rows and this many gate||up weights go to BLAS in bf16 where the CPU
