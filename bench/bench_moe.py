@@ -173,3 +173,97 @@ def test_moe_layer(benchmark, bench_mode, device, ceilings, backward):
         benchmark.pedantic(fn, rounds=1, iterations=1)
     else:
         benchmark.pedantic(fn, rounds=reps, iterations=1, warmup_rounds=1)
+
+
+# CPU inference (no gradient: the decoder, rollouts, reference log-probs): (T, H, I, E, k, dtype) per mode.
+# Decode: the decode benchmark's tiny model, a small MoE, Qwen3-30B-A3B's layer at T = 1 and 64; prefill: a
+# 1693-token prompt of the tiny model, 2048 tokens of the small one.
+CPU_INFERENCE = {
+    "quick": [(64, 64, 32, 8, 2, torch.float32)],
+    "full": [(64, 64, 32, 8, 2, torch.float32), (64, 256, 128, 32, 4, torch.float32),
+             (1, 2048, 768, 128, 8, torch.float32), (64, 2048, 768, 128, 8, torch.float32),
+             (1, 2048, 768, 128, 8, torch.bfloat16), (64, 2048, 768, 128, 8, torch.bfloat16),
+             (1693, 64, 32, 8, 2, torch.float32), (2048, 256, 128, 32, 4, torch.float32)],
+}
+
+
+def median_times(fns: dict, rounds: int) -> dict:
+    """Median wall time of each fn on one thread, calls interleaved round by round (the machine's load hits
+    every contender alike)."""
+    import statistics
+    import time
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        times = {name: [] for name in fns}
+        for fn in fns.values():
+            fn()  # warm-up
+        for _ in range(rounds):
+            for name, fn in fns.items():
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def test_moe_cpu_inference(benchmark, bench_mode, device):
+    """fused_moe on the CPU without grad (torch.ops.livemoe.moe_forward: routing and experts in one C++ call)
+    against route() + the experts-only op (torch.ops.livemoe.moe_experts, the same C++ core: the difference is
+    the Python routing) and against route() + the sorted PyTorch path (sorted_moe.SortedMoEFunction: ~20 ops
+    per layer). Plus the routing alone: route() against the C++ routing (moe_forward minus moe_experts)."""
+    if device != "cpu":
+        pytest.skip("the C++ inference op is the CPU path")
+    from kernels import _ext
+    from kernels.moe import route
+    from kernels.moe.sorted_moe import SortedMoEFunction
+
+    if not _ext.has_op("moe_forward"):
+        pytest.skip("the extension was not built")
+    for T, H, I, E, k, dtype in CPU_INFERENCE[bench_mode]:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(T, H, generator=g).to(dtype)
+        w_gate_up = (torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).to(dtype)
+        w_down = (torch.randn(E, H, I, generator=g) / I ** 0.5).to(dtype)
+        logits = torch.randn(T, E, generator=g).to(dtype)
+        topk = route(logits, k, True)
+
+        def ours():
+            with torch.no_grad():
+                return fused_moe(x, w_gate_up, w_down, logits, k, True)
+
+        def experts_op():
+            with torch.no_grad():
+                return torch.ops.livemoe.moe_experts(x, w_gate_up, w_down, *route(logits, k, True))
+
+        def sorted_torch():
+            with torch.no_grad():
+                w, i = route(logits, k, True)
+                return SortedMoEFunction.apply(x, w_gate_up, w_down, w, i)
+
+        want = sorted_torch().float()
+        rel = ((ours().float() - want).norm() / want.norm()).item()
+        assert rel <= (1e-2 if dtype != torch.float32 else 1e-5), f"moe_forward differs from the sorted path by {rel:.2e}"
+        fns = {"ours": ours, "route() + moe_experts op": experts_op, "route() + sorted PyTorch path": sorted_torch}
+        cost = 2 * T * k * 3 * H * I * (0.5 if dtype == torch.float32 else 1.0)  # scale rounds by work
+        rounds = 3 if bench_mode == "quick" else int(min(300, max(15, 3e8 / cost)))
+        times = median_times(fns, rounds)
+        case = f"infer T={T} H={H} I={I} E={E} k={k} {str(dtype)[6:]}"
+        for name in ("route() + moe_experts op", "route() + sorted PyTorch path"):
+            record(suite="moe", case=case, metric="ms", ours=1e3 * times["ours"], baseline=1e3 * times[name],
+                   baseline_name=name)
+        # the routing alone: moe_forward minus moe_experts on precomputed routing, both on 8-wide experts (so
+        # that the difference is not lost in the noise of the expert computation), against route()
+        x8 = torch.randn(T, 8, generator=g)
+        w8, d8 = torch.randn(E, 16, 8, generator=g), torch.randn(E, 8, 8, generator=g)
+        times = median_times({
+            "moe_forward": lambda: torch.ops.livemoe.moe_forward(x8, w8, d8, logits, k, True),
+            "moe_experts": lambda: torch.ops.livemoe.moe_experts(x8, w8, d8, *topk),
+            "route()": lambda: route(logits, k, True)}, 3 if bench_mode == "quick" else 200)
+        record(suite="moe", case=f"routing T={T} E={E} k={k} logits {str(dtype)[6:]}", metric="ms",
+               ours=1e3 * max(times["moe_forward"] - times["moe_experts"], 0.0), baseline=1e3 * times["route()"],
+               baseline_name="route() (softmax, topk, renormalise)",
+               extra={"note": "ours = moe_forward minus moe_experts on precomputed routing, 8-wide experts"})
+    benchmark.pedantic(ours, rounds=1, iterations=1)

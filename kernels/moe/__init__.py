@@ -3,7 +3,8 @@
 `fused_moe` is the one entry the model calls; kernels know nothing of models. Backends:
   "triton"    the Triton grouped GEMMs (triton_moe.py): the CUDA default; on the CPU only under
               TRITON_INTERPRET=1, for tests
-  "sorted"    sort once, per-expert matmuls on contiguous segments (sorted_moe.py): the CPU default
+  "sorted"    sort once, per-expert matmuls on contiguous segments (sorted_moe.py): the CPU default; where
+              no gradient is needed, routing and experts in one C++ call (moe_forward, csrc/moe_experts.cpp)
   "reference" the plain per-expert loop (reference.py)
 Block sizes: configs.py (heuristic, per-GPU JSON cache, autotune; `python -m kernels.moe.tune`).
 """
@@ -12,7 +13,8 @@ import torch
 from kernels.moe.align import moe_align, moe_align_reference, num_align_blocks
 from kernels.moe.configs import MoEConfig
 from kernels.moe.reference import experts_reference, fused_moe_reference
-from kernels.moe.routing import route
+from kernels.moe.routing import check_top_k, route
+from kernels.moe.sorted_moe import cpu_inference
 
 BACKENDS = ("triton", "sorted", "reference")
 
@@ -58,6 +60,9 @@ def fused_moe(hidden_states, w_gate_up, w_down, router_logits, top_k: int, renor
     backend = backend or default_backend(hidden_states.device)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "sorted" and cpu_inference(hidden_states, w_gate_up, w_down, router_logits):
+        check_top_k(top_k, router_logits.shape[1])  # the ValueError route() raises
+        return torch.ops.livemoe.moe_forward(hidden_states, w_gate_up, w_down, router_logits, top_k, renormalize)
     topk_weights, topk_ids = route(router_logits, top_k, renormalize)
     if hidden_states.shape[0] == 0:
         return hidden_states.clone()

@@ -6,8 +6,8 @@ one autograd.Function; saved for backward: x, the weights, the routing weights, 
 pre-activations [T*k, 2I] (the gathered x is re-gathered, the expanded output is never kept).
 
 It runs on any device but reads the per-expert counts on the host, so CUDA uses the Triton path instead.
-Inference on the CPU (no gradient needed) calls the C++ op of csrc/moe_experts.cpp instead: the same
-steps in one call.
+Inference on the CPU (no gradient needed) calls the C++ ops of csrc/moe_experts.cpp instead: the same
+steps in one call (moe_experts), or the routing too (moe_forward, from fused_moe).
 """
 import torch
 import torch.nn.functional as F
@@ -124,15 +124,21 @@ class SortedMoEFunction(torch.autograd.Function):
         return dx, dw_gate_up, dw_down, d_topk_w, None
 
 
-_HAS_CPP = _ext.has_op("moe_experts")
+_HAS_CPP = _ext.has_op("moe_experts") and _ext.has_op("moe_forward")
+_CPP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def cpu_inference(hidden_states: torch.Tensor, *tensors: torch.Tensor) -> bool:
+    """The C++ inference ops (csrc/moe_experts.cpp: moe_experts, moe_forward) can serve this call: built, on
+    the CPU, a dtype they take, and no gradient needed (they have no backward)."""
+    return _HAS_CPP and hidden_states.device.type == "cpu" and hidden_states.dtype in _CPP_DTYPES and not (
+        torch.is_grad_enabled() and (hidden_states.requires_grad or any(t.requires_grad for t in tensors)))
 
 
 def experts_sorted(hidden_states, w_gate_up, w_down, topk_weights, topk_ids):
     """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x_t), sorted-segment path (see module doc).
     Where no gradient is needed on a CPU (the decoder, rollouts), the same computation in one C++ call
     (csrc/moe_experts.cpp): a decode step of a small model otherwise pays ~20 dispatched ops per layer."""
-    tensors = (hidden_states, w_gate_up, w_down, topk_weights)
-    if _HAS_CPP and hidden_states.device.type == "cpu" and not (
-            torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+    if cpu_inference(hidden_states, w_gate_up, w_down, topk_weights):
         return torch.ops.livemoe.moe_experts(hidden_states, w_gate_up, w_down, topk_weights, topk_ids)
     return SortedMoEFunction.apply(hidden_states, w_gate_up, w_down, topk_weights.float(), topk_ids)
