@@ -2,7 +2,7 @@
 // heads x the GQA group x its query tokens) against one chunk of keys, carrying the online-softmax state.
 // Two implementations of one contract: PortableKernels (plain C++, any compiler and ISA; also the head sizes
 // that are not a multiple of 8) and, on x86-64 GCC / clang, Avx2Kernels (AVX2 + FMA intrinsics in
-// target("avx2,fma") functions, chosen at run time by use_avx2(): the build passes no -march).
+// LIVEMOE_AVX2 functions, chosen at run time by use_avx2(); both from vec_math.h, as is exp).
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -14,10 +14,7 @@
 #include <limits>
 #include <type_traits>
 
-#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
-#define LIVEMOE_ATTN_AVX2 1
-#include <immintrin.h>
-#endif
+#include "vec_math.h"
 
 namespace livemoe_attn {
 
@@ -54,39 +51,11 @@ inline void raise_max(const Chunk& c, int64_t r, float mx) {
   c.m[r] = mx;
 }
 
-// exp(x) for x <= 0 (scores minus their maximum), Cephes' expf: round x / ln 2 to k, exp of the remainder by
-// a degree-6 polynomial, 2^k through the exponent bits; relative error ~1e-7. Below -87 (exp < 2^-126) it
-// returns ~1e-38 instead of 0: nothing a sum notices. Avx2Kernels::exp256 is the same computation.
-constexpr float kExpLo = -87.f, kLog2e = 1.44269504f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
-constexpr float kExpP[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
-                            4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
-
-inline float float_from_bits(int32_t bits) {
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
 struct PortableKernels {
-  // x[i] = exp(x[i] - mx) for i < n (vectorised by the compiler); returns their sum
+  // x[i] = exp(x[i] - mx) for i < n; returns their sum
   static float exp_sum(float* x, int64_t n, float mx) {
     float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < n; ++i) {
-      const float v = std::max(x[i] - mx, kExpLo);
-      const float k = (v * kLog2e + 12582912.f) - 12582912.f;  // round to nearest by the 1.5 * 2^23 trick
-      const float r = v - k * kLn2Hi - k * kLn2Lo;
-      float p = kExpP[0];
-      p = p * r + kExpP[1];
-      p = p * r + kExpP[2];
-      p = p * r + kExpP[3];
-      p = p * r + kExpP[4];
-      p = p * r + kExpP[5];
-      p = p * r * r + r + 1.f;
-      const float e = p * float_from_bits((static_cast<int32_t>(k) + 127) << 23);
-      x[i] = e;
-      sum += e;
-    }
+    for (int64_t i = 0; i < n; ++i) sum += (x[i] = exp_poly(x[i] - mx));
     return sum;
   }
 
@@ -132,14 +101,7 @@ struct PortableKernels {
   }
 };
 
-#ifdef LIVEMOE_ATTN_AVX2
-#define LIVEMOE_AVX2 __attribute__((target("avx2,fma")))
-#define LIVEMOE_AVX2_INLINE __attribute__((target("avx2,fma"), always_inline)) inline
-
-inline bool use_avx2() {
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return ok;
-}
+#ifdef LIVEMOE_X86_AVX2
 
 // Head sizes a multiple of 8 (one __m256 per 8 elements of a row). Scores: tiles of 2 rows x 4 keys (1 row x
 // 8 keys for an odd last row), whose 8 partial-product vectors one shuffle tree reduces (reduce8) instead of
@@ -156,21 +118,6 @@ struct Avx2Kernels {
     const __m256 u0 = _mm256_add_ps(_mm256_shuffle_ps(t[0], t[1], 0x44), _mm256_shuffle_ps(t[0], t[1], 0xEE));
     const __m256 u1 = _mm256_add_ps(_mm256_shuffle_ps(t[2], t[3], 0x44), _mm256_shuffle_ps(t[2], t[3], 0xEE));
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-  }
-
-  // k = round(x / ln 2) by adding 1.5 * 2^23 + 127: the sum's low mantissa bits are k + 127, so one shift
-  // makes them the exponent of 2^k (x >= -87: k + 127 in [1, 127])
-  static LIVEMOE_AVX2_INLINE __m256 exp256(__m256 x) {
-    const __m256 magic = _mm256_set1_ps(12582912.f + 127.f);
-    x = _mm256_max_ps(x, _mm256_set1_ps(kExpLo));
-    const __m256 kb = _mm256_fmadd_ps(x, _mm256_set1_ps(kLog2e), magic);
-    const __m256 k = _mm256_sub_ps(kb, magic);
-    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(kLn2Hi), x);
-    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(kLn2Lo), r);
-    __m256 p = _mm256_set1_ps(kExpP[0]);
-    for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpP[i]));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(kb), 23)));
   }
 
   // lanes < n set, the others clear
@@ -248,21 +195,21 @@ struct Avx2Kernels {
     __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
     int64_t j = 0;
     for (; j + 16 <= full; j += 16) {
-      const __m256 e0 = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
-      const __m256 e1 = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j + 8), mv));
+      const __m256 e0 = exp_poly8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+      const __m256 e1 = exp_poly8(_mm256_sub_ps(_mm256_loadu_ps(s + j + 8), mv));
       _mm256_storeu_ps(s + j, e0);
       _mm256_storeu_ps(s + j + 8, e1);
       s0 = _mm256_add_ps(s0, e0);
       s1 = _mm256_add_ps(s1, e1);
     }
     if (j < full) {
-      const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+      const __m256 e = exp_poly8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
       _mm256_storeu_ps(s + j, e);
       s0 = _mm256_add_ps(s0, e);
     }
     j = full;
     if (j < vis) {
-      const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv)), lane_mask(vis - j));
+      const __m256 e = _mm256_and_ps(exp_poly8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv)), lane_mask(vis - j));
       _mm256_storeu_ps(s + j, e);
       s1 = _mm256_add_ps(s1, e);
       j += 8;
@@ -378,8 +325,6 @@ struct Avx2Kernels {
     }
   }
 };
-#undef LIVEMOE_AVX2
-#undef LIVEMOE_AVX2_INLINE
-#endif  // LIVEMOE_ATTN_AVX2
+#endif  // LIVEMOE_X86_AVX2
 
 }  // namespace livemoe_attn

@@ -35,11 +35,6 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#define LIVEMOE_MOE_AVX2 1
-#include <immintrin.h>
-#endif
-
 namespace {
 
 // Segments this short (a decode step's share of an expert) run the skinny kernel; longer ones (prefill) go to
@@ -53,7 +48,7 @@ constexpr int64_t kBf16DotRows = 3, kBf16DotWeights = int64_t{1} << 20;
 
 bool cpu_has_bf16_dot() {
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
-  static const bool ok = __builtin_cpu_supports("avx512bf16") && std::getenv("LIVEMOE_MOE_PORTABLE") == nullptr;
+  static const bool ok = __builtin_cpu_supports("avx512bf16") && !portable_forced();
   return ok;
 #else
   return false;
@@ -104,27 +99,26 @@ LIVEMOE_SIMD_CLONES void skinny_gemm_portable(const float* const* a, int64_t n, 
   }
 }
 
-#ifdef LIVEMOE_MOE_AVX2
-#define LIVEMOE_AVX2_FN __attribute__((target("avx2,fma,f16c")))
+#ifdef LIVEMOE_X86_AVX2
 
-LIVEMOE_AVX2_FN inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-LIVEMOE_AVX2_FN inline __m256 load8(const c10::BFloat16* p) {  // bf16 -> fp32: the bits shifted up by 16
+LIVEMOE_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+LIVEMOE_AVX2 inline __m256 load8(const c10::BFloat16* p) {  // bf16 -> fp32: the bits shifted up by 16
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
-LIVEMOE_AVX2_FN inline __m256 load8(const c10::Half* p) {
+LIVEMOE_AVX2 inline __m256 load8(const c10::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
 // the four horizontal sums of a, b, c, d
-LIVEMOE_AVX2_FN inline __m128 reduce4(__m256 a, __m256 b, __m256 c, __m256 d) {
+LIVEMOE_AVX2 inline __m128 reduce4(__m256 a, __m256 b, __m256 c, __m256 d) {
   const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
 // the cnt < 8 values at p, zero-padded to 8 (K's tail)
 template <typename W>
-LIVEMOE_AVX2_FN inline __m256 load8_tail(const W* p, int64_t cnt) {
+LIVEMOE_AVX2 inline __m256 load8_tail(const W* p, int64_t cnt) {
   W buf[8] = {};
   for (int64_t i = 0; i < cnt; ++i) buf[i] = p[i];
   return load8(buf);
@@ -133,7 +127,7 @@ LIVEMOE_AVX2_FN inline __m256 load8_tail(const W* p, int64_t cnt) {
 // One MR x NR tile: rows a[0..MR) against weight rows w[0..NR) (w = the first of them), MR * NR accumulators of
 // 8 lanes (<= 8 + NR + 1 registers of 16), K's tail zero-padded; inlined so that the arrays stay in registers.
 template <typename W, int MR, int NR>
-LIVEMOE_AVX2_FN __attribute__((always_inline)) inline void tile(const float* const* a, const W* w, int64_t K,
+LIVEMOE_AVX2 __attribute__((always_inline)) inline void tile(const float* const* a, const W* w, int64_t K,
                                                                 float* out, int64_t ldo, const float* scale) {
   constexpr int Q = MR * NR, Q4 = (Q + 3) / 4 * 4;
   __m256 acc[Q4];
@@ -167,7 +161,7 @@ LIVEMOE_AVX2_FN __attribute__((always_inline)) inline void tile(const float* con
 
 // columns [j, j + NR) for all n rows: the NR weight rows stay in L1 while the rows of a stream past
 template <typename W, int NR>
-LIVEMOE_AVX2_FN inline void column_block(const float* const* a, int64_t n, const W* w, int64_t K, float* out,
+LIVEMOE_AVX2 inline void column_block(const float* const* a, int64_t n, const W* w, int64_t K, float* out,
                                          int64_t ldo, const float* scale) {
   int64_t r = 0;
   for (; r + 4 <= n; r += 4) tile<W, 4, NR>(a + r, w, K, out + r * ldo, ldo, scale ? scale + r : nullptr);
@@ -181,7 +175,7 @@ LIVEMOE_AVX2_FN inline void column_block(const float* const* a, int64_t n, const
 }
 
 template <typename W>
-LIVEMOE_AVX2_FN void skinny_gemm_avx2(const float* const* a, int64_t n, const W* w, int64_t m, int64_t K, float* out,
+LIVEMOE_AVX2 void skinny_gemm_avx2(const float* const* a, int64_t n, const W* w, int64_t m, int64_t K, float* out,
                                       int64_t ldo, const float* scale) {
   int64_t j = 0;
   if (n == 1) {  // a matrix-vector product: eight weight rows per pass, for eight independent accumulators
@@ -196,15 +190,8 @@ LIVEMOE_AVX2_FN void skinny_gemm_avx2(const float* const* a, int64_t n, const W*
   for (; j < m; ++j) column_block<W, 1>(a, n, w + j * K, K, out + j, ldo, scale);
 }
 
-// LIVEMOE_MOE_PORTABLE=1 forces the portable code (tests run it on an AVX2 machine)
-bool cpu_has_avx2() {
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                         __builtin_cpu_supports("f16c") && std::getenv("LIVEMOE_MOE_PORTABLE") == nullptr;
-  return ok;
-}
-
 // g[i] = silu(g[i]) * u[i] for the first multiple of 8 of n; returns how many were done
-LIVEMOE_AVX2_FN int64_t silu_mul_avx2(float* g, const float* u, int64_t n) {
+LIVEMOE_AVX2 int64_t silu_mul_avx2(float* g, const float* u, int64_t n) {
   const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
@@ -216,7 +203,7 @@ LIVEMOE_AVX2_FN int64_t silu_mul_avx2(float* g, const float* u, int64_t n) {
 }
 
 // x[i] = exp(x[i] - max) for the first multiple of 8 of n, their sum added to *sum; returns how many were done
-LIVEMOE_AVX2_FN int64_t exp_shifted_avx2(float* x, int64_t n, float max, float* sum) {
+LIVEMOE_AVX2 int64_t exp_shifted_avx2(float* x, int64_t n, float max, float* sum) {
   const __m256 m = _mm256_set1_ps(max);
   __m256 acc = _mm256_setzero_ps();
   int64_t i = 0;
@@ -235,8 +222,8 @@ LIVEMOE_AVX2_FN int64_t exp_shifted_avx2(float* x, int64_t n, float max, float* 
 template <typename W>
 void skinny_gemm(const float* const* a, int64_t n, const W* w, int64_t m, int64_t K, float* out, int64_t ldo,
                  const float* scale) {
-#ifdef LIVEMOE_MOE_AVX2
-  if (cpu_has_avx2()) return skinny_gemm_avx2(a, n, w, m, K, out, ldo, scale);
+#ifdef LIVEMOE_X86_AVX2
+  if (use_avx2()) return skinny_gemm_avx2(a, n, w, m, K, out, ldo, scale);
 #endif
   skinny_gemm_portable(a, n, w, m, K, out, ldo, scale);
 }
@@ -247,8 +234,8 @@ void silu_mul_rows(float* pre, int64_t n, int64_t I, int64_t ld) {
     float* g = pre + r * ld;
     const float* u = g + I;
     int64_t i = 0;
-#ifdef LIVEMOE_MOE_AVX2
-    if (cpu_has_avx2()) i = silu_mul_avx2(g, u, I);
+#ifdef LIVEMOE_X86_AVX2
+    if (use_avx2()) i = silu_mul_avx2(g, u, I);
 #endif
     for (; i < I; ++i) g[i] = g[i] / (1.f + exp_poly(-g[i])) * u[i];
   }
@@ -258,8 +245,8 @@ void silu_mul_rows(float* pre, int64_t n, int64_t I, int64_t ld) {
 float exp_shifted(float* x, int64_t n, float max) {
   float sum = 0.f;
   int64_t i = 0;
-#ifdef LIVEMOE_MOE_AVX2
-  if (cpu_has_avx2()) i = exp_shifted_avx2(x, n, max, &sum);
+#ifdef LIVEMOE_X86_AVX2
+  if (use_avx2()) i = exp_shifted_avx2(x, n, max, &sum);
 #endif
   for (; i < n; ++i) {
     x[i] = exp_poly(x[i] - max);

@@ -233,8 +233,8 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, c
     const scalar_t* vc = v_cache.data_ptr<scalar_t>();
     at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
       thread_local Scratch sc;
-#ifdef LIVEMOE_ATTN_AVX2
-      if (livemoe_attn::use_avx2() && p.d % 8 == 0) {
+#ifdef LIVEMOE_X86_AVX2
+      if (use_avx2() && p.d % 8 == 0) {
         run_tasks<livemoe_attn::Avx2Kernels>(p, tasks, begin, end, kc, vc, sc);
         return;
       }

@@ -1,5 +1,6 @@
-// Shared by the CPU ops: hot loops compiled for AVX2 + FMA as well as the baseline, picked at load time
-// (the build passes no -march, so it would be SSE2 only; measured 1.3-1.6x on paged decode attention).
+// Portable loops (no intrinsics) compiled for AVX2 + FMA as well as the baseline, the clone picked at load time
+// (the build passes no -march, so they would be SSE2 only): moe_experts' portable GEMM. The hand-written AVX2
+// kernels use vec_math.h's LIVEMOE_AVX2 and use_avx2() instead.
 #pragma once
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)

@@ -1,17 +1,22 @@
-// Elementwise fp32 exp shared by the CPU ops, without a libm call so that loops over it vectorise:
-// Cephes' expf (x / ln 2 rounded by the 1.5 * 2^23 trick, a degree-6 polynomial of the remainder, 2^k through
-// the exponent bits), relative error ~1e-7. The polynomial of paged_attention.cpp's exp_sum_inplace, with the
-// input clamped on both sides (to [-87, 88]: 2^k stays a normal float) so that it also serves SiLU: below,
-// ~1e-38 instead of 0; above, ~1.6e38 instead of inf; neither changes a softmax or a SiLU. NaN stays NaN.
-// exp_poly: scalar (a `#pragma omp simd` loop vectorises it only where its clamps if-convert, which GCC's
-// default -ftrapping-math forbids); exp_poly8: the same on 8 lanes for AVX2 code
-// (__attribute__((target("avx2,fma"))) functions).
+// What the CPU ops share: an elementwise fp32 exp without a libm call, so that loops over it vectorise, and
+// the run-time choice of their AVX2 code.
+// exp: Cephes' expf (x / ln 2 rounded by the 1.5 * 2^23 trick, a degree-6 polynomial of the remainder, 2^k
+// through the exponent bits), relative error ~1e-7, the input clamped to [-87, 88] (2^k stays a normal float)
+// so that it serves softmax and SiLU alike: below, ~1e-38 instead of 0; above, ~1.6e38 instead of inf; neither
+// changes a softmax or a SiLU. NaN stays NaN. exp_poly: scalar (a `#pragma omp simd` loop vectorises it only
+// where its clamps if-convert, which GCC's default -ftrapping-math forbids); exp_poly8: the same on 8 lanes
+// for AVX2 code.
+// use_avx2(): the build passes no -march, so AVX2 code sits in LIVEMOE_AVX2 (target attribute) functions,
+// chosen at run time. ATEN_CPU_CAPABILITY=default (PyTorch's own switch to its portable kernels) selects ours too: that is
+// how the tests run the portable code on an AVX2 machine.
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
-#if defined(__x86_64__) && defined(__GNUC__)
+#if defined(__x86_64__) && defined(__GNUC__)  // GCC and clang: target attributes and the intrinsics
+#define LIVEMOE_X86_AVX2 1
 #include <immintrin.h>
 #endif
 
@@ -21,6 +26,12 @@ constexpr float kLo = -87.f, kHi = 88.f, kLog2e = 1.44269504f, kRound = 12582912
 constexpr float kP[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
                          4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
 }  // namespace livemoe_exp
+
+// PyTorch's ATEN_CPU_CAPABILITY=default: the portable kernels everywhere
+inline bool portable_forced() {
+  const char* cap = std::getenv("ATEN_CPU_CAPABILITY");
+  return cap != nullptr && std::strcmp(cap, "default") == 0;
+}
 
 inline float exp_poly(float x) {
   using namespace livemoe_exp;
@@ -37,18 +48,32 @@ inline float exp_poly(float x) {
   return p * scale;
 }
 
-#if defined(__x86_64__) && defined(__GNUC__)
-__attribute__((target("avx2,fma"), always_inline)) inline __m256 exp_poly8(__m256 x) {
+#ifdef LIVEMOE_X86_AVX2
+// the functions of the AVX2 code paths, and their always-inlined helpers
+#define LIVEMOE_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define LIVEMOE_AVX2_INLINE __attribute__((target("avx2,fma,f16c"), always_inline)) inline
+
+// k = round(x / ln 2) by adding 1.5 * 2^23 + 127: the sum's low mantissa bits are k + 127 (in [1, 254] for the
+// clamped input), so one shift makes them the exponent of 2^k
+LIVEMOE_AVX2_INLINE __m256 exp_poly8(__m256 x) {
   using namespace livemoe_exp;
+  const __m256 magic = _mm256_set1_ps(kRound + 127.f);
   // max/min return their second operand for a NaN: x second keeps it
   const __m256 v = _mm256_min_ps(_mm256_set1_ps(kHi), _mm256_max_ps(_mm256_set1_ps(kLo), x));
-  const __m256 k = _mm256_sub_ps(_mm256_fmadd_ps(v, _mm256_set1_ps(kLog2e), _mm256_set1_ps(kRound)),
-                                 _mm256_set1_ps(kRound));
+  const __m256 kb = _mm256_fmadd_ps(v, _mm256_set1_ps(kLog2e), magic);
+  const __m256 k = _mm256_sub_ps(kb, magic);
   const __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(kLn2Lo), _mm256_fnmadd_ps(k, _mm256_set1_ps(kLn2Hi), v));
   __m256 p = _mm256_set1_ps(kP[0]);
   for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP[i]));
-  p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(k), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(kb), 23)));
 }
+
+inline bool use_avx2() {
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                         __builtin_cpu_supports("f16c") && !portable_forced();
+  return ok;
+}
+#else
+inline bool use_avx2() { return false; }
 #endif

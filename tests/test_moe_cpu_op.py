@@ -162,7 +162,8 @@ def test_deterministic_and_thread_count_independent(T, E, k):
 
 
 def test_portable_kernels_match_reference():
-    # LIVEMOE_MOE_PORTABLE=1: the code a CPU without AVX2 runs (an ARM host), here in a fresh process
+    # ATEN_CPU_CAPABILITY=default (PyTorch's switch, which csrc/vec_math.h honours): the code a CPU without AVX2
+    # runs (an ARM host), here in a fresh process
     code = (
         "import torch, tests.test_moe_cpu_op as t\n"
         "from kernels.moe.reference import fused_moe_reference as ref\n"
@@ -174,7 +175,7 @@ def test_portable_kernels_match_reference():
         "        assert err <= 1e-5, (T, H, I, E, k, dt, err)\n"
         "print('ok')\n")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, LIVEMOE_MOE_PORTABLE="1", PYTHONPATH=root)
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="default", PYTHONPATH=root)
     res = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
 

@@ -3,7 +3,8 @@ store_kvcache) against the plain reference, and the CPU dispatch of kernels.atte
 
 Two implementations of the op's kernels (csrc/attention_cpu.h): AVX2 + FMA, taken on an x86 CPU that has
 them for head sizes that are a multiple of 8, and portable C++, taken elsewhere and for the other head sizes
-(12 and 20 below), so both run here.
+(12 and 20 below), so both run here; ATEN_CPU_CAPABILITY=default makes every size take the portable ones
+(test_portable_kernels_match_reference, in a fresh process).
 
 Tolerances: fp32 2e-5 (the softmax runs per chunk of keys with a rescale between chunks, which reorders the
 sums against the reference's one softmax; the queries are scaled before the dot products; the op's exp is a
@@ -11,6 +12,10 @@ polynomial with relative error ~1e-7; all accumulate in fp32); bf16 / fp16 cache
 same rounded K/V widened to fp32, so only the fp32 summation order differs (2e-5), and the output rounding to
 q's 16-bit dtype (1e-2 for fp16, 2e-2 for bf16).
 """
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -195,3 +200,22 @@ def test_bad_input_names_the_problem():
         op(q, kc, vc[:-1], cu, ctx, tables, 0.3)
     with pytest.raises(RuntimeError, match="outside"):
         torch.ops.livemoe.store_kvcache(q[:, :2], q[:, :2], kc, vc, torch.tensor([0, 1, 999, 2]))
+
+
+def test_portable_kernels_match_reference():
+    """ATEN_CPU_CAPABILITY=default (PyTorch's switch, which csrc/vec_math.h honours): the portable kernels at
+    the head sizes AVX2 takes otherwise, decode and prefill, fp32 and bf16 caches, in a fresh process."""
+    code = (
+        "import torch, tests.test_paged_attention_cpu as t\n"
+        "for d in (16, 64):\n"
+        "    for dt in (torch.float32, torch.bfloat16):\n"
+        "        gen = torch.Generator().manual_seed(d)\n"
+        "        q, kc, vc, cu, ctx, tables = t.case(gen, 16, 8, 2, d, [1, 1, 19, 1], [0, 40, 30, 700], dt)\n"
+        "        q = q.float()\n"
+        "        out = torch.ops.livemoe.paged_attention(q, kc, vc, cu, ctx, tables, d ** -0.5)\n"
+        "        torch.testing.assert_close(out, t.reference(q, kc, vc, cu, ctx, tables, d ** -0.5), atol=2e-5, rtol=2e-5)\n"
+        "print('ok')\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="default", PYTHONPATH=root)
+    res = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
