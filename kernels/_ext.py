@@ -30,3 +30,15 @@ def has_op(name: str) -> bool:
 def op(name: str):
     assert has_op(name), f"torch.ops.livemoe.{name} is not built ({EXT_ERROR})"
     return getattr(torch.ops.livemoe, name)
+
+
+def cpu_inference(*tensors: torch.Tensor) -> bool:
+    """Every tensor on the CPU and no gradient to record: where the C++ inference ops (forward only) serve."""
+    for t in tensors:
+        if t.device.type != "cpu":
+            return False
+    if torch.is_grad_enabled():
+        for t in tensors:
+            if t.requires_grad:
+                return False
+    return True

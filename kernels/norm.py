@@ -29,15 +29,9 @@ def rotate_half_reference(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.
 _BUILT = {name: _ext.has_op(name) for name in ("rms_norm", "qk_norm_rope")}  # looked up once, not per call
 
 
-def use_cpp(name: str, *tensors: torch.Tensor) -> bool:
-    """The C++ op `name` serves this call: built, every tensor on the CPU, and no gradient to record."""
-    return _BUILT[name] and all(t.device.type == "cpu" for t in tensors) and not (
-        torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """rms_norm_reference's result; the C++ op where it serves (weight [D] of x's dtype)."""
-    if weight.dim() == 1 and weight.dtype == x.dtype and use_cpp("rms_norm", x, weight):
+    if _BUILT["rms_norm"] and weight.dim() == 1 and weight.dtype == x.dtype and _ext.cpu_inference(x, weight):
         return torch.ops.livemoe.rms_norm(x, weight, eps)
     return rms_norm_reference(x, weight, eps)
 
@@ -49,8 +43,8 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
     norming q and k apart; in PyTorch the heads of both are normed and rotated at once (2 ops, not 4)."""
     hq, d = q.shape[-2:]
     lead = q.shape[:-2]
-    if q.dtype == k.dtype == q_weight.dtype == k_weight.dtype == cos.dtype == signed_sin.dtype and use_cpp(
-            "qk_norm_rope", q, k, q_weight, k_weight):
+    if _BUILT["qk_norm_rope"] and q.dtype == k.dtype == q_weight.dtype == k_weight.dtype == cos.dtype == \
+            signed_sin.dtype and _ext.cpu_inference(q, k, q_weight, k_weight):
         qo, ko = torch.ops.livemoe.qk_norm_rope(q.reshape(-1, hq, d), k.reshape(-1, k.shape[-2], d), q_weight,
                                                 k_weight, cos.reshape(-1, d), signed_sin.reshape(-1, d), eps)
         return qo.view(*lead, hq, d), ko.view(*lead, k.shape[-2], d)

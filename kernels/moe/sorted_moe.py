@@ -131,8 +131,7 @@ _CPP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def cpu_inference(hidden_states: torch.Tensor, *tensors: torch.Tensor) -> bool:
     """The C++ inference ops (csrc/moe_experts.cpp: moe_experts, moe_forward) can serve this call: built, on
     the CPU, a dtype they take, and no gradient needed (they have no backward)."""
-    return _HAS_CPP and hidden_states.device.type == "cpu" and hidden_states.dtype in _CPP_DTYPES and not (
-        torch.is_grad_enabled() and (hidden_states.requires_grad or any(t.requires_grad for t in tensors)))
+    return _HAS_CPP and hidden_states.dtype in _CPP_DTYPES and _ext.cpu_inference(hidden_states, *tensors)
 
 
 def experts_sorted(hidden_states, w_gate_up, w_down, topk_weights, topk_ids):
