@@ -1,4 +1,8 @@
-"""Fixtures shared by tests/ and bench/ (both conftests import them)."""
+"""Fixtures shared by tests/ and bench/ (both conftests import them), and helpers the tests share."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -11,3 +15,14 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def run_with_portable_kernels(code: str) -> None:
+    """Runs `code` (which prints "ok" at its end) in a fresh process with ATEN_CPU_CAPABILITY=default:
+    PyTorch's switch to its portable kernels, which csrc/vec_math.h honours for ours, so the code a CPU
+    without AVX2 runs (an ARM host) is tested on this one. A fresh process: the choice is made once per
+    process, at the first call."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="default", PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tests")]))
+    res = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]

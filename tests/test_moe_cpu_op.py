@@ -9,13 +9,11 @@ Tolerances:
   (rounded) inputs each element is within its dtype's unit roundoff (2^-8 bf16, 2^-11 fp16, relative) plus
   the fp32 noise above.
 """
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from fixtures import run_with_portable_kernels
 from kernels import _ext
 from kernels.moe import fused_moe, route
 from kernels.moe.reference import experts_reference, fused_moe_reference
@@ -162,8 +160,7 @@ def test_deterministic_and_thread_count_independent(T, E, k):
 
 
 def test_portable_kernels_match_reference():
-    # ATEN_CPU_CAPABILITY=default (PyTorch's switch, which csrc/vec_math.h honours): the code a CPU without AVX2
-    # runs (an ARM host), here in a fresh process
+    # the code a CPU without AVX2 runs (an ARM host), here on this one (see run_with_portable_kernels)
     code = (
         "import torch, tests.test_moe_cpu_op as t\n"
         "from kernels.moe.reference import fused_moe_reference as ref\n"
@@ -174,10 +171,7 @@ def test_portable_kernels_match_reference():
         "        err = ((got.float() - want).abs() - tol * want.abs()).max().item() if T else 0.0\n"
         "        assert err <= 1e-5, (T, H, I, E, k, dt, err)\n"
         "print('ok')\n")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, ATEN_CPU_CAPABILITY="default", PYTHONPATH=root)
-    res = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
+    run_with_portable_kernels(code)
 
 
 def test_fused_moe_uses_moe_forward_without_grad_and_matches_the_autograd_path():

@@ -12,13 +12,11 @@ polynomial with relative error ~1e-7; all accumulate in fp32); bf16 / fp16 cache
 same rounded K/V widened to fp32, so only the fp32 summation order differs (2e-5), and the output rounding to
 q's 16-bit dtype (1e-2 for fp16, 2e-2 for bf16).
 """
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from fixtures import run_with_portable_kernels
 from kernels import _ext
 from kernels.attention import (paged_attention_reference, paged_decode_attention,
                                paged_prefill_attention, paged_prefill_torch, store_kvcache, store_kvcache_reference)
@@ -203,8 +201,8 @@ def test_bad_input_names_the_problem():
 
 
 def test_portable_kernels_match_reference():
-    """ATEN_CPU_CAPABILITY=default (PyTorch's switch, which csrc/vec_math.h honours): the portable kernels at
-    the head sizes AVX2 takes otherwise, decode and prefill, fp32 and bf16 caches, in a fresh process."""
+    """The portable kernels (see run_with_portable_kernels) at the head sizes AVX2 takes otherwise, decode and
+    prefill, fp32 and bf16 caches."""
     code = (
         "import torch, tests.test_paged_attention_cpu as t\n"
         "for d in (16, 64):\n"
@@ -215,7 +213,4 @@ def test_portable_kernels_match_reference():
         "        out = torch.ops.livemoe.paged_attention(q, kc, vc, cu, ctx, tables, d ** -0.5)\n"
         "        torch.testing.assert_close(out, t.reference(q, kc, vc, cu, ctx, tables, d ** -0.5), atol=2e-5, rtol=2e-5)\n"
         "print('ok')\n")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, ATEN_CPU_CAPABILITY="default", PYTHONPATH=root)
-    res = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
+    run_with_portable_kernels(code)
