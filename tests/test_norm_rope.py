@@ -110,3 +110,14 @@ def test_bad_input_names_the_problem():
         torch.ops.livemoe.qk_norm_rope(q, k, w, w, rand(2, 8), rand(2, 8), 1e-6)
     with pytest.raises(RuntimeError, match="q must be \\[N, Hq, D\\]"):
         torch.ops.livemoe.qk_norm_rope(q, rand(4, 1, 8), w, w, cos, cos, 1e-6)
+
+
+def test_qk_norm_rope_broadcasts_cos_over_the_batch():
+    """cos / signed_sin of one row of positions [1, T, 1, D] serve a batch of B rows, as in the reference."""
+    q, k = rand(3, 5, 4, 16, seed=11), rand(3, 5, 2, 16, seed=12)
+    cos, sin = RotaryEmbedding(16, 1e4)(torch.arange(5)[None], torch.float32)
+    w = rand(16, seed=13)
+    with torch.no_grad():
+        got = qk_norm_rope(q, k, w, w, cos, sin, 1e-6)
+    for g, r in zip(got, reference_qk(q, k, w, w, cos, sin, 1e-6)):
+        torch.testing.assert_close(g, r, **TOL[torch.float32])
