@@ -55,7 +55,6 @@ bool cpu_has_bf16_dot() {
 #endif
 }
 
-
 inline float widen(float v) { return v; }
 inline float widen(c10::BFloat16 v) { return static_cast<float>(v); }
 inline float widen(c10::Half v) { return static_cast<float>(v); }
