@@ -83,28 +83,42 @@ inline void norm_rope_row(const scalar_t* x, const scalar_t* weight, const scala
   rotate(half, d, -half);
 }
 
-// q [N, Hq, D] and k [N, Hkv, D] (any strides between tokens and heads, D contiguous), the norms' weights [D],
-// cos and signed_sin [N, D] -> (q_out [N, Hq, D], k_out [N, Hkv, D]), contiguous.
-std::tuple<at::Tensor, at::Tensor> qk_norm_rope_cpu(const at::Tensor& q, const at::Tensor& k,
+// q [..., Hq, D] and k [..., Hkv, D] (the same leading dims; any strides between tokens and heads), the norms'
+// weights [D], cos and signed_sin [..., 1, D] broadcasting over the leading dims -> (q_out, k_out) of q's and
+// k's shapes, contiguous. The leading dims are flattened here, not in Python: a decode step pays per op.
+std::tuple<at::Tensor, at::Tensor> qk_norm_rope_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
                                                     const at::Tensor& q_weight, const at::Tensor& k_weight,
-                                                    const at::Tensor& cos, const at::Tensor& signed_sin, double eps) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0) && q.size(2) == k.size(2),
-              "qk_norm_rope: q must be [N, Hq, D] and k [N, Hkv, D], got ", q.sizes(), " and ", k.sizes());
-  const int64_t n = q.size(0), hq = q.size(1), hkv = k.size(1), d = q.size(2);
+                                                    const at::Tensor& cos_in, const at::Tensor& sin_in, double eps) {
+  const int64_t nd = q_in.dim();
+  TORCH_CHECK(nd >= 2 && k_in.dim() == nd && q_in.sizes().slice(0, nd - 2) == k_in.sizes().slice(0, nd - 2) &&
+                  q_in.size(-1) == k_in.size(-1),
+              "qk_norm_rope: q must be [..., Hq, D] and k [..., Hkv, D] with the same leading dims, got ",
+              q_in.sizes(), " and ", k_in.sizes());
+  const int64_t hq = q_in.size(-2), hkv = k_in.size(-2), d = q_in.size(-1);
   TORCH_CHECK(d % 2 == 0, "qk_norm_rope: the head size must be even for rotate-half RoPE, got ", d);
-  check_norm_args("qk_norm_rope", q, q_weight);
-  check_norm_args("qk_norm_rope", k, k_weight);
-  TORCH_CHECK(cos.sizes() == at::IntArrayRef({n, d}) && signed_sin.sizes() == cos.sizes(),
-              "qk_norm_rope: cos and signed_sin must be [N, D] = [", n, ", ", d, "], got ", cos.sizes(), " and ",
-              signed_sin.sizes());
-  TORCH_CHECK(cos.scalar_type() == q.scalar_type() && signed_sin.scalar_type() == q.scalar_type() &&
-                  k.scalar_type() == q.scalar_type(),
-              "qk_norm_rope: q, k, cos and signed_sin must share a dtype, got ", q.scalar_type(), ", ", k.scalar_type(),
-              ", ", cos.scalar_type(), ", ", signed_sin.scalar_type());
+  check_norm_args("qk_norm_rope", q_in, q_weight);
+  check_norm_args("qk_norm_rope", k_in, k_weight);
+  std::vector<int64_t> rows_shape(q_in.sizes().begin(), q_in.sizes().end() - 2);
+  rows_shape.insert(rows_shape.end(), {1, d});
+  auto broadcasts = [&](const at::Tensor& t) {
+    if (t.dim() != nd) return false;
+    for (int64_t i = 0; i < nd; ++i)
+      if (t.size(i) != rows_shape[i] && t.size(i) != 1) return false;
+    return t.size(-1) == d;
+  };
+  TORCH_CHECK(broadcasts(cos_in) && broadcasts(sin_in), "qk_norm_rope: cos and signed_sin must broadcast to [..., 1, D] = ",
+              at::IntArrayRef(rows_shape), ", got ", cos_in.sizes(), " and ", sin_in.sizes());
+  TORCH_CHECK(cos_in.scalar_type() == q_in.scalar_type() && sin_in.scalar_type() == q_in.scalar_type() &&
+                  k_in.scalar_type() == q_in.scalar_type(),
+              "qk_norm_rope: q, k, cos and signed_sin must share a dtype, got ", q_in.scalar_type(), ", ",
+              k_in.scalar_type(), ", ", cos_in.scalar_type(), ", ", sin_in.scalar_type());
+  auto q = q_in.reshape({-1, hq, d});
+  auto k = k_in.reshape({-1, hkv, d});
+  const int64_t n = q.size(0);
   auto qc = q.stride(2) == 1 ? q : q.contiguous();
   auto kc = k.stride(2) == 1 ? k : k.contiguous();
-  auto cc = cos.contiguous();
-  auto sc = signed_sin.contiguous();
+  auto cc = cos_in.expand(rows_shape).reshape({n, d}).contiguous();
+  auto sc = sin_in.expand(rows_shape).reshape({n, d}).contiguous();
   auto qw = q_weight.contiguous();
   auto kw = k_weight.contiguous();
   auto q_out = at::empty({n, hq, d}, q.options());
@@ -126,7 +140,7 @@ std::tuple<at::Tensor, at::Tensor> qk_norm_rope_cpu(const at::Tensor& q, const a
     rotate(qc, qw, q_out);
     rotate(kc, kw, k_out);
   });
-  return {q_out, k_out};
+  return {q_out.view(q_in.sizes()), k_out.view(k_in.sizes())};
 }
 
 }  // namespace

@@ -41,14 +41,10 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
     """Per-head RMSNorm of q [..., Hq, D] and k [..., Hkv, D] (weights [D]), then RoPE with cos / signed_sin
     [..., 1, D] (see rotate_half_reference). Each head row is normalised on its own, so the bits are those of
     norming q and k apart; in PyTorch the heads of both are normed and rotated at once (2 ops, not 4)."""
-    hq, d = q.shape[-2:]
-    lead = q.shape[:-2]
     if _BUILT["qk_norm_rope"] and q.dtype == k.dtype == q_weight.dtype == k_weight.dtype == cos.dtype == \
             signed_sin.dtype and _ext.cpu_inference(q, k, q_weight, k_weight):
-        cos, signed_sin = (t.expand(*lead, 1, d).reshape(-1, d) for t in (cos, signed_sin))  # one row per token
-        qo, ko = torch.ops.livemoe.qk_norm_rope(q.reshape(-1, hq, d), k.reshape(-1, k.shape[-2], d), q_weight,
-                                                k_weight, cos, signed_sin, eps)
-        return qo.view(*lead, hq, d), ko.view(*lead, k.shape[-2], d)
+        return torch.ops.livemoe.qk_norm_rope(q, k, q_weight, k_weight, cos, signed_sin, eps)
+    hq = q.shape[-2]
     weight = torch.cat((q_weight.expand(hq, -1), k_weight.expand(k.shape[-2], -1)))
     qk = rotate_half_reference(rms_norm_reference(torch.cat((q, k), dim=-2), weight, eps), cos, signed_sin)
     return qk[..., :hq, :], qk[..., hq:, :]

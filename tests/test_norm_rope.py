@@ -70,10 +70,10 @@ def test_qk_norm_rope_reads_strided_views():
     qkv = rand(n, (hq + 2 * hkv) * d, seed=5)
     q, k = qkv[:, :hq * d].view(n, hq, d), qkv[:, hq * d:(hq + hkv) * d].view(n, hkv, d)
     cos, sin = RotaryEmbedding(d, 1e6)(torch.arange(n)[None], torch.float32)
-    cos, sin = cos[0, :, 0], sin[0, :, 0]
+    cos, sin = cos[0], sin[0]  # [n, 1, d]
     w = rand(d, seed=6)
     got = torch.ops.livemoe.qk_norm_rope(q, k, w, w, cos, sin, 1e-6)
-    want = reference_qk(q, k, w, w, cos[:, None], sin[:, None], 1e-6)
+    want = reference_qk(q, k, w, w, cos, sin, 1e-6)
     for g, r in zip(got, want):
         torch.testing.assert_close(g, r, **TOL[torch.float32])
 
@@ -103,12 +103,15 @@ def test_bad_input_names_the_problem():
         torch.ops.livemoe.rms_norm(x, w.double(), 1e-6)
     with pytest.raises(RuntimeError, match="dtype must be"):
         torch.ops.livemoe.rms_norm(x.double(), w.double(), 1e-6)
-    q, k, cos = rand(3, 2, 8), rand(3, 1, 8), rand(3, 8)
+    q, k, cos = rand(3, 2, 8), rand(3, 1, 8), rand(3, 1, 8)
     with pytest.raises(RuntimeError, match="must be even"):
-        torch.ops.livemoe.qk_norm_rope(rand(3, 2, 7), rand(3, 1, 7), rand(7), rand(7), rand(3, 7), rand(3, 7), 1e-6)
-    with pytest.raises(RuntimeError, match="cos and signed_sin must be"):
-        torch.ops.livemoe.qk_norm_rope(q, k, w, w, rand(2, 8), rand(2, 8), 1e-6)
-    with pytest.raises(RuntimeError, match="q must be \\[N, Hq, D\\]"):
+        torch.ops.livemoe.qk_norm_rope(rand(3, 2, 7), rand(3, 1, 7), rand(7), rand(7), rand(3, 1, 7), rand(3, 1, 7),
+                                       1e-6)
+    with pytest.raises(RuntimeError, match="cos and signed_sin must broadcast"):
+        torch.ops.livemoe.qk_norm_rope(q, k, w, w, rand(2, 1, 8), rand(2, 1, 8), 1e-6)
+    with pytest.raises(RuntimeError, match="cos and signed_sin must broadcast"):
+        torch.ops.livemoe.qk_norm_rope(q, k, w, w, rand(3, 8), rand(3, 8), 1e-6)
+    with pytest.raises(RuntimeError, match="same leading dims"):
         torch.ops.livemoe.qk_norm_rope(q, rand(4, 1, 8), w, w, cos, cos, 1e-6)
 
 
