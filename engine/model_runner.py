@@ -121,8 +121,9 @@ class ModelRunner:
 
     # -- a step -------------------------------------------------------------------------------------
 
-    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, Context, list[int]]:
-        """(input_ids [N], positions [N], Context, sample row indices in N order)."""
+    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, Context, list[int], list[int]]:
+        """(input_ids [N], positions [N], Context, the rows that sample (indices into N), the seqs they belong
+        to (indices into out.seqs), in the same order)."""
         bs = self.block_size
         seqs = out.seqs
         is_decode = out.is_decode_only
@@ -134,9 +135,10 @@ class ModelRunner:
             cu = list(range(len(seqs) + 1))
             # a row samples when its token is the sequence's last (not a 1-token prefill chunk)
             sample_rows = [i for i, (seq, n) in enumerate(zip(seqs, context_lens)) if n == len(seq.token_ids)]
+            sampling_seqs = sample_rows
         else:
-            input_ids, positions, slots, cu, context_lens, sample_rows = [], [], [], [0], [], []
-            for seq, n in zip(seqs, out.num_new_tokens):
+            input_ids, positions, slots, cu, context_lens, sample_rows, sampling_seqs = [], [], [], [0], [], [], []
+            for i, (seq, n) in enumerate(zip(seqs, out.num_new_tokens)):
                 start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
                 input_ids.extend(seq.token_ids[start:end])
                 positions.extend(range(start, end))
@@ -146,6 +148,7 @@ class ModelRunner:
                 context_lens.append(end)
                 if end == len(seq):
                     sample_rows.append(cu[-1] - 1)
+                    sampling_seqs.append(i)
         S, N = len(seqs), len(input_ids)
         width = max(len(seq.block_table) for seq in seqs)
         ints = context_lens + cu
@@ -158,7 +161,7 @@ class ModelRunner:
         ctx = Context(slot_mapping=longs[2 * N:], context_lens=ints[:S], cu_seqlens_q=ints[S:2 * S + 1],
                       block_tables=ints[2 * S + 1:].view(S, width), max_seqlen_q=max(out.num_new_tokens),
                       is_decode=is_decode, backend=self.backend, max_context_len=max(context_lens))
-        return longs[:N], longs[N:2 * N], ctx, sample_rows
+        return longs[:N], longs[N:2 * N], ctx, sample_rows, sampling_seqs
 
     def _to_device(self, data: list[int], dtype: torch.dtype) -> torch.Tensor:
         if self.device.type == "cpu" and data:  # through an array: 3x faster than torch.tensor(list) (~40 us a step)
@@ -170,12 +173,7 @@ class ModelRunner:
     def run(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
         """Runs one step; returns (logits [num_sampling_seqs, V] fp32, indices into out.seqs that sample)."""
         self.attach_kv_cache()
-        input_ids, positions, ctx, sample_rows = self.prepare(out)
-        if ctx.is_decode:
-            sampling_seqs = sample_rows  # row i is seq i
-        else:
-            sampling_seqs = [i for i, (seq, n) in enumerate(zip(out.seqs, out.num_new_tokens))
-                             if seq.num_computed_tokens + n == len(seq)]
+        input_ids, positions, ctx, sample_rows, sampling_seqs = self.prepare(out)
         if ctx.is_decode and self.use_cuda_graphs:
             hidden = self._run_decode_graph(input_ids, positions, ctx)
         else:

@@ -330,7 +330,7 @@ def test_padded_decode_rows_as_in_cuda_graphs(checkpoints, backend, block_size):
     runner, sched = llm.runner, llm.scheduler
     out = sched.schedule()
     assert out.is_decode_only and len(out.seqs) == 2
-    input_ids, positions, ctx, _ = runner.prepare(out)
+    input_ids, positions, ctx, *_ = runner.prepare(out)
     with torch.inference_mode():
         cache_before = runner.kv_cache.clone()
         eager = runner._run_eager(input_ids, positions, ctx).clone()
