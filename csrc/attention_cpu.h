@@ -52,13 +52,6 @@ inline void raise_max(const Chunk& c, int64_t r, float mx) {
 }
 
 struct PortableKernels {
-  // x[i] = exp(x[i] - mx) for i < n; returns their sum
-  static float exp_sum(float* x, int64_t n, float mx) {
-    float sum = 0.f;
-    for (int64_t i = 0; i < n; ++i) sum += (x[i] = exp_poly(x[i] - mx));
-    return sum;
-  }
-
   template <int64_t kD>
   static void attend_chunk(const Chunk& c) {
     const int64_t d = kD ? kD : c.d;
@@ -80,7 +73,7 @@ struct PortableKernels {
           mx = std::max(mx, dot);
         }
         raise_max(c, r, mx);
-        c.l[r] += exp_sum(sr, vr, c.m[r]);
+        c.l[r] += exp_shifted(sr, vr, c.m[r]);
         float* ar = c.acc + r * d;
         for (int64_t j = 0; j < vr; ++j) {
           const float e = sr[j];

@@ -201,21 +201,6 @@ LIVEMOE_AVX2 int64_t silu_mul_avx2(float* g, const float* u, int64_t n) {
   return i;
 }
 
-// x[i] = exp(x[i] - max) for the first multiple of 8 of n, their sum added to *sum; returns how many were done
-LIVEMOE_AVX2 int64_t exp_shifted_avx2(float* x, int64_t n, float max, float* sum) {
-  const __m256 m = _mm256_set1_ps(max);
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 e = exp_poly8(_mm256_sub_ps(_mm256_loadu_ps(x + i), m));
-    _mm256_storeu_ps(x + i, e);
-    acc = _mm256_add_ps(acc, e);
-  }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, acc);
-  for (int l = 0; l < 8; ++l) *sum += lanes[l];
-  return i;
-}
 #endif
 
 template <typename W>
@@ -238,20 +223,6 @@ void silu_mul_rows(float* pre, int64_t n, int64_t I, int64_t ld) {
 #endif
     for (; i < I; ++i) g[i] = g[i] / (1.f + exp_poly(-g[i])) * u[i];
   }
-}
-
-// x[0..n) = exp(x - max), returns their sum
-float exp_shifted(float* x, int64_t n, float max) {
-  float sum = 0.f;
-  int64_t i = 0;
-#ifdef LIVEMOE_X86_AVX2
-  if (use_avx2()) i = exp_shifted_avx2(x, n, max, &sum);
-#endif
-  for (; i < n; ++i) {
-    x[i] = exp_poly(x[i] - max);
-    sum += x[i];
-  }
-  return sum;
 }
 
 // o[0..H) = y[ranks[0]] + y[ranks[1]] + ... in this order (rows of y at stride H)

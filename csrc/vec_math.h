@@ -74,6 +74,37 @@ inline bool use_avx2() {
                          __builtin_cpu_supports("f16c") && !portable_forced();
   return ok;
 }
+
+// x[i] = exp(x[i] - max) for the first multiple of 8 of n, their sum added to *sum; returns how many were done
+LIVEMOE_AVX2 inline int64_t exp_shifted_avx2(float* x, int64_t n, float max, float* sum) {
+  const __m256 m = _mm256_set1_ps(max);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp_poly8(_mm256_sub_ps(_mm256_loadu_ps(x + i), m));
+    _mm256_storeu_ps(x + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  for (int l = 0; l < 8; ++l) *sum += lanes[l];
+  return i;
+}
 #else
 inline bool use_avx2() { return false; }
 #endif
+
+// x[0..n) = exp(x - max), returns their sum: a softmax's numerators (the MoE routing, the attention's
+// portable kernels); AVX2 where the CPU has it
+inline float exp_shifted(float* x, int64_t n, float max) {
+  float sum = 0.f;
+  int64_t i = 0;
+#ifdef LIVEMOE_X86_AVX2
+  if (use_avx2()) i = exp_shifted_avx2(x, n, max, &sum);
+#endif
+  for (; i < n; ++i) {
+    x[i] = exp_poly(x[i] - max);
+    sum += x[i];
+  }
+  return sum;
+}
