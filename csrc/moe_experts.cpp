@@ -24,7 +24,6 @@
 #include <ATen/Parallel.h>
 
 #include "moe_sort.h"
-#include "simd.h"
 #include "vec_math.h"
 
 #include <algorithm>

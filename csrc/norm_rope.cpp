@@ -106,7 +106,8 @@ std::tuple<at::Tensor, at::Tensor> qk_norm_rope_cpu(const at::Tensor& q_in, cons
       if (t.size(i) != rows_shape[i] && t.size(i) != 1) return false;
     return t.size(-1) == d;
   };
-  TORCH_CHECK(broadcasts(cos_in) && broadcasts(sin_in), "qk_norm_rope: cos and signed_sin must broadcast to [..., 1, D] = ",
+  TORCH_CHECK(broadcasts(cos_in) && broadcasts(sin_in),
+              "qk_norm_rope: cos and signed_sin must broadcast to [..., 1, D] = ",
               at::IntArrayRef(rows_shape), ", got ", cos_in.sizes(), " and ", sin_in.sizes());
   TORCH_CHECK(cos_in.scalar_type() == q_in.scalar_type() && sin_in.scalar_type() == q_in.scalar_type() &&
                   k_in.scalar_type() == q_in.scalar_type(),

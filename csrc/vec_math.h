@@ -1,5 +1,5 @@
 // What the CPU ops share: an elementwise fp32 exp without a libm call, so that loops over it vectorise, and
-// the run-time choice of their AVX2 code.
+// the choice of their vector code (AVX2 kernels picked at run time, target clones of portable loops).
 // exp: Cephes' expf (x / ln 2 rounded by the 1.5 * 2^23 trick, a degree-6 polynomial of the remainder, 2^k
 // through the exponent bits), relative error ~1e-7, the input clamped to [-87, 88] (2^k stays a normal float)
 // so that it serves softmax and SiLU alike: below, ~1e-38 instead of 0; above, ~1.6e38 instead of inf; neither
@@ -7,8 +7,8 @@
 // where its clamps if-convert, which GCC's default -ftrapping-math forbids); exp_poly8: the same on 8 lanes
 // for AVX2 code.
 // use_avx2(): the build passes no -march, so AVX2 code sits in LIVEMOE_AVX2 (target attribute) functions,
-// chosen at run time. ATEN_CPU_CAPABILITY=default (PyTorch's own switch to its portable kernels) selects ours too: that is
-// how the tests run the portable code on an AVX2 machine.
+// chosen at run time. ATEN_CPU_CAPABILITY=default (PyTorch's own switch to its portable kernels) selects ours
+// too: that is how the tests run the portable code on an AVX2 machine.
 #pragma once
 
 #include <cstdint>
@@ -18,6 +18,15 @@
 #if defined(__x86_64__) && defined(__GNUC__)  // GCC and clang: target attributes and the intrinsics
 #define LIVEMOE_X86_AVX2 1
 #include <immintrin.h>
+#endif
+
+// Portable loops (no intrinsics) compiled for AVX2 + FMA as well as the baseline, the clone picked at load time
+// (without -march they would be SSE2 only): moe_experts' portable GEMM. Hand-written AVX2 kernels use
+// LIVEMOE_AVX2 and use_avx2() below instead.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define LIVEMOE_SIMD_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define LIVEMOE_SIMD_CLONES
 #endif
 
 namespace livemoe_exp {
