@@ -4,7 +4,8 @@ Loading streams tensor by tensor into a model allocated once on the target devic
 full copy in memory). Experts are accepted in the hub's per-expert layout
 (mlp.experts.{j}.gate_proj.weight, ...) and in transformers-v5's fused layout (mlp.experts.gate_up_proj,
 mlp.experts.down_proj). Every problem raises one CheckpointError naming the file, tensor or field; the
-half-built model is dropped, never returned.
+half-built model is dropped, never returned. A tensor holding NaN or Inf is refused (a diverged run's
+weights decode only garbage), and so are shard paths that leave the checkpoint directory.
 """
 import json
 import os
@@ -73,16 +74,46 @@ def init_model(cfg: ModelConfig, dtype=torch.float32, device=None, seed: int = 0
     return model.eval()
 
 
+def has_nonfinite(t: torch.Tensor) -> bool:
+    """True when t holds a NaN or an Inf. The sum is the fast path (measured ~40x faster than
+    isfinite().all() on the CPU): it is finite whenever every element is, unless it overflows, so only a
+    non-finite sum pays for the exact test."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return False
+    return not bool(torch.isfinite(t.sum())) and not bool(torch.isfinite(t).all())
+
+
+def first_nonfinite(named_tensors):
+    """The name of the first of (name, tensor) pairs whose tensor holds a NaN or an Inf, else None.
+    One sum per tensor and a single host sync for them all: ~0.4 ms of the committed student's 8 ms load
+    (a sync per tensor cost 1.8 ms); the sums run at ~17 GiB/s on the CPU, far above disk reads."""
+    named = [(name, t.detach()) for name, t in named_tensors if t.is_floating_point() and t.numel()]
+    if not named or bool(torch.isfinite(torch.stack([t.sum().float() for _, t in named])).all()):
+        return None
+    return next((name for name, t in named if has_nonfinite(t)), None)
+
+
+def _inside(path: str, name) -> bool:
+    """Whether shard `name` of an index resolves (symlinks followed) to a file inside `path`."""
+    if not isinstance(name, str) or not name or os.path.isabs(name):
+        return False
+    root = os.path.realpath(path)
+    return os.path.commonpath([root, os.path.realpath(os.path.join(path, name))]) == root
+
+
 def _weight_files(path: str) -> list[str]:
     index = os.path.join(path, INDEX_FILE)
     if os.path.exists(index):
         try:
             with open(index) as f:
                 weight_map = json.load(f)["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            files = sorted(set(weight_map.values()), key=str)
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointError(f"{index}: not a valid safetensors index ({e!r})") from None
-        files = sorted(set(weight_map.values()))
         for name in files:
+            if not _inside(path, name):  # an index must not make the loader open /etc/passwd or ../x
+                raise CheckpointError(f"{index}: shard path {name!r} leaves the checkpoint directory {path} "
+                                      "(only relative paths to files inside it are allowed)")
             if not os.path.exists(os.path.join(path, name)):
                 raise CheckpointError(f"{index}: lists shard {name!r}, which is not in {path}")
         return [os.path.join(path, n) for n in files]
@@ -138,6 +169,7 @@ def load_model(path: str, dtype=None, device=None) -> Qwen3ForCausalLM:
     files = _weight_files(path)
     model = empty_model(cfg, dtype, device)
     targets = _Targets(model)
+    loaded = []  # (file, key, the part of the parameter it filled)
     for file in files:
         try:
             handle = safe_open(file, framework="pt", device="cpu")
@@ -166,11 +198,16 @@ def load_model(path: str, dtype=None, device=None) -> Qwen3ForCausalLM:
                     raise
                 except Exception as e:
                     raise CheckpointError(f"{file}: cannot read tensor {key!r} ({e})") from None
+                loaded.append((file, key, dest))
                 targets.filled[name].add(part)
     missing = targets.missing()
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise CheckpointError(f"{path}: missing tensors: {shown}")
+    bad = first_nonfinite(((file, key), dest) for file, key, dest in loaded)
+    if bad is not None:
+        raise CheckpointError(f"{bad[0]}: tensor {bad[1]!r} holds NaN or Inf values (as {dtype}); a model with "
+                              "non-finite weights cannot decode (saved from a diverged run?)")
     model.source_dir = os.path.abspath(path)
     return model.eval()
 
@@ -214,8 +251,12 @@ def save_model(model: Qwen3ForCausalLM, path: str, *, max_shard_size: int = 5 * 
                tokenizer=None) -> str:
     """Writes config.json + safetensors (sharded above max_shard_size bytes, with an index) + the tokenizer
     files (of `tokenizer`, else copied from the checkpoint the model was loaded from). transformers'
-    AutoModelForCausalLM.from_pretrained loads the result. The directory appears whole or not at all."""
+    AutoModelForCausalLM.from_pretrained loads the result. The directory appears whole or not at all,
+    with the umask's usual permissions. Weights holding NaN or Inf are refused (CheckpointError)."""
     path = os.path.abspath(path)
+    bad = first_nonfinite(model.named_parameters())
+    if bad is not None:
+        raise CheckpointError(f"not saving {path}: parameter {bad!r} holds NaN or Inf values")
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
@@ -248,11 +289,39 @@ def save_model(model: Qwen3ForCausalLM, path: str, *, max_shard_size: int = 5 * 
             for name in TOKENIZER_FILES:
                 if source and os.path.exists(os.path.join(source, name)):
                     shutil.copy(os.path.join(source, name), os.path.join(tmp, name))
+        apply_umask(tmp)
         _replace_dir(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
+
+
+def apply_umask(root: str) -> None:
+    """Gives root and everything under it the modes a plain mkdir/open would (0755/0644 under umask 0022):
+    mkdtemp makes its dir 0700 and safetensors writes its files 0600, so a folder that was built in a
+    temp dir and renamed into place could otherwise be read by its owner alone."""
+    umask = _umask()
+    os.chmod(root, 0o777 & ~umask)
+    for d, dirs, files in os.walk(root):
+        for n, mode in [(n, 0o777) for n in dirs] + [(n, 0o666) for n in files]:
+            if not os.path.islink(os.path.join(d, n)):
+                os.chmod(os.path.join(d, n), mode & ~umask)
+
+
+def _umask() -> int:
+    """The process umask, read without changing it where Linux allows (os.umask can only set it, and
+    setting it briefly would race with threads creating files)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
 
 
 def _replace_dir(src: str, dst: str) -> None:

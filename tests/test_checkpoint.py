@@ -72,7 +72,7 @@ def test_incomplete_checkpoints_are_never_resumed(tmp_path):
     assert resolve_resume("auto", str(tmp_path)).endswith("step-00000001")
     assert resolve_resume("auto", str(tmp_path / "empty")) is None
     assert resolve_resume("none", str(tmp_path)) is None
-    with pytest.raises(ValueError, match="not a complete checkpoint"):
+    with pytest.raises(ValueError, match="not a valid checkpoint: no manifest.json"):
         resolve_resume(str(broken), str(tmp_path))
 
 

@@ -58,6 +58,9 @@ class RunConfig:
     # runs
     save_every: int = 0  # 0: only at the end
     keep_last: int = 2
+    max_nonfinite_steps: int = field(default=5, metadata={"help": "stop the run (exit 2) after this many optimizer "
+                                                                  "steps in a row with a NaN/Inf loss or gradient; "
+                                                                  "each such step is skipped"})
     resume: str = field(default="none", metadata={"help": "none | auto | a checkpoint directory"})
     log_every: int = 1
     tensorboard: bool = False
@@ -82,7 +85,8 @@ class RunConfig:
             raise ConfigError(f"--model {self.model}: no such checkpoint directory")
 
     def validate(self) -> None:
-        positive = ["batch_size", "grad_accum", "max_len", "keep_last", "log_every", "eval_max_new_tokens", "eval_samples"]
+        positive = ["batch_size", "grad_accum", "max_len", "keep_last", "log_every", "eval_max_new_tokens", "eval_samples",
+                    "max_nonfinite_steps"]
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")

@@ -5,7 +5,8 @@ Seed shape (its section 3.1), one JSON object per line:
    "question": str, "history": [{"question": str, "response": str}]?, "reference": str?}
 MuSiQue: {"id", "paragraphs": [{"title", "paragraph_text", ...}], "question", "answer", "answer_aliases"?}
 Both load into the seed shape; MuSiQue's answers go to meta["answers"] for the EM/F1 judge.
-A malformed line raises DataError naming the file and line (or is skipped and counted).
+A malformed line (not UTF-8, not JSON, a missing field or a field of the wrong type) raises DataError
+naming the file and line (or, with --skip_bad_lines, is skipped and counted).
 """
 import json
 import os
@@ -25,6 +26,33 @@ class LoadStats:
     lines: int = 0
     loaded: int = 0
     skipped: list = field(default_factory=list)  # (line number, reason)
+
+
+_SCALAR = (str, int, float)
+
+
+def check_document(doc) -> None:
+    """ValueError naming the field of a document whose value has the wrong type."""
+    if isinstance(doc, str):
+        return
+    if not isinstance(doc, dict):
+        raise ValueError(f"each document must be a string or an object, got {type(doc).__name__}")
+    if "link" in doc and "name" in doc:
+        for key, types in (("link", (str, int)), ("name", (str,))):
+            if not isinstance(doc[key], types) or isinstance(doc[key], bool):
+                raise ValueError(f"document field {key!r} must be {' or '.join(t.__name__ for t in types)}, "
+                                 f"got {json.dumps(doc[key])}")
+        attrs = doc.get("attributes", {})
+        if not isinstance(attrs, dict) or not all(isinstance(v, _SCALAR) and not isinstance(v, bool)
+                                                  for v in attrs.values()):
+            raise ValueError(f"document field 'attributes' must be an object of name: string or number, "
+                             f"got {json.dumps(attrs)[:80]}")
+    elif "paragraph_text" in doc:
+        for key in ("paragraph_text", "title"):
+            if key in doc and not isinstance(doc[key], str):
+                raise ValueError(f"document field {key!r} must be a string, got {json.dumps(doc[key])[:80]}")
+    else:
+        raise ValueError(f"unknown document shape with keys {sorted(doc)}")
 
 
 def render_document(doc) -> str:
@@ -49,7 +77,12 @@ def normalize_record(rec, index: int = 0) -> dict:
         if not isinstance(rec["paragraphs"], list) or not all(
                 isinstance(p, dict) and "paragraph_text" in p for p in rec["paragraphs"]):
             raise ValueError("MuSiQue field 'paragraphs' must be a list of objects with 'paragraph_text'")
-        answers = [rec["answer"], *rec.get("answer_aliases", [])]
+        for p in rec["paragraphs"]:
+            check_document(p)
+        aliases = rec.get("answer_aliases", [])
+        if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
+            raise ValueError("MuSiQue field 'answer_aliases' must be a list of strings")
+        answers = [rec["answer"], *aliases]
         return {"id": str(rec.get("id", index)), "documents": [render_document(p) for p in rec["paragraphs"]],
                 "question": rec["question"], "history": [], "reference": rec["answer"],
                 "meta": {"kind": "musique", "answers": answers, "answerable": rec.get("answerable", True)}}
@@ -61,14 +94,18 @@ def normalize_record(rec, index: int = 0) -> dict:
     if not isinstance(rec["documents"], list):
         raise ValueError("field 'documents' must be a list")
     for d in rec["documents"]:
-        if not isinstance(d, (str, dict)):
-            raise ValueError("each document must be a string or an object")
-        render_document(d)
+        check_document(d)
     history = rec.get("history", [])
     if not isinstance(history, list) or not all(
             isinstance(h, dict) and isinstance(h.get("question"), str) and isinstance(h.get("response"), str)
             for h in history):
         raise ValueError("field 'history' must be a list of {'question': str, 'response': str}")
+    if not isinstance(rec.get("id", ""), (str, int)) or isinstance(rec.get("id"), bool):
+        raise ValueError(f"field 'id' must be a string or an integer, got {json.dumps(rec['id'])[:80]}")
+    if not isinstance(rec.get("reference"), (str, type(None))):
+        raise ValueError(f"field 'reference' must be a string, got {json.dumps(rec['reference'])[:80]}")
+    if not isinstance(rec.get("meta", {}), dict):
+        raise ValueError(f"field 'meta' must be an object, got {json.dumps(rec['meta'])[:80]}")
     out = dict(rec)
     out.setdefault("id", str(index))
     out["id"] = str(out["id"])
@@ -83,13 +120,16 @@ def load_jsonl(path: str, skip_bad_lines: bool = False) -> tuple:
     if not os.path.isfile(path):
         raise DataError(f"{path}: no such file")
     stats, records = LoadStats(path), []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:  # bytes: a line that is not UTF-8 is one bad line, not a failed file
+        for lineno, raw in enumerate(f, 1):
             stats.lines = lineno
-            if not line.strip():
-                continue
             try:
+                line = raw.decode("utf-8")
+                if not line.strip():
+                    continue
                 rec = normalize_record(json.loads(line), index=len(records))
+            except UnicodeDecodeError as e:
+                reason = f"not UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line)"
             except json.JSONDecodeError as e:
                 reason = f"malformed JSON ({e.msg} at column {e.colno})"
             except ValueError as e:

@@ -40,6 +40,7 @@ from train.config import (ConfigError, RFTConfig, RunConfig, _choice, format_con
 from train.data import build_prompt, split_thought
 from train.losses import PolicyLossConfig, policy_loss
 from train.metrics import MetricsLogger
+from train.nonfinite import NonFiniteGuard
 from train.rewards import CompositeReward, RewardConfig, RewardError, load_reward_fns
 from train.rft import make_judge
 from train.rollout import Rollouts, collate, reference_lengths, shuffled_order
@@ -243,9 +244,11 @@ class GRPOTrainer:
         self.step = 0
         self.ref_lengths: dict = {}
         self.before = None
+        self.guard = NonFiniteGuard(cfg.max_nonfinite_steps)
         if self.resume_from:
             state = load_checkpoint(self.resume_from, self.optimizer, self.scheduler)
             self.step, self.ref_lengths, self.before = state["step"], state["ref_lengths"], state.get("before")
+            self.guard.skipped = state.get("nonfinite_steps", 0)
         self.metrics = MetricsLogger(cfg.output_dir, cfg.tensorboard, resume_step=self.step if self.resume_from else None)
 
     # -- data ---------------------------------------------------------------------------------------
@@ -396,6 +399,7 @@ class GRPOTrainer:
         diffs = []
         for it in range(cfg.num_iterations):
             self.optimizer.zero_grad(set_to_none=True)
+            step_loss = 0.0
             for mb in micro:
                 (lp, ent), router_logits = self._logprobs(model, mb, entropy=True)
                 mask = mb["completion_mask"]
@@ -409,15 +413,14 @@ class GRPOTrainer:
                 if router_logits and cfg.lambda_aux > 0:
                     aux = model.load_balancing_loss(router_logits, mb["attention_mask"]) / len(micro)
                     loss = loss + cfg.lambda_aux * aux
-                if not torch.isfinite(loss):
-                    raise FloatingPointError(f"step {self.step}: the loss is {loss.item()} (lower --lr?)")
                 loss.backward()
+                step_loss += float(loss.detach())
                 # loss and aux are already / len(micro): their sum over micro-batches is the step's
                 for k, v in {"loss": loss.detach() * len(micro), "aux_loss": aux.detach() * len(micro), **lm}.items():
                     sums[k] = sums.get(k, 0.0) + float(v) / (len(micro) * cfg.num_iterations)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
             sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(grad_norm) / cfg.num_iterations
-            self.optimizer.step()
+            self.guard.step(self.optimizer, step_loss, grad_norm, f"step {self.step + 1}, pass {it + 1}")
             self.scheduler.step()
         model.eval()
         total = sum(float(d[0]) for d in diffs)
@@ -426,6 +429,7 @@ class GRPOTrainer:
         sums["logprob_diff/max"] = max(float(d[2]) for d in diffs)
         sums["time/update_s"] = time.perf_counter() - t0
         sums["lr"] = self.scheduler.get_last_lr()[0]
+        sums["nonfinite_steps"] = self.guard.skipped
         return sums
 
     # -- evaluation ---------------------------------------------------------------------------------
@@ -455,7 +459,7 @@ class GRPOTrainer:
     def save(self, step: int) -> str:
         return save_checkpoint(self.ckpt_root, step, self.model, self.optimizer,
                                self.scheduler, {"ref_lengths": self.ref_lengths, "start_model": self.start_model,
-                                                "before": self.before},
+                                                "before": self.before, "nonfinite_steps": self.guard.skipped},
                                keep_last=self.cfg.keep_last, save_model=lambda m, p: save_model(m, p, tokenizer=self.tokenizer))
 
     def train(self, evaluate: bool = True) -> dict:

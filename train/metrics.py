@@ -1,4 +1,7 @@
-"""Per-step metrics: one JSON line per step (metrics.jsonl), TensorBoard if asked, PNG curves at the end."""
+"""Per-step metrics: one JSON line per step (metrics.jsonl), TensorBoard if asked, PNG curves at the end.
+
+metrics.jsonl is strict JSON: a NaN or Inf value (a diverged step's loss) is written as null, which
+JSON readers take as "no value" (pandas reads it as NaN); the step's `nonfinite_steps` says it was skipped."""
 import json
 import math
 import os
@@ -27,9 +30,9 @@ class MetricsLogger:
                 print("tensorboard is not installed: metrics go to metrics.jsonl only")
 
     def log(self, step: int, **metrics) -> None:
-        row = {"step": step, **{k: (float(v) if hasattr(v, "__float__") and not isinstance(v, (int, bool)) else v)
-                                for k, v in metrics.items()}}
-        self._f.write(json.dumps(row) + "\n")
+        row = {"step": step, **{k: _finite_or_none(float(v)) if hasattr(v, "__float__") and not isinstance(v, (int, bool))
+                                else v for k, v in metrics.items()}}
+        self._f.write(json.dumps(row, allow_nan=False) + "\n")
         self._f.flush()
         if self._tb is not None:
             for k, v in row.items():
@@ -41,6 +44,10 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.close()
         return plot_metrics(self.path, os.path.join(self.output_dir, "curves.png")) if plot else None
+
+
+def _finite_or_none(x: float):
+    return x if math.isfinite(x) else None
 
 
 def read_metrics(path: str) -> list:

@@ -26,6 +26,7 @@ from train.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from train.config import RFTConfig, format_config, parse_config, run_cli, save_config
 from train.data import build_prompt, load_jsonl, write_jsonl
 from train.metrics import MetricsLogger
+from train.nonfinite import NonFiniteGuard
 from train.selection import require_nonempty, select
 from train.synthetic import make_rooms
 
@@ -229,9 +230,11 @@ def train(cfg: RFTConfig, model, tokenizer, kept: list, device, resume_from=None
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = make_scheduler(optimizer, cfg.warmup_steps, total_steps)
     start_step, micro_done = 0, 0
+    guard = NonFiniteGuard(cfg.max_nonfinite_steps)
     if resume_from:
         state = load_checkpoint(resume_from, optimizer, scheduler)
         start_step, micro_done = state["step"], state["micro_batches_done"]
+        guard.skipped = state.get("nonfinite_steps", 0)
         log(f"resumed from {resume_from}: step {start_step}, {micro_done} micro-batches done")
     use_bf16 = cfg.bf16 == "true" or (cfg.bf16 == "auto" and device.type == "cuda")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
@@ -265,7 +268,7 @@ def train(cfg: RFTConfig, model, tokenizer, kept: list, device, resume_from=None
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm if cfg.max_grad_norm > 0
                                                    else float("inf"))
         lr = scheduler.get_last_lr()[0]
-        optimizer.step()
+        guard.step(optimizer, loss_sum, grad_norm, f"step {step + 1}")
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         tokens = sum(int(b["attention_mask"].sum()) for b in batches)
@@ -273,12 +276,13 @@ def train(cfg: RFTConfig, model, tokenizer, kept: list, device, resume_from=None
         last_loss = loss_sum
         if (step + 1) % cfg.log_every == 0 or step + 1 == total_steps:
             metrics.log(step + 1, loss=loss_sum, aux_loss=aux_sum, lr=lr, grad_norm=float(grad_norm),
-                        tokens_per_s=tokens / dt, tokens=tokens)
+                        tokens_per_s=tokens / dt, tokens=tokens, nonfinite_steps=guard.skipped)
         bar.set_postfix(loss=f"{loss_sum:.3f}", aux=f"{aux_sum:.3f}", tok_s=f"{tokens / dt:.0f}")
         bar.update(1)
         if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == total_steps:
             save_checkpoint(ckpt_root, step + 1, model, optimizer, scheduler,
-                            {"micro_batches_done": micro_done, "total_steps": total_steps}, tokenizer=tokenizer,
+                            {"micro_batches_done": micro_done, "total_steps": total_steps,
+                             "nonfinite_steps": guard.skipped}, tokenizer=tokenizer,
                             keep_last=cfg.keep_last, save_model=_save_model)
     bar.close()
     metrics.close()
