@@ -79,3 +79,41 @@ def test_split_thought():
     assert split_thought("<think>a b</think> c.") == ("a b", "c.")
     assert split_thought("just text") == ("", "just text")
     assert split_thought("<think>unfinished") == ("", "<think>unfinished")
+
+
+@pytest.mark.parametrize("doc, why", [
+    ({"link": 1, "name": "scarf", "attributes": [1, 2]}, "document field 'attributes' must be an object of name: string or number, got [1, 2]"),
+    ({"link": 1, "name": ["scarf"]}, "document field 'name' must be str, got [\"scarf\"]"),
+    ({"link": {"x": 1}, "name": "scarf"}, "document field 'link' must be str or int"),
+    ({"title": 3, "paragraph_text": "t"}, "document field 'title' must be a string, got 3"),
+    (7, "each document must be a string or an object, got int"),
+])
+def test_fields_of_the_wrong_type_name_file_and_line(tmp_path, doc, why):
+    good = json.dumps({"documents": ["a"], "question": "q"})
+    p = write_lines(tmp_path / "bad.jsonl", [good, json.dumps({"documents": [doc], "question": "q"}), good])
+    with pytest.raises(DataError) as e:
+        load_jsonl(p)
+    assert f"{p}:2: {why}" in str(e.value)
+    records, stats = load_jsonl(p, skip_bad_lines=True)
+    assert len(records) == 2 and [s[0] for s in stats.skipped] == [2]
+
+
+@pytest.mark.parametrize("field, value, why", [
+    ("reference", 5, "field 'reference' must be a string, got 5"),
+    ("id", [1], "field 'id' must be a string or an integer"),
+    ("meta", "x", "field 'meta' must be an object"),
+])
+def test_top_level_fields_of_the_wrong_type(tmp_path, field, value, why):
+    p = write_lines(tmp_path / "bad.jsonl", [json.dumps({"documents": ["a"], "question": "q", field: value})])
+    with pytest.raises(DataError, match=f"bad.jsonl:1: {why}".replace("(", r"\(").replace("[", r"\[")):
+        load_jsonl(p)
+
+
+def test_a_line_that_is_not_utf8_is_named_and_skippable(tmp_path):
+    good = json.dumps({"documents": ["a"], "question": "q"}).encode()
+    p = tmp_path / "latin1.jsonl"
+    p.write_bytes(good + b"\n" + '{"documents": ["caf\u00e9"], "question": "q"}'.encode("latin-1") + b"\n" + good + b"\n")
+    with pytest.raises(DataError, match=r"latin1\.jsonl:2: not UTF-8 \(byte 0xe9 at byte 20 of the line\)"):
+        load_jsonl(str(p))
+    records, stats = load_jsonl(str(p), skip_bad_lines=True)
+    assert len(records) == 2 and [s[0] for s in stats.skipped] == [2]

@@ -174,3 +174,67 @@ def test_init_model_is_random_and_runs():
     model = engine.init_model(small, device="cpu")
     logits = model(torch.randint(0, 100, (1, 5)))
     assert logits.shape == (1, 5, 100) and torch.isfinite(logits).all()
+
+
+def _sharded(tmp_path):
+    path, _ = make_checkpoint(tmp_path / "sh", moe=True, max_shard_size="60KB")
+    index_file = os.path.join(path, "model.safetensors.index.json")
+    return path, index_file, json.load(open(index_file))
+
+
+@pytest.mark.parametrize("escape", ["absolute", "dotdot", "symlink"])
+def test_shard_paths_leaving_the_directory_are_refused(tmp_path, escape):
+    path, index_file, index = _sharded(tmp_path)
+    victim = sorted(set(index["weight_map"].values()))[0]
+    outside = tmp_path / "outside.safetensors"
+    os.rename(os.path.join(path, victim), outside)  # a real shard, so only the path can be wrong
+    name = {"absolute": str(outside), "dotdot": "../outside.safetensors", "symlink": victim}[escape]
+    if escape == "symlink":
+        os.symlink(outside, os.path.join(path, victim))
+    index["weight_map"] = {k: (name if v == victim else v) for k, v in index["weight_map"].items()}
+    json.dump(index, open(index_file, "w"))
+    with pytest.raises(CheckpointError, match=f"shard path '{name}' leaves the checkpoint directory"):
+        engine.load_model(path, device="cpu")
+
+
+def test_a_symlinked_shard_inside_the_directory_still_loads(tmp_path):
+    path, index_file, index = _sharded(tmp_path)
+    victim = sorted(set(index["weight_map"].values()))[0]
+    os.makedirs(os.path.join(path, "blobs"))
+    os.rename(os.path.join(path, victim), os.path.join(path, "blobs", "x"))
+    os.symlink(os.path.join("blobs", "x"), os.path.join(path, victim))  # as the hub cache lays files out
+    assert engine.load_model(path, device="cpu") is not None
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nonfinite_weights_are_refused_naming_the_tensor(moe_ckpt, bad):
+    path = moe_ckpt[0]
+
+    def poison(s):
+        s["model.layers.1.mlp.experts.5.up_proj.weight"][3, 7] = bad
+    _rewrite(path, poison)
+    with pytest.raises(CheckpointError, match=r"tensor 'model\.layers\.1\.mlp\.experts\.5\.up_proj\.weight' holds NaN or Inf"):
+        engine.load_model(path, device="cpu")
+
+
+def test_nonfinite_model_is_never_saved(tmp_path, moe_ckpt):
+    model = engine.load_model(moe_ckpt[0], device="cpu")
+    with torch.no_grad():
+        model.model.norm.weight[0] = float("nan")
+    with pytest.raises(CheckpointError, match=r"parameter 'model\.norm\.weight' holds NaN or Inf"):
+        engine.save_model(model, tmp_path / "out")
+    assert os.listdir(tmp_path) == ["src"]  # no folder, no temp dir
+
+
+@pytest.mark.parametrize("umask, dir_mode, file_mode", [(0o022, 0o755, 0o644), (0o027, 0o750, 0o640)])
+def test_saved_model_gets_the_umask_permissions(tmp_path, moe_ckpt, umask, dir_mode, file_mode):
+    model = engine.load_model(moe_ckpt[0], device="cpu")
+    old = os.umask(umask)
+    try:
+        out = engine.save_model(model, tmp_path / "out", max_shard_size=400_000)
+    finally:
+        os.umask(old)
+    assert os.stat(out).st_mode & 0o777 == dir_mode
+    files = os.listdir(out)
+    assert "config.json" in files and "model.safetensors.index.json" in files and "model-00003-of-00003.safetensors" in files
+    assert {name: os.stat(os.path.join(out, name)).st_mode & 0o777 for name in files} == dict.fromkeys(files, file_mode)
