@@ -160,9 +160,11 @@ def check_checkpoint(path: str, checksums: bool = True) -> str | None:
     except (OSError, ValueError, KeyError, TypeError, AssertionError) as e:
         return f"{MANIFEST} is unreadable ({type(e).__name__}: {e})"
     for name, want in files.items():
+        if not isinstance(want, (int, dict)):
+            return f"{MANIFEST}: the entry of {name!r} is neither a size nor {{size, sha256}}"
         size, digest = (want, None) if isinstance(want, int) else (want.get("size"), want.get("sha256"))
         file = os.path.join(path, name)
-        if os.path.isabs(name) or os.path.normpath(name).startswith(".."):
+        if os.path.isabs(name) or os.path.normpath(name).split(os.sep)[0] == "..":
             return f"{MANIFEST} lists {name!r}, outside the checkpoint"
         if not os.path.isfile(file):
             return f"{name} is missing"
@@ -220,7 +222,8 @@ def _load_pt(path: str, name: str):
     try:
         return torch.load(file, map_location="cpu", weights_only=True)  # never unpickles code
     except Exception as e:  # torch raises pickle, zip and runtime errors for a damaged file
-        raise CheckpointError(f"{file}: cannot be loaded ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+        first_line = (str(e).splitlines() or [""])[0]  # torch's weights_only message runs to a page
+        raise CheckpointError(f"{file}: cannot be loaded ({type(e).__name__}: {first_line})") from None
 
 
 def load_checkpoint(path: str, optimizer=None, scheduler=None, restore_rng: bool = True) -> dict:

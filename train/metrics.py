@@ -30,8 +30,8 @@ class MetricsLogger:
                 print("tensorboard is not installed: metrics go to metrics.jsonl only")
 
     def log(self, step: int, **metrics) -> None:
-        row = {"step": step, **{k: _finite_or_none(float(v)) if hasattr(v, "__float__") and not isinstance(v, (int, bool))
-                                else v for k, v in metrics.items()}}
+        row = {"step": step, **{k: (_finite_or_none(float(v)) if hasattr(v, "__float__")
+                                    and not isinstance(v, (int, bool)) else v) for k, v in metrics.items()}}
         self._f.write(json.dumps(row, allow_nan=False) + "\n")
         self._f.flush()
         if self._tb is not None:
