@@ -281,7 +281,7 @@ def train(cfg: RFTConfig, model, tokenizer, kept: list, device, resume_from=None
                             {"micro_batches_done": micro_done, "total_steps": total_steps}, tokenizer=tokenizer,
                             keep_last=cfg.keep_last, save_model=_save_model)
     bar.close()
-    metrics.close()
+    metrics.close(plot=cfg.plot)
     model.eval()
     return {"steps": total_steps, "loss": last_loss, "examples": len(examples), "tokens": sum(lengths)}
 
@@ -369,7 +369,7 @@ def _run(cfg: RFTConfig) -> dict:
 
 
 def main(argv=None) -> int:
-    return run_cli(lambda: run(parse_config(RFTConfig, argv, description=__doc__.split("\n")[0])))
+    return run_cli(lambda: run(parse_config(RFTConfig, argv, description=__doc__.split("\n")[0], prog="python -m train.rft")))
 
 
 if __name__ == "__main__":
