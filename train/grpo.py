@@ -395,7 +395,7 @@ class GRPOTrainer:
                     mb["old_logprobs"] = self._logprobs(model, mb)[0]
         model.train()
         sums: dict = {}
-        diffs = []
+        diffs, lrs = [], []
         for it in range(cfg.num_iterations):
             self.optimizer.zero_grad(set_to_none=True)
             for mb in micro:
@@ -419,6 +419,7 @@ class GRPOTrainer:
                     sums[k] = sums.get(k, 0.0) + float(v) / (len(micro) * cfg.num_iterations)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
             sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(grad_norm) / cfg.num_iterations
+            lrs.append(self.scheduler.get_last_lr()[0])  # the lr this optimizer step uses
             self.optimizer.step()
             self.scheduler.step()
         model.eval()
@@ -427,7 +428,7 @@ class GRPOTrainer:
         sums["logprob_diff/mean"] = total / max(count, 1.0)
         sums["logprob_diff/max"] = max(float(d[2]) for d in diffs)
         sums["time/update_s"] = time.perf_counter() - t0
-        sums["lr"] = self.scheduler.get_last_lr()[0]
+        sums["lr"] = sum(lrs) / len(lrs)  # what the step's passes used (not the next step's, as the scheduler now has)
         return sums
 
     # -- evaluation ---------------------------------------------------------------------------------
