@@ -9,8 +9,8 @@
 
 With no arguments it runs the embedded default (synthetic rooms, the scripted teacher, the rule-based
 judge, the committed tiny student in train/assets/student) in a few minutes on a laptop CPU.
-Output dir: config.yaml, candidates.jsonl, selected.jsonl, selection.json, metrics.jsonl, curves.png (+ _more),
-checkpoints/step-*/ (resume with --resume auto), final/ (HF layout), eval_table.md, eval.json.
+Output dir: config.yaml, candidates.jsonl, selected.jsonl, selection.json, metrics.jsonl, curves.png,
+curves_more.png, checkpoints/step-*/ (resume with --resume auto), final/ (HF layout), eval_table.md, eval.json.
 """
 import contextlib
 import json
