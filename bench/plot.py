@@ -10,7 +10,7 @@ One panel per suite and kind of row, in two columns:
   1, with the +-3% band the tests hold it to.
 Rows without a baseline (absolute figures) are only in results.md; the figure says how many.
 """
-import math
+import textwrap
 from collections import OrderedDict
 
 KINDS = ("speedup", "overhead", "reproduction")
@@ -50,7 +50,7 @@ def _panel_title(suite: str, kind: str, rows) -> str:
         return f"{suite}{unit}: overhead against {rows[0].baseline_name} (1x = none)"
     if kind == "reproduction":
         return f"{suite}{unit}: reproduced, ours / {rows[0].baseline_name}"
-    return f"{suite}{unit}: ours against each baseline"
+    return f"{suite}{unit}: ours vs baselines"
 
 
 def _ratio_ticks(ax, lo: float, hi: float) -> None:
@@ -157,14 +157,16 @@ def draw_results(rows, title: str):
         if not col:
             continue
         spacer = [tallest - heights[c]] if tallest - heights[c] > 0.05 else []  # the shorter column's empty foot
-        inner = outer[0, c].subgridspec(len(col) + len(spacer), 1, height_ratios=[_height(g, k[1]) for k, g in col] + spacer)
+        ratios = [_height(g, k[1]) for k, g in col] + spacer
+        inner = outer[0, c].subgridspec(len(ratios), 1, height_ratios=ratios)
         for i, ((suite, kind), group) in enumerate(col):
             ax = fig.add_subplot(inner[i, 0])
             if kind == "reproduction":
                 _reproduction(ax, group)
             else:
                 _bars(ax, group, kind)
-            ax.set_title(_panel_title(suite, kind, group), fontsize=9, loc="left", fontweight="bold")
+            ax.set_title(textwrap.fill(_panel_title(suite, kind, group), 70), fontsize=9, loc="left",
+                         fontweight="bold")
     absolute = sum(1 for r in rows if r.baseline is None or r.speedup is None)
     note = f"; {absolute} rows without a baseline (absolute figures) are in results.md" if absolute else ""
     fig.suptitle(title + note, fontsize=11)
