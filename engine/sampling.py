@@ -56,7 +56,8 @@ class SamplingParams:
                 "stop_token_ids": max((t for t in self.stop_token_ids if _is_int(t)), default=0)}
         if _is_int(self.seed) and _is_int(self.n):
             ints["seed + n - 1"] = self.seed + max(self.n, 1) - 1
-        too_big = [f"{name} must be at most 2**63 - 1, got {v}" for name, v in ints.items() if _is_int(v) and v > INT64_MAX]
+        too_big = [f"{name} must be at most 2**63 - 1, got {v}" for name, v in ints.items()
+                   if _is_int(v) and v > INT64_MAX]
         if too_big:
             fail("; ".join(too_big))
         if not _is_int(self.top_k) or self.top_k < -1:

@@ -316,14 +316,22 @@ def test_command_line(tmp_path):
 
     path, _ = make_text_checkpoint(tmp_path / "cli")
     flags = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "32", "--block-size", "16",
-             "--no-enable-prefix-caching"]
-    with ServerProcess(path, MODEL, flags, env={"OMP_NUM_THREADS": "1"}) as server:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+             "--no-enable-prefix-caching", "--threads", "1", "--max-n", "3"]
+    with ServerProcess(path, MODEL, flags, env={"OMP_NUM_THREADS": "1", "LIVEMOE_API_KEY": "k3y"}) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="k3y", max_retries=0, timeout=60)
         out = client.completions.create(model=MODEL, prompt="cli", max_tokens=5, extra_body={"ignore_eos": True})
         assert out.usage.completion_tokens == 5
         assert metric(server.url, "livemoe_kv_blocks_total") == 32
+        with pytest.raises(openai.BadRequestError, match="--max-n"):
+            client.completions.create(model=MODEL, prompt="cli", max_tokens=2, n=4)
+        with pytest.raises(openai.NotFoundError):  # --served-model-name tiny: the folder's name is not served
+            client.completions.create(model="cli", prompt="cli", max_tokens=2)
+        with pytest.raises(openai.AuthenticationError):  # the key came from LIVEMOE_API_KEY
+            openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0).models.list()
     assert server.proc.returncode is not None
     with pytest.raises(SystemExit, match="block_size must be a power of two"):
         main(["--model", path, "--block-size", "3"])
+    with pytest.raises(SystemExit, match="max_body_bytes must be a positive int"):
+        main(["--model", path, "--max-body-bytes", "0"])
     args = parser().parse_args(["--model", path] + flags)
     assert (args.num_kv_blocks, args.enable_prefix_caching) == (32, False) and not hasattr(args, "max_num_seqs")

@@ -1,9 +1,9 @@
 """The OpenAI request bodies the server accepts (pydantic), and their mapping to SamplingParams.
 
 Field types are checked by pydantic, strictly (`"5"` or `true` is no integer; NaN, Infinity and 1e999
-are no numbers), and ranges by SamplingParams (one place for the rules); the server's limits by the app
-(ServerConfig). Any failure is a 400 with an OpenAI-style error body. Unknown fields are ignored, as OpenAI's own clients
-send some we do not use; fields we cannot honour (penalties, logit_bias, echo, suffix, best_of) are
+are no numbers), and ranges by SamplingParams (one place for the rules); the server's limits by the
+app (ServerConfig). Any failure is a 400 with an OpenAI-style error body. Unknown fields are ignored,
+as OpenAI's own clients send some we do not use; fields we cannot honour (penalties, logit_bias, echo, suffix, best_of) are
 refused rather than silently dropped. Extensions in the body: `top_k`, `min_p`, `ignore_eos`,
 `return_token_ids` (each choice, streamed or not, also carries its token ids); on chat,
 `special_tokens_in_content` (special tokens written in a message are tokens, not text: engine.prompts).
