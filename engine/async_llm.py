@@ -190,7 +190,7 @@ class AsyncLLM:
 
     def _run(self) -> None:
         llm = self.llm
-        apply_threads(llm.config)  # this thread's own OpenMP setting
+        apply_threads(llm.threads)  # this thread's own OpenMP setting
         try:
             while True:
                 if not self._apply_commands(block=not llm.has_unfinished_requests()):

@@ -119,8 +119,15 @@ def test_threads_option(ckpt):
         engine(path, threads=1)
         assert torch.get_num_threads() == 1
         torch.set_num_threads(2)
+        engine(path)  # the default for an engine that loads its checkpoint
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(2)
         engine(path, threads=0)  # 0: torch's own choice stays
         assert torch.get_num_threads() == 2
+        LLM.from_model(engine(path, threads=0).model, num_kv_blocks=8)  # a trainer's module: its setting stays
+        assert torch.get_num_threads() == 2
+        LLM.from_model(engine(path, threads=0).model, num_kv_blocks=8, threads=1)
+        assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
     with pytest.raises(EngineConfigError, match="threads"):
