@@ -190,6 +190,21 @@ def test_tokenizing_runs_off_the_event_loop(served, client):
         del tok.encode
 
 
+def test_text_too_long_for_the_context_is_refused_before_tokenizing(served, client):
+    """900 KB of text (under the body limit) cannot fit 256 tokens: refused from its length, without the
+    seconds of tokenizer CPU it used to cost on the pool every request tokenizes on."""
+    _, server, tok = served
+    longest = max(map(len, tok.get_vocab()))
+    for kw in (dict(prompt="word " * 180_000), dict(prompt=["ok", "x" * (256 * longest + 1)])):
+        with pytest.raises(openai.BadRequestError, match=f"no token is longer than {longest} characters"):
+            client.completions.create(model=MODEL, max_tokens=2, **kw)
+    with pytest.raises(openai.BadRequestError, match="characters"):
+        client.chat.completions.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "y" * 900_000}])
+    fits = "a" * (200 * longest)  # longer than the context in tokens, shorter than the bound: tokenized, then refused
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 256 tokens"):
+        client.completions.create(model=MODEL, max_tokens=2, prompt=fits)
+
+
 def test_a_request_that_breaks_the_step_fails_alone(served, client):
     """A request whose sampling raises (injected: what seed >= 2**64 once did) gets a 500 with the reason;
     a stream decoding beside it finishes with exactly its own tokens (it used to get the error too)."""

@@ -10,7 +10,7 @@ engine fails alone (engine.llm) ends with an error; the others go on. /health is
 loop died or its last step produced non-finite logits.
 
 Templates and tokenizers run on a small thread pool, off the event loop, so a long prompt does not
-stall other streams or /health.
+stall other streams or /health; a text that cannot fit the context is refused from its length alone.
 
 A completions body with several prompts makes one engine request per prompt; choice k * n + j is
 completion j of prompt k. The non-streaming `usage` carries an extension, `usage.metrics`: TTFT and
@@ -100,6 +100,8 @@ def build_app(engine: AsyncLLM, model_name: str, config: ServerConfig | None = N
         server.check_model(body.model)
         texts = body.prompts()
         server.check_count("prompts", len(texts), config.max_prompts, "--max-prompts")
+        for p in texts:
+            server.check_text_fits(len(p) if isinstance(p, str) else 0)
         prompts = await server.off_loop(lambda: [server.encode(p) for p in texts])
         params = body.sampling_params(room=min(server.room(ids) for ids in prompts))
         server.check_limits(params, prompts)
@@ -109,6 +111,7 @@ def build_app(engine: AsyncLLM, model_name: str, config: ServerConfig | None = N
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         server.check_model(body.model)
         messages = [m.as_template_input() for m in body.messages]
+        server.check_text_fits(sum(len(m["content"]) for m in messages))
         ids = await server.off_loop(lambda: chat_prompt_ids(server.tokenizer, messages, body.special_tokens_in_content))
         params = body.sampling_params(room=server.room(ids))
         server.check_limits(params, [ids])
@@ -151,6 +154,8 @@ class OpenAIServer:
         self._token_text: dict[int, str] = {}
         # templates and tokenizers: off the event loop, on few threads (tokenizing is CPU work)
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="livemoe-tokenize")
+        # no token stands for more characters than its vocabulary string has (byte-level: one per byte)
+        self.max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=1) if self.tokenizer else None
 
     # -- request preparation --------------------------------------------------------------------
 
@@ -177,6 +182,17 @@ class OpenAIServer:
                 raise RequestError(f"this model's maximum context length is {limit} tokens; the request asks for "
                                    f"{len(ids) + params.max_tokens} ({len(ids)} in the prompt, {params.max_tokens} "
                                    "in the completion): lower max_tokens")
+
+    def check_text_fits(self, num_chars: int) -> None:
+        """A text longer than the context times the longest token cannot fit: it is refused before it is
+        tokenized (4 MB of text takes ~10 s of CPU, on the pool other requests tokenize on)."""
+        if self.max_token_chars is None:
+            return
+        limit = self.context_limit
+        if num_chars > limit * self.max_token_chars:
+            raise RequestError(f"the prompt has {num_chars} characters; this model's maximum context length is "
+                               f"{limit} tokens and no token is longer than {self.max_token_chars} characters, so "
+                               f"at most {limit * self.max_token_chars} characters can fit")
 
     @property
     def context_limit(self) -> int:

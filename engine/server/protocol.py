@@ -1,12 +1,14 @@
 """The OpenAI request bodies the server accepts (pydantic), and their mapping to SamplingParams.
 
-Field types are checked by pydantic, strictly (`"5"` or `true` is no integer; NaN, Infinity and 1e999
-are no numbers), and ranges by SamplingParams (one place for the rules); the server's limits by the
-app (ServerConfig). Any failure is a 400 with an OpenAI-style error body. Unknown fields are ignored,
-as OpenAI's own clients send some we do not use; fields we cannot honour (penalties, logit_bias, echo, suffix, best_of) are
+Field types are checked by pydantic and ranges by SamplingParams (one place for the rules): either
+failure is a 400 with an OpenAI-style error body. Unknown fields are ignored, as OpenAI's own clients
+send some we do not use; fields we cannot honour (penalties, logit_bias, echo, suffix, best_of) are
 refused rather than silently dropped. Extensions in the body: `top_k`, `min_p`, `ignore_eos`,
-`return_token_ids` (each choice, streamed or not, also carries its token ids); on chat,
-`special_tokens_in_content` (special tokens written in a message are tokens, not text: engine.prompts).
+`return_token_ids` (each choice, streamed or not, also carries its token ids).
+
+Types are strict: `"5"` or `true` is no integer, and NaN, Infinity or 1e999 no number. The server's
+limits (ServerConfig) are checked by the app. On chat, `special_tokens_in_content` (default false)
+reads special tokens written in a message as tokens rather than text (engine.prompts).
 """
 from typing import Literal
 
