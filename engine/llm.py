@@ -25,6 +25,7 @@ from engine import flops
 from engine.block_manager import BlockManager
 from engine.detokenizer import IncrementalDetokenizer
 from engine.engine_config import EngineConfig
+from engine.errors import RequestFailedError
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.prompts import chat_prompt_ids, encode_text
@@ -36,10 +37,6 @@ from engine.sequence import Sequence
 log = logging.getLogger(__name__)
 
 DEFAULT_THREADS = 1  # CPU decode of small models: 0.8-1.2 ms/step with 1 thread, 7-30 with 2 (shared 2-core host)
-
-
-class RequestFailedError(RuntimeError):
-    """The engine ended one request because of a fault in its own step (the message says what)."""
 
 
 class Request:

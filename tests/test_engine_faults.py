@@ -67,6 +67,10 @@ def test_a_request_that_breaks_sampling_fails_alone(ckpt):
     with pytest.raises(RequestFailedError, match="Overflow"):
         llm.generate(["x", "y"], [GREEDY, SamplingParams(seed=POISON_SEED, max_tokens=4)])
     assert not llm.has_unfinished_requests() and llm.block_manager.num_used_blocks == 0
+    # and so does stream(): its request's fault ends the generator with the reason, not silently
+    with pytest.raises(RequestFailedError, match="Overflow"):
+        list(llm.stream("mean viewer", SamplingParams(seed=POISON_SEED, max_tokens=4)))
+    assert not llm.has_unfinished_requests() and llm.block_manager.num_used_blocks == 0
     assert [o.token_ids for o in llm.generate(["first viewer"], GREEDY)] == [alone[0].token_ids]
 
 
