@@ -11,6 +11,7 @@ in-place update of a parameter bumps its version counter, which each step checks
 """
 import contextlib
 import logging
+import threading
 import time
 from itertools import count
 
@@ -20,6 +21,7 @@ from engine import flops
 from engine.block_manager import BlockManager
 from engine.detokenizer import IncrementalDetokenizer
 from engine.engine_config import EngineConfig
+from engine.logits_processors import check_vocab
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampler import Sampler
@@ -69,7 +71,9 @@ class LLM:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
         self.runner = ModelRunner(model, config, self.max_model_len)
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, self.eos_token_ids)
+        self._grammar_compiler = None  # engine.structured.GrammarCompiler, made at the first structured request
+        self._grammar_lock = threading.Lock()
         self.block_manager: BlockManager | None = None
         self.scheduler: Scheduler | None = None
         self.requests: dict[str, Request] = {}
@@ -147,6 +151,9 @@ class LLM:
             raise RequestError(f"stop_token_ids out of the vocabulary [0, {self.vocab_size}): {bad_stop}")
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer, and this checkpoint has none; use stop_token_ids")
+        check_vocab(params, self.vocab_size)
+        if params.structured is not None:
+            self.compile_grammar(params.structured)  # a bad schema fails here; the result is cached
         longest = min(len(ids) + params.max_tokens, self.max_model_len)
         capacity = self.block_manager.num_blocks * self.config.block_size
         if longest > capacity:
@@ -177,6 +184,9 @@ class LLM:
         now = time.perf_counter()
         seqs = [Sequence(ids, params, request_id, i, None if params.seed is None else params.seed + i, now)
                 for i in range(params.n)]
+        if params.structured is not None:
+            for seq in seqs:
+                seq.grammar = self._grammars().state(params.structured)
         self.requests[request_id] = Request(request_id, text, ids, params, seqs)
         for seq in seqs:
             self.scheduler.add(seq)
@@ -194,6 +204,22 @@ class LLM:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    # -- structured output ------------------------------------------------------------------------
+
+    def _grammars(self):
+        with self._grammar_lock:  # the server's worker threads and the engine thread may both ask first
+            if self._grammar_compiler is None:
+                from engine.structured import GrammarCompiler
+
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            return self._grammar_compiler
+
+    def compile_grammar(self, spec):
+        """The compiled grammar of an engine.structured.StructuredOutput (cached by the spec): AsyncLLM
+        calls it in a worker thread before a request reaches the engine loop, which then only looks it up.
+        A bad spec raises RequestError."""
+        return self._grammars().compile(spec)
 
     # -- the loop -----------------------------------------------------------------------------------
 
@@ -227,12 +253,14 @@ class LLM:
         for seq in seqs:
             if seq.generator is None and seq.seed is not None:
                 seq.generator = torch.Generator(device=logits.device).manual_seed(seq.seed)
-        result = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        result = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs], seqs)
         now = time.perf_counter()
         # the requests to report: every sampled one, or (generate) only those a finishing seq may complete
         touched: dict[str, Request] = {}
         for seq, token, lp in zip(seqs, result.token_ids, result.logprobs):
             seq.append_token(token, now)
+            if seq.grammar is not None:
+                seq.grammar.advance([token])
             if lp is not None:
                 seq.logprobs.append(lp)
             self._check_stop(seq)
@@ -262,7 +290,8 @@ class LLM:
             text = self._text_so_far(seq)
             # only a stop string ending in the newest text can be new
             tail_from = max(0, len(seq.text) - max(map(len, p.stop)))
-            hits = [(i, s) for s in p.stop if (i := text.find(s, tail_from)) >= 0]
+            hits = [(i, s) for s in p.stop if (i := text.find(s, tail_from)) >= 0] \
+                if seq.num_output_tokens >= p.min_tokens else []
             seq.text = text
             if hits:
                 i, s = min(hits)
