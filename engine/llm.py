@@ -215,11 +215,11 @@ class LLM:
                 self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
             return self._grammar_compiler
 
-    def compile_grammar(self, spec):
+    def compile_grammar(self, spec, field: str = "structured"):
         """The compiled grammar of an engine.structured.StructuredOutput (cached by the spec): AsyncLLM
         calls it in a worker thread before a request reaches the engine loop, which then only looks it up.
-        A bad spec raises RequestError."""
-        return self._grammars().compile(spec)
+        A bad spec raises RequestError naming `field`."""
+        return self._grammars().compile(spec, field)
 
     # -- the loop -----------------------------------------------------------------------------------
 

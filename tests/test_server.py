@@ -159,7 +159,8 @@ BAD = [
     (dict(model="no-such-model"), "does not exist"),
     (dict(prompt="word " * 300), "context"),
     (dict(extra_body={"top_k": "many"}), "top_k"),
-    (dict(presence_penalty=0.5), "presence_penalty"),
+    (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(extra_body={"prompt_logprobs": 1}), "prompt_logprobs: unknown field"),
     (dict(logprobs=99), "logprobs"),
 ]
 

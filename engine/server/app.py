@@ -36,8 +36,9 @@ class ModelNotFound(RequestError):
     pass
 
 
-def build_app(engine: AsyncLLM, model_name: str) -> FastAPI:
-    server = OpenAIServer(engine, model_name)
+def build_app(engine: AsyncLLM, model_name: str, reasoning_parser: str | None = None) -> FastAPI:
+    """reasoning_parser: qwen3 or deepseek_r1 splits chat outputs' <think> blocks into reasoning_content."""
+    server = OpenAIServer(engine, model_name, reasoning_parser)
     app = FastAPI(title="livemoe", docs_url=None, redoc_url=None)
     app.state.server = server
 
@@ -79,15 +80,18 @@ def build_app(engine: AsyncLLM, model_name: str) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request):
         server.check_model(body.model)
         params = body.sampling_params()
+        await server.compile_constraint(body)
         prompts = [server.encode(p) for p in body.prompts()]
         return await server.respond(request, body, prompts, params, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         server.check_model(body.model)
-        ids = server.encode(server.apply_chat_template([m.as_template_input() for m in body.messages]),
+        tools = body.tool_functions() if body.tool_mode() != "none" else None
+        ids = server.encode(server.apply_chat_template([m.as_template_input() for m in body.messages], tools),
                             add_special_tokens=False)
         params = body.sampling_params(room=max(1, server.context_limit - len(ids)))
+        await server.compile_constraint(body)
         return await server.respond(request, body, [ids], params, chat=True)
 
     return app
@@ -120,8 +124,13 @@ class SSEResponse(StreamingResponse):
 
 
 class OpenAIServer:
-    def __init__(self, engine: AsyncLLM, model_name: str):
+    def __init__(self, engine: AsyncLLM, model_name: str, reasoning_parser: str | None = None):
+        from engine.reasoning import REASONING_PARSERS
+
+        if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"unknown reasoning parser {reasoning_parser!r}; choose one of {REASONING_PARSERS}")
         self.engine, self.model_name, self.tokenizer = engine, model_name, engine.tokenizer
+        self.reasoning_parser = reasoning_parser
         self.metrics = ServerMetrics(engine.stats)
         self.created = int(time.time())
         self._token_text: dict[int, str] = {}
@@ -147,13 +156,24 @@ class OpenAIServer:
             return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         return list(prompt)
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise RequestError("this model has no chat template; use /v1/completions")
         try:
+            if tools:  # the template renders them (Qwen3's lists them in the system turn)
+                return self.tokenizer.apply_chat_template(messages, tools=[{"type": "function", "function": f}
+                                                                           for f in tools],
+                                                          tokenize=False, add_generation_prompt=True)
             return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as e:  # the template's own checks (e.g. role order) raise jinja errors
             raise RequestError(f"the chat template rejected the messages: {e}") from None
+
+    async def compile_constraint(self, body) -> None:
+        """Compiles the body's output constraint in a worker thread (cached; the engine loop then only
+        looks it up); a bad schema, regex or grammar is a 400 naming the field."""
+        found = body.constraint()
+        if found is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.engine.llm.compile_grammar, *found)
 
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
@@ -202,5 +222,8 @@ def _describe(errors) -> str:
         if e.get("type") == "json_invalid":
             return f"malformed JSON body: {e.get('ctx', {}).get('error', e.get('msg'))}"
         loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+        if e.get("type") == "extra_forbidden":  # every field is honoured or refused, never ignored
+            parts.append(f"{loc}: unknown field, not supported by this server")
+            continue
         parts.append(f"{loc or 'body'}: {e.get('msg')}")
     return "invalid request: " + "; ".join(parts)
