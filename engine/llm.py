@@ -403,17 +403,39 @@ class LLM:
         return stream(self, prompt, params, request_id)
 
     def chat(self, conversations, params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool | None = None) -> list[RequestOutput]:
+             use_tqdm: bool | None = None, tools: list[dict] | None = None,
+             tool_choice: str = "auto") -> list[RequestOutput]:
         """conversations: one list of {"role", "content"} messages, or a list of them; the checkpoint's
-        chat template (with the generation prompt) makes each prompt."""
+        chat template (with the generation prompt) makes each prompt.
+
+        tools: OpenAI-style [{"type": "function", "function": {"name", "parameters", ...}}], given to the
+        template; each completion's `tool_calls` then holds the Qwen3 / Hermes calls parsed from its text
+        ([{"name", "arguments": JSON text}]). tool_choice: "auto" (the model decides), "required" or a
+        function's name (the grammar makes the output one call, whose arguments match the parameters)."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise RequestError("chat needs a tokenizer with a chat template, and this checkpoint has none")
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
+        extra = {}
+        if tools:
+            from engine.tool_parser import tool_choice_constraint
+
+            extra["tools"] = tools
+            params = tool_choice_constraint(tools, tool_choice, params)
+        elif tool_choice != "auto":
+            raise RequestError(f"chat: tool_choice {tool_choice!r} needs tools")
         # the template writes any special tokens itself: encode without adding them again
-        prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True),
+        prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True,
+                                                                            **extra),
                                          add_special_tokens=False) for c in conversations]
-        return self.generate(prompts, params, use_tqdm)
+        outputs = self.generate(prompts, params, use_tqdm)
+        if tools:
+            from engine.tool_parser import parse_tool_calls
+
+            for out in outputs:
+                for c in out.outputs:
+                    c.tool_calls = parse_tool_calls(c.text)[1]
+        return outputs
 
     # -- introspection ------------------------------------------------------------------------------
 

@@ -85,6 +85,32 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
     return content + parser.finish(), calls
 
 
+def tool_choice_constraint(tools: list[dict], tool_choice: str, params):
+    """LLM.chat's params for tool_choice: unchanged for "auto", the grammar of one call for "required"
+    (any of the tools) or a function's name (that one)."""
+    import dataclasses
+
+    from engine.sampling import RequestError, SamplingParams
+    from engine.structured import StructuredOutput
+
+    try:
+        functions = [t["function"] if t.get("type") == "function" else t for t in tools]
+        names = [f["name"] for f in functions]
+    except (AttributeError, KeyError, TypeError):
+        raise RequestError("tools must be [{'type': 'function', 'function': {'name', 'parameters'}}]") from None
+    if tool_choice == "auto":
+        return params
+    if tool_choice != "required":
+        if tool_choice not in names:
+            raise RequestError(f"tool_choice must be 'auto', 'required' or one of the tools' names {names}, "
+                               f"got {tool_choice!r}")
+        functions = [f for f in functions if f["name"] == tool_choice]
+    spec = StructuredOutput(tool_call=[{"name": f["name"], "parameters": f.get("parameters")} for f in functions])
+    base = [params] if isinstance(params, SamplingParams) or params is None else list(params)
+    made = [dataclasses.replace(p or SamplingParams(), structured=spec) for p in base]
+    return made[0] if isinstance(params, SamplingParams) or params is None else made
+
+
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 

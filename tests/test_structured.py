@@ -216,3 +216,26 @@ def test_min_tokens_and_penalties_in_the_engine(llm):
     penal = llm.generate("hi there", SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
                                                     presence_penalty=2.0, frequency_penalty=2.0))[0]
     assert len(set(penal.token_ids)) > len(set(plain.token_ids))  # repeats are discouraged
+
+
+def test_chat_with_tools_returns_parsed_calls(llm):
+    fn = {"name": "lookup", "parameters": {"type": "object", "properties": {"field": {"enum": ["price", "stock"]}},
+                                           "required": ["field"], "additionalProperties": False}}
+    tools = [{"type": "function", "function": fn}, {"type": "function", "function": {"name": "other"}}]
+    msgs = [{"role": "user", "content": "price?"}]
+    for choice in ("required", "lookup"):
+        outs = llm.chat([msgs, msgs], SamplingParams(temperature=1.0, seed=4, max_tokens=80), tools=tools,
+                        tool_choice=choice)
+        assert len(outs) == 2
+        for o in outs:
+            calls = o.outputs[0].tool_calls
+            assert o.finish_reason == "stop" and len(calls) == 1, o.text
+            if choice == "lookup" or calls[0]["name"] == "lookup":
+                assert calls[0]["name"] == "lookup"
+                jsonschema.validate(json.loads(calls[0]["arguments"]), fn["parameters"])
+    auto = llm.chat(msgs, SamplingParams(temperature=0.0, max_tokens=8), tools=tools)[0]
+    assert auto.outputs[0].tool_calls == [] and auto.outputs[0].text  # the random model calls nothing
+    with pytest.raises(RequestError, match="tool_choice"):
+        llm.chat(msgs, tools=tools, tool_choice="missing")
+    with pytest.raises(RequestError, match="needs tools"):
+        llm.chat(msgs, tool_choice="required")

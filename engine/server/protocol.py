@@ -251,7 +251,7 @@ class ChatCompletionRequest(_Common):
             if found:
                 raise RequestError(f"{found[1]} cannot be combined with tool_choice {mode!r} (which constrains "
                                    f"the output to a tool call)")
-            functions = self.tool_functions()
+            functions = [{"name": t.function.name, "parameters": t.function.parameters} for t in self.tools]
             if mode == "named":
                 functions = [f for f in functions if f["name"] == self.tool_choice.function.name]
             return StructuredOutput(tool_call=functions), "tools"
