@@ -194,7 +194,7 @@ def test_tool_choice_required_and_named(client, stream):
 
 def test_tool_calls_stream_equals_json(client):
     kw = dict(model=MODEL, messages=[{"role": "user", "content": "stock?"}], tools=[LOOKUP, RECOMMEND],
-              tool_choice="required", temperature=1.0, seed=3, max_tokens=120)
+              tool_choice="required", parallel_tool_calls=False, temperature=1.0, seed=3, max_tokens=120)
     f1, c1, calls1 = tool_calls_of(client.chat.completions.create(**kw), False)
     f2, c2, calls2 = tool_calls_of(client.chat.completions.create(stream=True, **kw), True)
     assert (f1, c1) == (f2, c2) and [c[:2] for c in calls1] == [c[:2] for c in calls2] and len(calls1) == 1
@@ -273,6 +273,7 @@ BAD = [
     (dict(tools=[LOOKUP], tool_choice={"type": "function", "function": {"name": "nope"}}), "nope"),
     (dict(tools=[LOOKUP], tool_choice="required", response_format={"type": "json_object"}), "cannot be combined"),
     (dict(tool_choice="required"), "tool_choice needs tools"),
+    (dict(tools=[LOOKUP], parallel_tool_calls=False), "parallel_tool_calls"),
     (dict(logit_bias={"abc": 1}), "logit_bias"),
     (dict(logit_bias={"1": 500}), "logit_bias"),
     (dict(logit_bias={"100000": 1}), "out of the vocabulary"),

@@ -42,7 +42,6 @@ class StreamOptions(_Strict):
 
 
 class _Common(_Strict):
-
     model: str
     max_tokens: int | None = None
     temperature: float | None = None
@@ -224,7 +223,7 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: bool | None = None  # true: allowed (required/named make one call, auto what the model writes)
 
     def tool_mode(self) -> str:
         """none (no tools in the prompt, no parsing), auto (parsed if the model calls), required or named
@@ -238,6 +237,9 @@ class ChatCompletionRequest(_Common):
             if choice.function.name not in {t.function.name for t in self.tools}:
                 raise RequestError(f"tool_choice names the function {choice.function.name!r}, which is not in tools")
             return "named"
+        if (choice or "auto") == "auto" and self.parallel_tool_calls is False:
+            raise RequestError("parallel_tool_calls: false needs tool_choice 'required' or a named function (the "
+                               "grammar then makes exactly one call); with 'auto' the model may write several")
         return choice or "auto"
 
     def tool_functions(self) -> list[dict]:
