@@ -186,7 +186,7 @@ class LLM:
                 for i in range(params.n)]
         if params.structured is not None:
             for seq in seqs:
-                seq.grammar = self._grammars().state(params.structured)
+                seq.grammar = self._grammars().state(params.structured, ids)
         self.requests[request_id] = Request(request_id, text, ids, params, seqs)
         for seq in seqs:
             self.scheduler.add(seq)

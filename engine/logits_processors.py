@@ -58,7 +58,7 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams], seqs, eos
     out = logits.clone()
     B, V = logits.shape
     device = logits.device
-    grammar_rows = [i for i in range(B) if params[i].structured is not None]
+    grammar_rows = [i for i in range(B) if params[i].structured is not None and seqs[i].grammar.active]
     if grammar_rows:
         from engine.structured import apply_grammar_masks
 

@@ -73,6 +73,13 @@ class ReasoningParser:
         return "", rest.lstrip("\n") if self.state == "after" else rest
 
 
+def think_token_ids(tokenizer) -> tuple[int, int] | None:
+    """The ids of <think> and </think> when the tokenizer has each as one token (Qwen3, DeepSeek-R1), else
+    None: then a constraint cannot tell where the answer starts and applies to the whole output."""
+    ids = [tokenizer.encode(marker, add_special_tokens=False) for marker in (THINK_OPEN, THINK_CLOSE)]
+    return (ids[0][0], ids[1][0]) if all(len(i) == 1 for i in ids) else None
+
+
 def split_reasoning(kind: str, text: str) -> tuple[str | None, str]:
     """(reasoning or None when there is none, content) of a whole output."""
     parser = ReasoningParser(kind)

@@ -17,6 +17,10 @@ RequestError naming the field.
 
 `GrammarState` is the one place a sequence's matcher moves: `advance` after a token is appended,
 `rollback` to take tokens back (speculative or multi-token steps), `fill` to write its next-token mask.
+
+Reasoning models: with `think_tokens` (the ids of `<think>` and `</think>`, each one token, as in Qwen3
+and DeepSeek-R1) the grammar applies to the answer only: the output is free until `</think>`, unless the
+prompt already closed the think block (a chat template with thinking turned off), as vLLM does.
 """
 import json
 import re
@@ -44,6 +48,7 @@ class StructuredOutput:
     choice: tuple[str, ...] | list[str] | None = None
     grammar: str | None = None
     tool_call: tuple | list | None = None
+    think_tokens: tuple[int, int] | None = None  # (<think>, </think>) ids: constrain only the answer
 
     def __post_init__(self):
         given = [k for k in KINDS if (getattr(self, k) is not None and getattr(self, k) is not False)]
@@ -77,6 +82,11 @@ class StructuredOutput:
                 raise RequestError("StructuredOutput: tool_call must be a non-empty list of {'name': str, "
                                    "'parameters': schema}")
             object.__setattr__(self, "tool_call", tuple(self.tool_call))
+        if self.think_tokens is not None:
+            if (not isinstance(self.think_tokens, (list, tuple)) or len(self.think_tokens) != 2
+                    or not all(isinstance(t, int) and t >= 0 for t in self.think_tokens)):
+                raise RequestError(f"StructuredOutput: think_tokens must be two token ids, got {self.think_tokens!r}")
+            object.__setattr__(self, "think_tokens", tuple(self.think_tokens))
 
     @property
     def kind(self) -> str:
@@ -189,28 +199,44 @@ class GrammarCompiler:
             xgr.Grammar.from_ebnf(f"root ::= {_literal(TOOL_CALL_OPEN + chr(10))}"), call,
             xgr.Grammar.from_ebnf(f"root ::= {_literal(chr(10) + TOOL_CALL_CLOSE)}")))
 
-    def state(self, spec: StructuredOutput) -> "GrammarState":
-        return GrammarState(self.compile(spec))
+    def state(self, spec: StructuredOutput, prompt_ids: list[int] = ()) -> "GrammarState":
+        wait_for = None
+        if spec.think_tokens is not None:
+            start, end = spec.think_tokens
+            last = {t: i for i, t in enumerate(prompt_ids) if t in spec.think_tokens}
+            closed = last.get(end, -1) > last.get(start, -1)  # the prompt's think block is already over
+            wait_for = None if closed else end
+        return GrammarState(self.compile(spec), wait_for)
 
 
 class GrammarState:
-    """One sequence's matcher over its output tokens."""
+    """One sequence's matcher over its output tokens (those after `wait_for`, when given)."""
 
-    def __init__(self, compiled):
+    def __init__(self, compiled, wait_for: int | None = None):
+        self.wait_for = wait_for  # the output is free until this token (a reasoning model's </think>)
         self.matcher = _xgr().GrammarMatcher(compiled)  # rollback is unbounded in xgrammar >= 0.2
         self.num_tokens = 0  # output tokens the matcher has consumed
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
+    @property
+    def active(self) -> bool:
+        return self.wait_for is None
+
     def advance(self, token_ids: list[int]) -> None:
         """Consumes the tokens the sampler chose (the mask allowed them, so the matcher accepts them)."""
         for t in token_ids:
+            if self.wait_for is not None:
+                if t == self.wait_for:
+                    self.wait_for = None
+                continue
             ok = self.matcher.accept_token(t)
             assert ok, f"the grammar rejected token {t}, which its own mask allowed"
             self.num_tokens += 1
 
     def rollback(self, num_tokens: int) -> None:
+        """Takes back the last num_tokens the matcher consumed (not those before </think>)."""
         assert 0 <= num_tokens <= self.num_tokens, (num_tokens, self.num_tokens)
         self.matcher.rollback(num_tokens)
         self.num_tokens -= num_tokens

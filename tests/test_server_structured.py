@@ -296,3 +296,27 @@ def test_unknown_fields_and_bad_constraints_are_400(client, stream):
     out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                          user="u1", metadata={"k": "v"}, store=False, stream=stream)
     assert out is not None
+
+
+def test_reasoning_server_constrains_the_answer_only(tmp_path):
+    from test_structured import think_checkpoint
+
+    path, tok = think_checkpoint(tmp_path / "think")
+    end = tok.convert_tokens_to_ids("</think>")
+    engine = AsyncLLM(path, dtype=torch.float32, device="cpu", use_tqdm=False, block_size=16, num_kv_blocks=128)
+    server = BackgroundServer(engine, MODEL, reasoning_parser="deepseek_r1").start()
+    try:
+        client = make_client(server)
+        kw = dict(model=MODEL, messages=[{"role": "user", "content": "think first"}], temperature=1.0,
+                  max_tokens=100, logit_bias={str(end): 4.0}, extra_body={"guided_regex": "[a-z]{1,8}"})
+        for seed in range(3):
+            message = client.chat.completions.create(seed=seed, **kw).choices[0].message
+            assert re.fullmatch("[a-z]{1,8}", message.content), message
+            reasoning = message.model_extra["reasoning_content"]
+            chunks = [c for c in client.chat.completions.create(seed=seed, stream=True, **kw) if c.choices]
+            assert "".join(c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in chunks) == \
+                (reasoning or "")
+            assert "".join(c.choices[0].delta.content or "" for c in chunks) == message.content
+    finally:
+        server.stop()
+        engine.shutdown()

@@ -239,3 +239,42 @@ def test_chat_with_tools_returns_parsed_calls(llm):
         llm.chat(msgs, tools=tools, tool_choice="missing")
     with pytest.raises(RequestError, match="needs tools"):
         llm.chat(msgs, tool_choice="required")
+
+
+def think_checkpoint(path):
+    """A tiny random MoE whose tokenizer has <think> and </think> as single tokens, as Qwen3's does."""
+    from tiny_models import hf_model
+    from tiny_tokenizer import train_tokenizer
+
+    tok = train_tokenizer()
+    tok.add_tokens(["<think>", "</think>"])
+    hf_model(True, 0, vocab_size=len(tok)).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path), tok
+
+
+def test_grammar_applies_after_the_think_block(tmp_path):
+    from engine.reasoning import split_reasoning, think_token_ids
+
+    path, tok = think_checkpoint(tmp_path / "think")
+    llm = LLM(path, dtype=torch.float32, device="cpu", block_size=16, num_kv_blocks=128, use_tqdm=False)
+    start, end = think_token_ids(tok)
+    spec = StructuredOutput(regex="[a-z]{1,8}", think_tokens=(start, end))
+    # the random model rarely writes </think>: a bias brings it after a few free tokens
+    outs = llm.generate([f"question {i}" for i in range(8)], [
+        SamplingParams(temperature=1.0, seed=i, max_tokens=100, logit_bias={end: 4.0}, structured=spec)
+        for i in range(8)])
+    assert len(outs) == 8
+    reasonings = []
+    for o in outs:
+        assert end in o.token_ids and o.finish_reason == "stop", o.text
+        reasoning, content = split_reasoning("deepseek_r1", o.text)
+        assert re.fullmatch("[a-z]{1,8}", content), o.text
+        reasonings.append(reasoning or "")
+    assert any(not re.fullmatch("[a-z]*", r) for r in reasonings)  # the think block was not constrained
+    # a prompt that closed its think block (thinking turned off): constrained from the first token
+    closed = tok.encode("question<think>\n\n</think>\n\n")
+    assert closed.count(end) == 1
+    for seed in range(4):
+        o = llm.generate(closed, SamplingParams(temperature=1.0, seed=seed, max_tokens=20, structured=spec))[0]
+        assert re.fullmatch("[a-z]{1,8}", o.text) and o.finish_reason == "stop", o.text

@@ -12,6 +12,7 @@ TPOT (seconds; the slowest request's TTFT, the token-weighted TPOT), output toke
 a stream's usage event (`stream_options.include_usage`) carries it too.
 """
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -90,7 +91,7 @@ def build_app(engine: AsyncLLM, model_name: str, reasoning_parser: str | None = 
         tools = body.tool_functions() if body.tool_mode() != "none" else None
         ids = server.encode(server.apply_chat_template([m.as_template_input() for m in body.messages], tools),
                             add_special_tokens=False)
-        params = body.sampling_params(room=max(1, server.context_limit - len(ids)))
+        params = server.answer_only_constraint(body.sampling_params(room=max(1, server.context_limit - len(ids))))
         await server.compile_constraint(body)
         return await server.respond(request, body, [ids], params, chat=True)
 
@@ -131,6 +132,11 @@ class OpenAIServer:
             raise ValueError(f"unknown reasoning parser {reasoning_parser!r}; choose one of {REASONING_PARSERS}")
         self.engine, self.model_name, self.tokenizer = engine, model_name, engine.tokenizer
         self.reasoning_parser = reasoning_parser
+        self.think_tokens = None  # with a reasoning parser: (<think>, </think>) ids, when single tokens
+        if reasoning_parser is not None and self.tokenizer is not None:
+            from engine.reasoning import think_token_ids
+
+            self.think_tokens = think_token_ids(self.tokenizer)
         self.metrics = ServerMetrics(engine.stats)
         self.created = int(time.time())
         self._token_text: dict[int, str] = {}
@@ -167,6 +173,14 @@ class OpenAIServer:
             return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as e:  # the template's own checks (e.g. role order) raise jinja errors
             raise RequestError(f"the chat template rejected the messages: {e}") from None
+
+    def answer_only_constraint(self, params: SamplingParams) -> SamplingParams:
+        """With a reasoning parser, a chat's output constraint applies to the answer after the think block
+        (engine.structured), as vLLM does; when </think> is not one token it applies to the whole output."""
+        if params.structured is None or self.think_tokens is None:
+            return params
+        return dataclasses.replace(params, structured=dataclasses.replace(params.structured,
+                                                                          think_tokens=self.think_tokens))
 
     async def compile_constraint(self, body) -> None:
         """Compiles the body's output constraint in a worker thread (cached; the engine loop then only
