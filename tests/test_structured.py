@@ -278,3 +278,28 @@ def test_grammar_applies_after_the_think_block(tmp_path):
     for seed in range(4):
         o = llm.generate(closed, SamplingParams(temperature=1.0, seed=seed, max_tokens=20, structured=spec))[0]
         assert re.fullmatch("[a-z]{1,8}", o.text) and o.finish_reason == "stop", o.text
+
+
+def test_n_samples_and_async_llm_constrained(llm):
+    import asyncio
+
+    from engine.async_llm import AsyncLLM
+
+    out = llm.generate("n", SamplingParams(temperature=1.0, seed=2, n=4, max_tokens=40,
+                                           structured=StructuredOutput(regex=r"[0-9]{2}[a-c]")))[0]
+    assert len(out.outputs) == 4 and all(re.fullmatch(r"[0-9]{2}[a-c]", c.text) for c in out.outputs)
+    assert len({c.text for c in out.outputs}) > 1  # each sample has its own matcher
+
+    engine = AsyncLLM(llm=llm)
+
+    async def run():
+        text = "".join([d.text async for d in engine.generate("a", SamplingParams(
+            temperature=1.0, seed=1, max_tokens=40, structured=StructuredOutput(choice=["left", "right"])))])
+        with pytest.raises(RequestError, match="invalid regex"):
+            await engine.add_request("a", SamplingParams(structured=StructuredOutput(regex="(")))
+        return text
+
+    try:
+        assert asyncio.run(run()) in ("left", "right")
+    finally:
+        engine.shutdown()
