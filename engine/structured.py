@@ -102,8 +102,11 @@ class StructuredOutput:
 
 
 def _xgr():
-    import xgrammar
-
+    try:
+        import xgrammar
+    except ImportError as e:  # a runtime dependency; an image built without it gets told, not a 500
+        raise RequestError(f"structured output needs xgrammar, which is not installed ({e}); "
+                           f"pip install xgrammar") from None
     return xgrammar
 
 
