@@ -45,6 +45,8 @@ def validate(p: SamplingParams, fail) -> None:
             fail(f"structured must be an engine.structured.StructuredOutput, got {type(p.structured).__name__}")
         if p.ignore_eos:
             fail("structured output cannot be combined with ignore_eos: the grammar ends the text with EOS")
+        if p.min_tokens:  # a grammar that completes earlier would leave no token allowed
+            fail("structured output cannot be combined with min_tokens: the grammar decides where the output ends")
 
 
 def needs_processing(p: SamplingParams) -> bool:

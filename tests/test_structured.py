@@ -131,6 +131,8 @@ def test_spec_validation():
         StructuredOutput(json="{oops")
     with pytest.raises(RequestError, match="ignore_eos"):
         SamplingParams(structured=StructuredOutput(regex="a"), ignore_eos=True)
+    with pytest.raises(RequestError, match="min_tokens"):
+        SamplingParams(structured=StructuredOutput(choice=["yes"]), min_tokens=3)
     with pytest.raises(RequestError, match="logit_bias"):
         SamplingParams(logit_bias={3: 101.0})
     with pytest.raises(RequestError, match="min_tokens"):
