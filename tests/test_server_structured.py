@@ -320,3 +320,19 @@ def test_reasoning_server_constrains_the_answer_only(tmp_path):
     finally:
         server.stop()
         engine.shutdown()
+
+
+def test_echo_prepends_the_prompt(client):
+    kw = dict(model=MODEL, prompt=["echo 你好", "two"], max_tokens=5, temperature=0, n=2, echo=True)
+    plain = client.completions.create(**{**kw, "echo": False})
+    full = client.completions.create(**kw)
+    assert len(full.choices) == len(plain.choices) == 4
+    for c, p in zip(full.choices, plain.choices):
+        assert c.text == kw["prompt"][c.index // 2] + p.text
+    streamed = {}
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert streamed == {c.index: c.text for c in full.choices}
+    with pytest.raises(openai.BadRequestError, match="echo with logprobs"):
+        client.completions.create(logprobs=1, **kw)

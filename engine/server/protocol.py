@@ -2,7 +2,8 @@
 
 Field types are checked by pydantic and ranges by SamplingParams (one place for the rules): either
 failure is a 400 with an OpenAI-style error body. Every field is honoured or refused: an unknown field
-is a 400 naming it, and so is a known one used in a way we cannot serve (echo, suffix, best_of != n).
+is a 400 naming it, and so is a known one used in a way we cannot serve (echo with logprobs, suffix,
+best_of != n).
 The only fields accepted without an effect are NO_EFFECT_FIELDS, which by nature mean nothing to a
 local server. Extensions in the body: `top_k`, `min_p`, `ignore_eos`, `return_token_ids` (each choice,
 streamed or not, also carries its token ids), `repetition_penalty`, `min_tokens`, and vLLM's
@@ -143,8 +144,8 @@ class CompletionRequest(_Common):
         return list(p)
 
     def sampling_params(self) -> SamplingParams:
-        if self.echo:
-            raise RequestError("echo is not supported by this server")
+        if self.echo and self.logprobs is not None:
+            raise RequestError("echo with logprobs needs the prompt's logprobs, which this server does not compute")
         if self.suffix:
             raise RequestError("suffix is not supported by this server")
         if self.best_of not in (None, self.n):

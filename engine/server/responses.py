@@ -49,6 +49,9 @@ class Run:
         tools = chat and body.tool_mode() != "none"
         self.parsers = [ChoiceParser(server.reasoning_parser if chat else None, tools)
                         for _ in range(len(streams) * self.n)]
+        # completions with echo: each choice's text starts with its prompt's
+        self.echo = [p if isinstance(p, str) else server.tokenizer.decode(p) if server.tokenizer is not None else ""
+                     for p in body.prompts()] if getattr(body, "echo", False) else None
 
     async def deltas(self):
         """(prompt index, delta) pairs from all streams as they come; aborts what is left on exit. When
@@ -121,8 +124,10 @@ class Run:
             parser = self.parsers[i]
             if parser.active:
                 choice["message"] = parser.message(text)
+            elif self.chat:
+                choice["message"] = {"role": "assistant", "content": text}
             else:
-                choice.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
+                choice["text"] = (self.echo[i // self.n] if self.echo else "") + text
             choice["logprobs"] = _merge_logprobs(c.logprobs, self.chat) if self.params.logprobs is not None else None
             choice["finish_reason"] = parser.finish_reason(c.finish_reason)
             choice["stop_reason"] = c.stop_reason
@@ -166,6 +171,10 @@ class Run:
                 for i in range(len(self.streams) * self.n):
                     yield self._event([{"index": i, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}])
+            elif self.echo:
+                for i in range(len(self.streams) * self.n):
+                    yield self._event([{"index": i, "text": self.echo[i // self.n], "logprobs": None,
+                                        "finish_reason": None}])
             async for k, d in self.deltas():
                 i = k * self.n + d.index
                 choice = {"index": i}
