@@ -15,11 +15,13 @@ import time
 import pytest
 import torch
 
-from bench.common import record
-from engine.llm import LLM
-from engine.sampler import Sampler
-from engine.sampling import SamplingParams
-from engine.structured import GrammarCompiler, StructuredOutput
+pytest.importorskip("xgrammar", reason="needs xgrammar (a runtime dependency: pip install -e .)")
+
+from bench.common import record  # noqa: E402
+from engine.llm import LLM  # noqa: E402
+from engine.sampler import Sampler  # noqa: E402
+from engine.sampling import SamplingParams  # noqa: E402
+from engine.structured import GrammarCompiler, StructuredOutput  # noqa: E402
 
 SUITE = "structured"
 pytestmark = pytest.mark.usefixtures("one_thread")
