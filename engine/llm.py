@@ -425,9 +425,9 @@ class LLM:
         elif tool_choice != "auto":
             raise RequestError(f"chat: tool_choice {tool_choice!r} needs tools")
         # the template writes any special tokens itself: encode without adding them again
-        prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True,
-                                                                            **extra),
-                                         add_special_tokens=False) for c in conversations]
+        texts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True, **extra)
+                 for c in conversations]
+        prompts = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
         outputs = self.generate(prompts, params, use_tqdm)
         if tools:
             from engine.tool_parser import parse_tool_calls

@@ -20,7 +20,8 @@ REASONING_CASES = {
 TOOL_CASES = {
     "pre " + CALL + " mid <tool_call>bad</tool_call><tool_c": (
         "pre  mid <tool_call>bad</tool_call><tool_c", [{"name": "f", "arguments": '{"a": 1}'}]),
-    '<tool_call>\n{"name": "g", "arguments": "{\\"b\\": [1]}"}\n</tool_call>': ("", [{"name": "g", "arguments": '{"b": [1]}'}]),
+    '<tool_call>\n{"name": "g", "arguments": "{\\"b\\": [1]}"}\n</tool_call>': (
+        "", [{"name": "g", "arguments": '{"b": [1]}'}]),
     CALL + "\n" + CALL: ("\n", [{"name": "f", "arguments": '{"a": 1}'}] * 2),
     "<tool_call>\n{unfinished": ("<tool_call>\n{unfinished", []),
     "plain text": ("plain text", []),

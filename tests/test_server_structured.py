@@ -43,7 +43,8 @@ SCHEMA = {
         "action": {"type": "string", "enum": ["reply", "ignore", "escalate"]},
         "score": {"type": "integer", "minimum": -5, "maximum": 50},
         "tags": {"type": "array", "items": {"type": "string", "enum": ["a", "bb", "c"]}, "minItems": 1, "maxItems": 3},
-        "detail": {"type": "object", "properties": {"ok": {"type": "boolean"}, "note": {"type": "string", "maxLength": 8}},
+        "detail": {"type": "object",
+                   "properties": {"ok": {"type": "boolean"}, "note": {"type": "string", "maxLength": 8}},
                    "required": ["ok", "note"], "additionalProperties": False},
     },
     "required": ["action", "score", "tags", "detail"],
@@ -257,7 +258,8 @@ def test_penalties_and_logit_bias(client, served):
     eos = tok.eos_token_id
     out = client.completions.create(model=MODEL, prompt="hi", max_tokens=20, temperature=0,
                                     logit_bias={str(eos): 100}, extra_body={"min_tokens": 3, "return_token_ids": True})
-    assert out.choices[0].model_extra["token_ids"][3:] == [eos] and eos not in out.choices[0].model_extra["token_ids"][:3]
+    ids = out.choices[0].model_extra["token_ids"]
+    assert ids[3:] == [eos] and eos not in ids[:3]
 
 
 BAD = [

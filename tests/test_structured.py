@@ -145,7 +145,8 @@ def test_spec_validation():
 
 
 def test_tool_call_grammar(llm):
-    fn = {"name": "lookup", "parameters": {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999}},
+    fn = {"name": "lookup", "parameters": {"type": "object",
+                                           "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999}},
                                            "required": ["id"], "additionalProperties": False}}
     outs = llm.generate(["t0", "t1"], [SamplingParams(temperature=1.0, seed=i, max_tokens=80,
                                                       structured=StructuredOutput(tool_call=[fn]))
