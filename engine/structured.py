@@ -23,6 +23,7 @@ and DeepSeek-R1) the grammar applies to the answer only: the output is free unti
 prompt already closed the think block (a chat template with thinking turned off), as vLLM does.
 """
 import json
+import os
 import re
 import threading
 from collections import OrderedDict
@@ -150,7 +151,8 @@ class GrammarCompiler:
     """Compiles StructuredOutput specs for one tokenizer, caching the results (LRU, `cache_size` specs).
     Thread-safe: the server compiles in worker threads while the engine thread looks results up."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids, cache_size: int = 256, max_threads: int = 1):
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids, cache_size: int = 256,
+                 max_threads: int = min(8, os.cpu_count() or 1)):  # xgrammar's own pool for one compile (vLLM: 8)
         if tokenizer is None:
             raise RequestError("structured output needs a tokenizer, and this checkpoint has none")
         xgr = _xgr()
