@@ -62,8 +62,8 @@ class Sampler:
         per row: their tokens and grammar state) are needed only when a row's params process logits."""
         B, V = logits.shape
         assert len(params) == B == len(generators)
-        raw_logits, processed = logits, any(p.processes_logits for p in params)
-        if processed:
+        raw_logits, any_processing = logits, any(p.processes_logits for p in params)
+        if any_processing:
             assert seqs is not None and len(seqs) == B, "logits processing needs the rows' sequences"
             logits = process_logits(logits.float(), params, seqs, self.eos_token_ids)
         if all(p.temperature == 0.0 and p.logprobs is None for p in params):  # greedy, nothing else asked
@@ -74,7 +74,7 @@ class Sampler:
         greedy = temperature == 0
         divisor = torch.where(greedy, 1.0, temperature)[:, None]
         scaled = logits / divisor
-        raw_scaled = raw_logits.float() / divisor if processed else scaled
+        raw_scaled = raw_logits.float() / divisor if any_processing else scaled
         any_filter = any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params)
         if any_filter:
             filtered = filter_logits(
@@ -109,7 +109,7 @@ class Sampler:
             pick = (lambda t: t) if len(rows) == B else (lambda t: t[rows])  # a rollout batch asks on every row
             raw = pick(raw_scaled).log_softmax(-1)
             dist = raw
-            if any_filter or processed:
+            if any_filter or any_processing:
                 processed = pick(filtered).log_softmax(-1)
                 use_raw = torch.tensor([params[i].logprobs_mode == "raw" for i in rows], device=device)
                 dist = torch.where(use_raw[:, None], raw, processed)
