@@ -56,7 +56,8 @@ class PlanConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
         if self.gpu_mem_gb <= 0 or self.reserve_gb < 0:
-            raise ValueError(f"--gpu_mem_gb must be > 0 and --reserve_gb >= 0, got {self.gpu_mem_gb}, {self.reserve_gb}")
+            raise ValueError(f"--gpu_mem_gb must be > 0 and --reserve_gb >= 0, got {self.gpu_mem_gb}, "
+                             f"{self.reserve_gb}")
         if self.trainer not in TRAINERS:
             raise ValueError(f"--trainer must be one of {TRAINERS}, got {self.trainer!r}")
         if self.rollout_weights not in ROLLOUT_WEIGHTS:
@@ -143,6 +144,7 @@ def plan(cfg: ModelConfig, run: PlanConfig) -> dict:
     numel, tensors = sharded_numel(shapes, W, ep)
     expert_numel, _ = sharded_numel(shapes, W, ep, is_expert_param)
     total_params = sum(math.prod(s) for _, s in shapes)
+    expert_params = sum(math.prod(s) for n, s in shapes if is_expert_param(n))
     L = cfg.num_hidden_layers
     root = sum(math.prod(s) for n, s in shapes if not n.startswith("model.layers."))
     biggest_layer = max(layer_numel(shapes, i, ep) for i in range(L))
@@ -150,7 +152,7 @@ def plan(cfg: ModelConfig, run: PlanConfig) -> dict:
     per_layer = [activation_elements_per_token(cfg, i) for i in range(L)]
     final = 2 * cfg.hidden_size  # final norm in and out (the fused log-prob kernel never holds [T, V] logits)
 
-    gb = {
+    per_gpu = {
         "parameters_fp32": FP32 * numel,
         "gradients_fp32": FP32 * numel,
         "optimizer_adamw_fp32": 2 * FP32 * numel + FP32 * tensors,  # exp_avg, exp_avg_sq, and a step per tensor
@@ -159,22 +161,22 @@ def plan(cfg: ModelConfig, run: PlanConfig) -> dict:
         "activations_checkpointing": BF16 * tokens * (L * cfg.hidden_size + max(per_layer) + final),
     }
     if run.trainer == "grpo":
-        gb["rollout_weights_bf16"] = BF16 * total_params if run.rollout_weights == "gathered" else 0
+        per_gpu["rollout_weights_bf16"] = BF16 * total_params if run.rollout_weights == "gathered" else 0
         kv_per_token = 2 * L * cfg.num_key_value_heads * cfg.head_dim  # k and v, every layer
-        gb["rollout_kv_cache_bf16"] = BF16 * run.sequences_per_rank * run.seq_len * kv_per_token
-        gb["reference_model_bf16"] = BF16 * numel
-    gb["reserve"] = int(run.reserve_gb * GB)
+        per_gpu["rollout_kv_cache_bf16"] = BF16 * run.sequences_per_rank * run.seq_len * kv_per_token
+        per_gpu["reference_model_bf16"] = BF16 * numel
+    per_gpu["reserve"] = int(run.reserve_gb * GB)
     activations = "activations_checkpointing" if run.gradient_checkpointing else "activations_no_checkpointing"
-    counted = [k for k in gb if not k.startswith("activations_")] + [activations]
-    total = sum(gb[k] for k in counted)
+    counted = [k for k in per_gpu if not k.startswith("activations_")] + [activations]
+    total = sum(per_gpu[k] for k in counted)
     return {
-        "model": {"params_total": total_params, "params_experts": sum(math.prod(s) for n, s in shapes if is_expert_param(n)),
-                  "num_experts": cfg.num_experts, "layers": L},
+        "model": {"params_total": total_params, "params_experts": expert_params, "num_experts": cfg.num_experts,
+                  "layers": L},
         "run": asdict(run) | {"sequences_per_step": run.sequences_per_step,
                               "sequences_per_rank": run.sequences_per_rank,
                               "grad_accum": run.sequences_per_rank // run.micro_batch_size},
         "per_gpu_params": {"total": numel, "experts": expert_numel, "tensors": tensors},
-        "per_gpu_bytes": gb,
+        "per_gpu_bytes": per_gpu,
         "counted": counted,
         "total_bytes": total,
         "total_gb": round(total / GB, 2),
@@ -198,7 +200,8 @@ def format_table(report: dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m train.plan", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help=f"checkpoint dir, config.json, or a preset: {', '.join(preset_names())}")
+    p.add_argument("--model", required=True,
+                   help=f"checkpoint dir, config.json, or a preset: {', '.join(preset_names())}")
     p.add_argument("--gpus", type=int, required=True)
     p.add_argument("--gpu_mem_gb", type=float, required=True)
     defaults = PlanConfig(gpus=1, gpu_mem_gb=1)

@@ -39,6 +39,10 @@ class ExpertParallel:
     def local_experts(self) -> slice:
         return slice(self.rank * self.num_local_experts, (self.rank + 1) * self.num_local_experts)
 
+    def fused_moe(self, hidden_states, w_gate_up, w_down, router_logits, top_k: int, renormalize: bool):
+        """kernels.moe.fused_moe's signature over this rank's experts (what SparseMoeBlock calls)."""
+        return ep_fused_moe(hidden_states, w_gate_up, w_down, router_logits, top_k, renormalize, self)
+
 
 def _keep_in_graph(rows: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
     """rows [0, H] joined to the graph of `tensors` with zero gradient: a rank with no tokens for its

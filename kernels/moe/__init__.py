@@ -98,5 +98,5 @@ def fused_experts(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, *, b
     return experts_triton(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, config)
 
 
-__all__ = ["fused_moe", "fused_experts", "route", "moe_align", "moe_align_reference", "num_align_blocks", "experts_reference",
-           "fused_moe_reference", "MoEConfig", "BACKENDS"]
+__all__ = ["fused_moe", "fused_experts", "route", "moe_align", "moe_align_reference", "num_align_blocks",
+           "experts_reference", "fused_moe_reference", "MoEConfig", "BACKENDS"]
