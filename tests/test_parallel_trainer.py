@@ -23,11 +23,13 @@ def trainer_worker(export_dir: str):
     from train.distributed import setup
 
     d = setup(expert_parallel=2, timeout_s=60, num_experts=E)
-    out = {"stdout_silenced": sys.stdout.name == "/dev/null", "share": d.local_share(list(range(6)))}
-    try:
-        d.local_share(list(range(3)))
-    except ValueError as e:
-        out["bad_share"] = str(e)
+    out = {"stdout_silenced": sys.stdout.name == "/dev/null", "share": d.local_share(list(range(6))),
+           "uneven": d.local_share(list(range(3)))}
+    for bad in (lambda: d.local_share([7]), lambda: d.check_batch_sizes(4, 9)):
+        try:
+            bad()
+        except ValueError as e:
+            out.setdefault("bad", []).append(str(e))
     out["from_main"] = d.from_main(lambda: f"made on rank {d.rank}")
     # rank r holds batch row r (4 tokens of each layer's logits)
     logits, mask = router_logits()
@@ -48,8 +50,11 @@ def test_trainer_helpers_on_two_ranks(tmp_path):
     results = spawn_ranks(trainer_worker, 2, export_dir, timeout=180)
     assert [r["stdout_silenced"] for r in results] == [False, True]
     assert [r["share"] for r in results] == [[0, 1, 2], [3, 4, 5]]
-    assert results[0]["bad_share"] == results[1]["bad_share"] == (
-        "the batch of 3 sequences does not split over 2 ranks (make it a multiple of the world size)")
+    assert [r["uneven"] for r in results] == [[0, 1], [2]]
+    assert results[0]["bad"] == results[1]["bad"] == [
+        "the batch of 1 sequences does not split over 2 ranks (each rank needs at least one)",
+        "the last micro-batch of an epoch has 1 sequences, fewer than the 2 ranks (batch_size 4, 9 examples): "
+        "each rank needs at least one"]
     assert [r["from_main"] for r in results] == ["made on rank 0"] * 2
 
     logits, mask = router_logits()

@@ -128,11 +128,15 @@ class RFTConfig(RunConfig):
     deflect_rate: float = field(default=0.2, metadata={"help": "scripted teacher: bare deflections"})
     verbose_rate: float = field(default=0.6, metadata={"help": "scripted teacher: long meta-reasoning thoughts"})
     selection: str = field(default="first", metadata={"help": "first | random | shortest passing candidate"})
+    expert_parallel: int = field(default=1, metadata={"help": "under torchrun: ranks that split each MoE layer's "
+                                                              "experts (divides the world size and num_experts)"})
 
     def validate(self) -> None:
         super().validate()
         if self.k < 1:
             raise ConfigError(f"--k must be >= 1, got {self.k}")
+        if self.expert_parallel < 1:
+            raise ConfigError(f"--expert_parallel must be >= 1, got {self.expert_parallel}")
         if self.temperature < 0:
             raise ConfigError(f"--temperature must be >= 0, got {self.temperature}")
         for name in ("wrong_link_rate", "deflect_rate", "verbose_rate"):

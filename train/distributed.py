@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine.parallel import ParallelMesh, clip_grad_norm_, init_distributed, parallelize
+from engine.parallel import ParallelMesh, clip_grad_norm_, destroy_distributed, init_distributed, parallelize
 
 
 @dataclass
@@ -38,13 +38,27 @@ class Distributed:
         return self.mesh.dp.get_group() if self.mesh.distributed else None
 
     def local_share(self, items: list, what: str = "batch") -> list:
-        """This rank's contiguous share of a global batch; ValueError (the same on every rank, before any
-        work) when it does not split evenly."""
-        if len(items) % self.world_size:
+        """This rank's contiguous share of a global batch (the first len % world ranks take one more: the loss
+        is normalised over the global batch, so uneven shares change nothing); ValueError when a rank would get
+        nothing (it still has to join every collective of the step)."""
+        if len(items) < self.world_size:
             raise ValueError(f"the {what} of {len(items)} sequences does not split over {self.world_size} ranks "
-                             f"(make it a multiple of the world size)")
-        n = len(items) // self.world_size
-        return items[self.rank * n:(self.rank + 1) * n]
+                             f"(each rank needs at least one)")
+        n, extra = divmod(len(items), self.world_size)
+        start = self.rank * n + min(self.rank, extra)
+        return items[start:start + n + (self.rank < extra)]
+
+    def check_batch_sizes(self, batch_size: int, num_examples: int) -> None:
+        """ValueError, on every rank before any work, when a micro-batch (--batch_size, or the shorter last one of
+        an epoch) would leave a rank without a sequence."""
+        if not self.mesh.distributed:
+            return
+        tail = num_examples % batch_size
+        for size, which in ((min(batch_size, num_examples), "--batch_size"),
+                            (tail, "the last micro-batch of an epoch")):
+            if 0 < size < self.world_size:
+                raise ValueError(f"{which} has {size} sequences, fewer than the {self.world_size} ranks "
+                                 f"(batch_size {batch_size}, {num_examples} examples): each rank needs at least one")
 
     def sum(self, value: torch.Tensor) -> torch.Tensor:
         """The sum of `value` over the ranks (a new tensor, no gradient)."""
@@ -53,14 +67,34 @@ class Distributed:
             dist.all_reduce(value, group=self.group)
         return value
 
+    def sum_floats(self, *values: float) -> tuple:
+        """Python numbers summed over the ranks (one all-reduce, float64); ints come back as ints."""
+        total = self.sum(torch.tensor(values, dtype=torch.float64)).tolist()
+        return tuple(int(t) if isinstance(v, int) else t for v, t in zip(values, total))
+
     def from_main(self, fn):
         """fn() run on rank 0 alone (a teacher, a judge: calls that cost money or write files), its result
-        sent to every rank."""
+        sent to every rank. When fn raises, every rank raises (the others with rank 0's message) instead of
+        waiting for a result that never comes."""
         if not self.mesh.distributed:
             return fn()
-        box = [fn() if self.is_main else None]
+        box, error = [None], None
+        if self.is_main:
+            try:
+                box = [("ok", fn())]
+            except Exception as e:  # noqa: BLE001  (re-raised below, after the others heard of it)
+                error, box = e, [("error", f"{type(e).__name__}: {e}")]
         dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
+        if error is not None:
+            raise error
+        kind, value = box[0]
+        if kind == "error":
+            raise RuntimeError(f"rank 0 failed: {value}")
+        return value
+
+    def close(self) -> None:
+        """Leaves the process group (after the last collective)."""
+        destroy_distributed()
 
     def barrier(self) -> None:
         if self.mesh.distributed:
@@ -71,6 +105,10 @@ class Distributed:
         states); build the optimizer after it."""
         dtype = torch.bfloat16 if bf16 else torch.float32
         return parallelize(model, self.mesh, param_dtype=dtype, reduce_dtype=torch.float32)
+
+    def device(self, default: torch.device) -> torch.device:
+        """This rank's device under torchrun (cuda:LOCAL_RANK or the CPU), else `default`."""
+        return self.mesh.device if self.mesh.distributed else default
 
     def clip_grad_norm_(self, parameters, max_norm: float) -> torch.Tensor:
         return clip_grad_norm_(list(parameters), max_norm, group=self.group)
@@ -116,10 +154,66 @@ class Distributed:
         return plain
 
 
-def setup(expert_parallel: int = 1, *, timeout_s: float = 600.0, num_experts: int | None = None) -> Distributed:
+class _NoMetrics:
+    """What ranks other than 0 log to: nothing."""
+
+    def log(self, step: int, **metrics) -> None:
+        pass
+
+    def close(self, plot: bool = True) -> None:
+        pass
+
+
+def metrics_logger(d: Distributed, *args, **kwargs):
+    """train.metrics.MetricsLogger on rank 0; a logger that writes nothing on the others."""
+    from train.metrics import MetricsLogger
+
+    return MetricsLogger(*args, **kwargs) if d.is_main else _NoMetrics()
+
+
+def single_process() -> Distributed:
+    """World size 1, whatever the environment says (a trainer function called directly)."""
+    from engine.parallel import ParallelDims, ParallelMesh
+
+    return Distributed(ParallelMesh(dims=ParallelDims(world_size=1), rank=0, local_rank=0, device=torch.device("cpu")))
+
+
+def setup_trainer(cfg, output_dir: str) -> Distributed:
+    """setup() for a trainer's config: refuses, on every rank before any work, what does not run under
+    torchrun yet, checks the EP degree against the model's experts, turns progress bars off on ranks other
+    than 0, and has rank 0 record the mesh in output_dir/parallel.json (world_size, expert_parallel,
+    data-parallel sizes) beside config.yaml."""
+    import json
+    import os
+
+    from engine.config import load_config
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1 and cfg.resume != "none":
+        raise ValueError(f"--resume {cfg.resume}: checkpoints under torchrun (world size {world_size}) need sharded "
+                         "torch.distributed.checkpoint saves, which this trainer does not write yet")
+    if world_size > 1 and cfg.batch_size < world_size:
+        raise ValueError(f"--batch_size {cfg.batch_size} (the global batch) is smaller than the world size "
+                         f"{world_size}: each rank needs at least one sequence")
+    if world_size > 1 and cfg.save_every:
+        raise ValueError(f"--save_every {cfg.save_every}: checkpoints under torchrun (world size {world_size}) "
+                         "are not written yet; the final model is exported to final/")
+    backend = "gloo" if cfg.device == "cpu" else None
+    d = setup(cfg.expert_parallel, num_experts=load_config(cfg.model).num_experts, backend=backend)
+    if not d.is_main:
+        cfg.progress = False  # rank 0 alone draws progress bars
+    if d.is_main:
+        os.makedirs(output_dir, exist_ok=True)
+        with open(os.path.join(output_dir, "parallel.json"), "w") as f:
+            json.dump(d.mesh.dims.to_dict(), f, indent=1)
+    return d
+
+
+def setup(expert_parallel: int = 1, *, timeout_s: float = 600.0, num_experts: int | None = None,
+          backend: str | None = None) -> Distributed:
     """The job's mesh from torchrun's environment. On ranks other than 0, stdout goes to /dev/null (rank 0 alone
     prints and draws progress bars); stderr stays, so every rank's errors are seen."""
-    mesh = init_distributed(expert_parallel, timeout_s=timeout_s, num_experts=num_experts)
+    mesh = init_distributed(expert_parallel, timeout_s=timeout_s, num_experts=num_experts, backend=backend)
     if not mesh.is_main:
         sys.stdout = open("/dev/null", "w")  # noqa: SIM115  (for the life of the process)
     return Distributed(mesh)
