@@ -171,6 +171,17 @@ def metrics_logger(d: Distributed, *args, **kwargs):
     return MetricsLogger(*args, **kwargs) if d.is_main else _NoMetrics()
 
 
+def require_one_process(command: str) -> None:
+    """ValueError for a trainer not wired for torchrun yet: N ranks would each run the whole job and write the
+    same output dir."""
+    import os
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1:
+        raise ValueError(f"{command} does not run under torchrun yet (WORLD_SIZE={world_size}); run it as one "
+                         "process (train.rft runs on many ranks)")
+
+
 def single_process() -> Distributed:
     """World size 1, whatever the environment says (a trainer function called directly)."""
     from engine.parallel import ParallelDims, ParallelMesh
