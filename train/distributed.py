@@ -61,11 +61,12 @@ class Distributed:
                                  f"(batch_size {batch_size}, {num_examples} examples): each rank needs at least one")
 
     def sum(self, value: torch.Tensor) -> torch.Tensor:
-        """The sum of `value` over the ranks (a new tensor, no gradient)."""
-        value = value.detach().clone()
-        if self.mesh.distributed:
-            dist.all_reduce(value, group=self.group)
-        return value
+        """The sum of `value` over the ranks (a new tensor on value's device, no gradient)."""
+        if not self.mesh.distributed:
+            return value.detach().clone()
+        total = value.detach().to(self.mesh.device, copy=True)  # NCCL reduces CUDA tensors only
+        dist.all_reduce(total, group=self.group)
+        return total.to(value.device)
 
     def sum_floats(self, *values: float) -> tuple:
         """Python numbers summed over the ranks (one all-reduce, float64); ints come back as ints."""
