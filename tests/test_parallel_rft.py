@@ -66,7 +66,6 @@ def test_torchrun_two_ranks_equal_one_process(student, tmp_path):  # noqa: F811
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--expert_parallel", "3"], "expert_parallel=3 does not divide world_size=2"),
     (["--resume", "auto"], "--resume auto: checkpoints under torchrun (world size 2) need sharded"),
     (["--batch_size", "1"], "--batch_size 1 (the global batch) is smaller than the world size 2"),
 ])
