@@ -1,7 +1,7 @@
 """`torchrun --nproc_per_node 2 -m train.rft` (gloo, CPU), with and without --expert_parallel 2, against the
 same run in one process: the per-step losses, load-balancing losses and gradient norms, and the exported final
 weights. Also the bad-input refusals under torchrun, on every rank before any work (the mesh's own errors on every
-rank are tested in test_parallel_ep.py; here the trainer's path to them).
+rank are tested in test_parallel_ep.py; here the trainer's own refusals).
 
 Tolerance (fp32): losses and gradient norms rtol 1e-5 (seen 1.2e-7); weights atol 5e-5 after 2 AdamW steps at
 lr 1e-2 (seen 3e-6 without EP, 6e-6 with): the ranks sum the same terms in other groupings, and Adam's division
