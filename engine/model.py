@@ -105,8 +105,10 @@ class Qwen3ForCausalLM(nn.Module):
     def forward(self, input_ids, positions=None, attention_mask=None):
         return self.compute_logits(self.forward_hidden(input_ids, positions, attention_mask))
 
-    def load_balancing_loss(self, router_logits, attention_mask=None, mode: str = "global"):
+    def load_balancing_loss(self, router_logits, attention_mask=None, mode: str = "global", group=None):
         """Unscaled MoE load-balancing loss of `forward_hidden(..., return_router_logits=True)`'s logits;
-        the trainer multiplies by its λ_aux (config.router_aux_loss_coef by default)."""
+        the trainer multiplies by its λ_aux (config.router_aux_loss_coef by default). `group`: the
+        data-parallel ranks whose tokens it counts (see engine.moe_loss)."""
         cfg = self.config
-        return load_balancing_loss(router_logits, cfg.num_experts, cfg.num_experts_per_tok, attention_mask, mode)
+        return load_balancing_loss(router_logits, cfg.num_experts, cfg.num_experts_per_tok, attention_mask, mode,
+                                   group)
