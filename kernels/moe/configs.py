@@ -137,7 +137,7 @@ def tune(run, num_tokens: int, num_experts: int, hidden: int, inter: int, top_k:
 
         timer = lambda fn: triton.testing.do_bench(fn, warmup=5, rep=20)  # noqa: E731
     best, best_t = None, float("inf")
-    for cfg in candidates or candidate_configs(num_tokens, num_experts, top_k):
+    for cfg in candidate_configs(num_tokens, num_experts, top_k) if candidates is None else candidates:
         try:
             t = timer(lambda: run(cfg))
         except Exception as e:  # noqa: BLE001  (a config the GPU cannot run is just not a candidate)
