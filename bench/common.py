@@ -167,8 +167,9 @@ def _write_tables(mode: str) -> list[str]:
             base = "" if r.baseline is None else f"{r.baseline:.4g}"
             sp = "" if r.speedup is None else f"{r.speedup:.2f}x"
             fl = "" if r.floor is None or not r.ours else f"{(r.ours / r.floor if r.higher_is_better else r.floor / r.ours):.0%}"
-            xm = "" if r.model is None or not r.model else f"{r.ours / r.model:.2f}x"  # measured / predicted
-            f.write(f"| {r.suite} | {r.case} | {r.metric} | {r.ours:.4g} | {base} | {r.baseline_name} | {sp} | {fl} | {xm} |\n")
+            xm = "" if not r.model else f"{r.ours / r.model:.2f}x"  # measured / predicted
+            f.write(f"| {r.suite} | {r.case} | {r.metric} | {r.ours:.4g} | {base} | {r.baseline_name} | {sp} | {fl} "
+                    f"| {xm} |\n")
     return paths
 
 

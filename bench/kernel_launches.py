@@ -80,7 +80,8 @@ def logprobs_launches(s: Qwen3Shapes, dtype: torch.dtype) -> list[Launch]:
         out.append(Launch("logprobs", case + (" entropy" if entropy else ""), dtype, lp._logprobs_bwd_dz_kernel, dict(
             h_ptr=dtype, w_ptr=dtype, tgt_ptr=i64, n_valid_ptr=i32, lse_ptr=f32, gl_ptr=f32, a_ptr=f32, b_ptr=f32,
             dz_ptr=dtype, row0=0, N=chunk_tokens, col0=0, V=min(V, chunk_vocab), H=H, stride_h=H, stride_w=H,
-            stride_dz=min(V, chunk_vocab), inv_temp=1.0, HAS_N_VALID=True, WITH_B=entropy, **blocks), num_warps=warps, extra=shape))
+            stride_dz=min(V, chunk_vocab), inv_temp=1.0, HAS_N_VALID=True, WITH_B=entropy, **blocks),
+            num_warps=warps, extra=shape))
     return out
 
 
