@@ -81,7 +81,7 @@ def compile_checks() -> list[str]:
         from triton.backends.nvidia.compiler import get_ptxas
 
         ptxas = get_ptxas(90).path
-    except (ImportError, TypeError):
+    except (ImportError, TypeError, AttributeError):
         ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.TemporaryDirectory() as d:
         src = os.path.join(d, "k.ptx")
