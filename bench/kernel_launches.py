@@ -10,7 +10,7 @@ import torch
 import triton
 
 from kernels.attention import decode, prefill
-from kernels.attention.store_kvcache import _store_kvcache_kernel
+from kernels.attention.store import _store_kvcache_kernel
 from kernels.logprobs import triton_logprobs as lp
 from kernels.moe.configs import heuristic_config
 from kernels.moe.launches import DT, align_launches, moe_launches
@@ -34,6 +34,7 @@ class Qwen3Shapes:
     decode_batches: tuple = (1, 64, 256)
     context: int = 4096
     prefill_tokens: int = 8192  # EngineConfig.max_num_batched_tokens
+    num_sms: int = 132  # an H200's: the log-prob forward splits the vocabulary to fill them
 
 
 DT = {torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -63,7 +64,7 @@ def logprobs_launches(s: Qwen3Shapes, dtype: torch.dtype) -> list[Launch]:
     warps = blocks.pop("num_warps")
     block_n, block_v = blocks["BLOCK_N"], blocks["BLOCK_V"]
     v_tiles = triton.cdiv(V, block_v)
-    splits = max(1, min(v_tiles, triton.cdiv(2 * 132, triton.cdiv(N, block_n))))  # an H200's 132 SMs
+    splits = max(1, min(v_tiles, triton.cdiv(2 * s.num_sms, triton.cdiv(N, block_n))))
     vocab_per_split = triton.cdiv(v_tiles, splits) * block_v
     chunk_tokens = min(N, 1 << 15)  # api.py: TRITON_MAX_TOKENS, TRITON_DZ_BYTES
     chunk_vocab = max(128, (1 << 28) // (chunk_tokens * torch.finfo(dtype).bits // 8))
