@@ -6,7 +6,8 @@ those, the theoretical occupancy: resident warps per SM.
 
 `specialize` matters: an int equal to 1 becomes a constant, and a multiple of 16 (as every tensor, 16-byte
 aligned by torch's allocator) carries the hint that lets loads vectorise. Compiled without those hints
-the MoE and log-prob kernels hit 255 registers and spill; as launched, they do not.
+(every element then holds its own 64-bit address) the MoE GEMMs hit 255 registers and spill; as launched,
+they do not.
 """
 import os
 import re
