@@ -12,8 +12,8 @@ from bench.kernel_launches import Qwen3Shapes, attention_launches, logprobs_laun
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="records launches through the interpreter (TRITON_INTERPRET=1, no GPU)")
 
-SMALL = Qwen3Shapes(hidden=64, moe_inter=32, experts=8, top_k=2, q_heads=4, kv_heads=2, head_dim=16, vocab=300,
-                    kv_block=16, moe_tokens=(4,), logprob_tokens=40, decode_batches=(1, 200), context=256,
+SMALL = Qwen3Shapes(hidden=64, moe_inter=32, experts=8, top_k=2, q_heads=8, kv_heads=4, head_dim=16, vocab=300,
+                    kv_block=16, moe_tokens=(4,), logprob_tokens=40, decode_batches=(1, 66), context=256,
                     prefill_tokens=24, num_sms=1)  # on the CPU forward() counts one SM
 
 
@@ -95,10 +95,11 @@ def test_attention_launches_are_the_dispatchs(recorded):
     n = s.prefill_tokens
     k, v = torch.randn(n, hkv, d, generator=g), torch.randn(n, hkv, d, generator=g)
     store_kvcache(k, v, k_cache, v_cache, torch.arange(n), backend="triton")
-    for batch in s.decode_batches:  # short contexts: the split count follows the block tables' width
-        tables = torch.zeros(batch, max_blocks, dtype=torch.int32)
-        paged_decode_attention(torch.randn(batch, hq, d, generator=g), k_cache, v_cache, tables,
-                               torch.ones(batch, dtype=torch.int32), d ** -0.5, backend="triton")
+    for batch in s.decode_batches:  # the split count follows the block tables' width, not the contexts:
+        tables = torch.zeros(batch, max_blocks, dtype=torch.int32)  # one real row, padded rows (context 0)
+        context_lens = (torch.arange(batch) == 0).to(torch.int32)
+        paged_decode_attention(torch.randn(batch, hq, d, generator=g), k_cache, v_cache, tables, context_lens,
+                               d ** -0.5, backend="triton")
     tables = torch.arange(max_blocks, dtype=torch.int32)[None]
     paged_prefill_attention(torch.randn(n, hq, d, generator=g), k_cache, v_cache,
                             torch.tensor([0, n], dtype=torch.int32), torch.tensor([n], dtype=torch.int32), tables,
