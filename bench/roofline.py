@@ -2,7 +2,7 @@
 FLOPs it must do, and the time they take on an H200: bytes at 4.8 TB/s (the datasheet peak) and at 4.3 TB/s
 (what a device-to-device copy reaches), FLOPs at 989 TFLOP/s (bf16 dense). The prediction is the larger of
 the two times at the copy bandwidth; the GPU benchmark rows print their measured time as a multiple of it
-(`model` column), so the first GPU run shows which kernel is far from its bound.
+(the `x model` column of results.md), so the first GPU run shows which kernel is far from its bound.
 
 Bytes are HBM traffic of an ideal kernel of the design we run: every operand read once (an expert's weights
 once per pass however many align blocks it has: the grouped launch order keeps a weight tile in L2 for the
