@@ -27,7 +27,7 @@ def _use_cpp(t: torch.Tensor, backend: str) -> bool:
 def store_kvcache(k, v, k_cache, v_cache, slot_mapping, backend: str = "auto") -> None:
     """k/v [N, Hkv, D] into caches [num_blocks, block_size, Hkv, D] at flat slots [N] (-1: skip)."""
     if _use_triton(k, backend):
-        from kernels.attention.store_kvcache import store_kvcache_triton
+        from kernels.attention.store import store_kvcache_triton
 
         store_kvcache_triton(k, v, k_cache, v_cache, slot_mapping)
     elif _use_cpp(k, backend):
