@@ -83,17 +83,6 @@ def _merge_splits_kernel(Part_out, Part_lse, Out, stride_pb, stride_ph, stride_p
     tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int, block_size: int,
-                      num_sms: int = 132) -> int:
-    """Enough programs to fill the GPU, at least ~4 blocks of work each, at most 16 splits."""
-    programs = max(1, batch * num_kv_heads)
-    if programs >= 2 * num_sms:
-        return 1
-    max_blocks = -(-max_context_len // block_size)
-    want = -(-2 * num_sms // programs)
-    return int(max(1, min(16, want, max_blocks // 4)))
-
-
 def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                         context_lens: torch.Tensor, scale: float, num_splits: int = 1,
                         out: torch.Tensor | None = None) -> torch.Tensor:
