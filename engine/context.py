@@ -10,7 +10,7 @@ import torch
 
 @dataclass(slots=True)
 class StepContext:
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V) [num_blocks, block_size, Hkv, D], the runner's
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # the runner's (K, V) per layer [num_blocks, block_size, Hkv, D]
     slot_mapping: torch.Tensor  # [N] flat cache slot of each new token (-1: padded row, not stored)
     context_lens: torch.Tensor  # [S] tokens in cache per sequence after this step (int32)
     block_tables: torch.Tensor  # [S, max_blocks] (int32; unused entries -1)
