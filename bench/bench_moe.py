@@ -98,7 +98,7 @@ def flops_and_bytes(x, block, k, backward: bool):
     """Useful FLOPs (2 * pairs * 3 * H * I per pass; backward twice the forward) and the bytes a perfect
     kernel moves (each touched expert's weights once per pass, plus activations in and out)."""
     T, H = x.shape
-    E, I = block.experts.down_proj.shape[0], block.experts.down_proj.shape[2]
+    I = block.experts.down_proj.shape[2]
     with torch.no_grad():
         topk = torch.topk(F.linear(x, block.gate.weight), k, dim=-1).indices
     touched = torch.unique(topk).numel()

@@ -65,7 +65,6 @@ def run_steps(size, expert_parallels, world_size: int):
     a2a_module = importlib.import_module("engine.parallel.all_to_all")  # the module (the package exports the function)
 
     world = init_distributed(timeout_s=120)
-    rank = world.rank
     timers = {"all_to_all": _Timer(a2a_module, "_all_to_all"), "all_gather": _Timer(dist, "all_gather_single"),
               "reduce_scatter": _Timer(dist, "reduce_scatter_single")}
     try:

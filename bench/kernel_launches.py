@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from kernels.attention import decode, prefill
+from kernels.attention import choose_num_splits, decode, prefill
 from kernels.attention.store import _store_kvcache_kernel
 from kernels.logprobs import triton_logprobs as lp
 from kernels.moe.configs import heuristic_config
@@ -35,9 +35,6 @@ class Qwen3Shapes:
     context: int = 4096
     prefill_tokens: int = 8192  # EngineConfig.max_num_batched_tokens
     num_sms: int = 132  # an H200's: the log-prob forward splits the vocabulary to fill them
-
-
-DT = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
 def moe_qwen3_launches(s: Qwen3Shapes, dtype: torch.dtype) -> list[Launch]:
@@ -100,7 +97,7 @@ def attention_launches(s: Qwen3Shapes, dtype: torch.dtype) -> list[Launch]:
         BLOCK_D=triton.next_power_of_2(d)))]
     seen_splits = set()
     for batch in s.decode_batches:
-        splits = decode.choose_num_splits(batch, hkv, s.context, bs)
+        splits = choose_num_splits(batch, hkv, s.context, bs, s.num_sms)
         if splits in seen_splits:
             continue
         seen_splits.add(splits)

@@ -83,17 +83,6 @@ def _merge_splits_kernel(Part_out, Part_lse, Out, stride_pb, stride_ph, stride_p
     tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int, block_size: int,
-                      num_sms: int = 132) -> int:
-    """Enough programs to fill the GPU, at least ~4 blocks of work each, at most 16 splits."""
-    programs = max(1, batch * num_kv_heads)
-    if programs >= 2 * num_sms:
-        return 1
-    max_blocks = -(-max_context_len // block_size)
-    want = -(-2 * num_sms // programs)
-    return int(max(1, min(16, want, max_blocks // 4)))
-
-
 def decode_meta(group: int, head_dim: int, block_size: int, num_splits: int, dtype: torch.dtype) -> dict:
     """The decode kernel's constexprs (also what bench/kernel_launches.py compiles)."""
     return dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_G=max(16, triton.next_power_of_2(group)),

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._ext import sm_count
+
 NEG_INIT = tl.constexpr(-1e30)  # a constexpr object: jit code may read only those globals
 
 
@@ -139,7 +141,7 @@ def forward(hidden, weight, targets, n_valid, inv_temp: float, with_entropy: boo
     n_blocks = triton.cdiv(n, block_n)
     v_tiles = triton.cdiv(v, block_v)
     if vocab_splits is None:  # enough programs to fill the GPU when N is small
-        sms = torch.cuda.get_device_properties(hidden.device).multi_processor_count if hidden.is_cuda else 1
+        sms = sm_count(hidden.device)
         vocab_splits = max(1, min(v_tiles, triton.cdiv(2 * sms, n_blocks)))
     vocab_per_split = triton.cdiv(v_tiles, vocab_splits) * block_v
     splits = triton.cdiv(v, vocab_per_split)  # every split holds >= 1 real column

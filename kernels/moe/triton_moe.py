@@ -86,7 +86,6 @@ class TritonMoEFunction(torch.autograd.Function):
         cfg, top_k = ctx.cfg, ctx.top_k
         num_tokens, hidden = x.shape
         num_pairs, inter = preact.shape[0], preact.shape[1] // 2
-        num_experts = w_gate_up.shape[0]
         dout = dout.contiguous().to(x.dtype)
         flat_w = topk_weights.reshape(-1)
         dpre = torch.empty_like(preact)
