@@ -15,11 +15,13 @@ eval.json; summary.json adds the TPR reduction and the quality changes in points
 Multi-turn data: a record of the seed's shape with `followups`, a list of later user turns (a string,
 or {"question", "meta"?, "reference"?} so the judge can check each turn); each turn is judged as a
 record whose history holds the trajectory's own earlier answers, with its own L_ref.
-Precision: fp32 on the CPU; on a GPU --bf16 auto trains the bf16 weights directly (no fp32 master
-copy); there `--old_logprobs trainer` takes old_logprobs from the trainer's own forward instead.
+Precision: fp32 on the CPU; on a GPU --bf16 auto computes and decodes in bf16 while the optimizer updates
+fp32 master weights with fp32 AdamW states (train.precision; checkpoints hold the masters); there
+`--old_logprobs trainer` takes old_logprobs from the trainer's own forward instead.
 Everything is a --flag or a key of --config run.yaml (train.config); checkpoints are atomic and
 --resume auto continues exactly; the final model is exported in the HF layout to <output_dir>/final.
 """
+import contextlib
 import dataclasses
 import json
 import math
@@ -42,6 +44,7 @@ from train.data import build_prompt, split_thought
 from train.losses import PolicyLossConfig, policy_loss
 from train.metrics import MetricsLogger
 from train.nonfinite import NonFiniteGuard
+from train.precision import MasterWeights
 from train.rewards import CompositeReward, RewardConfig, RewardError, load_reward_fns
 from train.rft import make_judge
 from train.rollout import Rollouts, collate, reference_lengths, shuffled_order
@@ -221,7 +224,9 @@ class GRPOTrainer:
                 state = json.load(f)
         self.start_model = state.get("start_model") or resolve_start(cfg)
         model_path = os.path.join(self.resume_from, "model") if self.resume_from else self.start_model
-        self.model = load_model(model_path, dtype=self.dtype, device=self.device)
+        # fp32 from the file: with bf16 the fp32 values stay as the optimizer's master weights
+        self.model = load_model(model_path, dtype=torch.float32, device=self.device)
+        self.master = MasterWeights(self.model, self.dtype) if self.dtype != torch.float32 else None
         self.model.gradient_checkpointing = cfg.gradient_checkpointing
         self.tokenizer = load_tokenizer(model_path) or load_tokenizer(self.start_model)
         if self.tokenizer is None:
@@ -240,8 +245,9 @@ class GRPOTrainer:
                                  max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, **self._sampling())
         n = len(self.train_records)
         self.total_steps = cfg.max_steps or math.ceil(cfg.epochs * n / cfg.batch_size)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        # what the optimizer updates and clipping reads: the fp32 masters under bf16
+        self.trainable = self.master.parameters() if self.master else [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
         warm = cfg.warmup_steps * cfg.num_iterations
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / max(1, warm)))
         self.step = 0
@@ -421,10 +427,11 @@ class GRPOTrainer:
                 # loss and aux are already / len(micro): their sum over micro-batches is the step's
                 for k, v in {"loss": loss.detach() * len(micro), "aux_loss": aux.detach() * len(micro), **lm}.items():
                     sums[k] = sums.get(k, 0.0) + float(v) / (len(micro) * cfg.num_iterations)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
             sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(grad_norm) / cfg.num_iterations
             lrs.append(self.scheduler.get_last_lr()[0])  # the lr this optimizer step uses
-            self.guard.step(self.optimizer, step_loss, grad_norm, f"step {self.step + 1}, pass {it + 1}")
+            if self.guard.step(self.optimizer, step_loss, grad_norm, f"step {self.step + 1}, pass {it + 1}") and self.master:
+                self.master.copy_to_model()
             self.scheduler.step()
         model.eval()
         total = sum(float(d[0]) for d in diffs)
@@ -460,11 +467,18 @@ class GRPOTrainer:
         m["tokens_per_s"] = tokens / max(m["time/rollout_s"] + m.get("time/update_s", 0.0), 1e-9)
         return m
 
+    def trained_model(self):
+        """A context giving the model with its trained weights: the fp32 masters under bf16 (what checkpoints
+        and the export hold, so a resumed run continues from them exactly), else the model itself."""
+        return self.master.fp32_model() if self.master else contextlib.nullcontext(self.model)
+
     def save(self, step: int) -> str:
-        return save_checkpoint(self.ckpt_root, step, self.model, self.optimizer,
-                               self.scheduler, {"ref_lengths": self.ref_lengths, "start_model": self.start_model,
-                                                "before": self.before, "nonfinite_steps": self.guard.skipped},
-                               keep_last=self.cfg.keep_last, save_model=lambda m, p: save_model(m, p, tokenizer=self.tokenizer))
+        with self.trained_model() as model:
+            return save_checkpoint(self.ckpt_root, step, model, self.optimizer,
+                                   self.scheduler, {"ref_lengths": self.ref_lengths, "start_model": self.start_model,
+                                                    "before": self.before, "nonfinite_steps": self.guard.skipped},
+                                   keep_last=self.cfg.keep_last,
+                                   save_model=lambda m, p: save_model(m, p, tokenizer=self.tokenizer))
 
     def train(self, evaluate: bool = True) -> dict:
         cfg = self.cfg
@@ -491,7 +505,8 @@ class GRPOTrainer:
                 self.save(self.step)
         self.save(self.step)
         export = cfg.export_dir or os.path.join(cfg.output_dir, "final")
-        save_model(self.model, export, tokenizer=self.tokenizer)
+        with self.trained_model() as model:
+            save_model(model, export, tokenizer=self.tokenizer)
         self.metrics.close(plot=cfg.plot)
         summary = {"steps": self.step, "train_minutes": (time.time() - t_start) / 60, "export": export,
                    "start_model": self.start_model, "last": {k: float(v) for k, v in (last or {}).items()}}
