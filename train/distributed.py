@@ -185,12 +185,9 @@ class Distributed:
     def clip_grad_norm_(self, parameters, max_norm: float) -> torch.Tensor:
         return clip_grad_norm_(list(parameters), max_norm, group=self.group)
 
-    def full_state_dict(self, model) -> dict | None:
-        """Every parameter gathered whole (experts from their EP group) on rank 0, on the CPU; None on the others.
-        Every rank must call it (it runs collectives)."""
-        if not self.mesh.distributed:
-            return {name: t.detach().cpu() for name, t in model.state_dict().items()}
-        full = {}
+    def full_tensors(self, model):
+        """(name, whole tensor) of every parameter, gathered on every rank (experts from their EP group), on the
+        mesh's device, one at a time. Every rank must iterate it to the end (it runs collectives)."""
         ep_group = self.mesh.ep.get_group() if self.mesh.dims.expert_parallel > 1 else None
         for name, param in model.named_parameters():
             t = param.full_tensor().detach()  # gathered over its FSDP mesh
@@ -198,9 +195,32 @@ class Distributed:
                 parts = [torch.empty_like(t) for _ in range(self.mesh.dims.expert_parallel)]
                 dist.all_gather(parts, t.contiguous(), group=ep_group)
                 t = torch.cat(parts)
-            if self.is_main:
-                full[name] = t.cpu()
+            yield name, t
+
+    def full_state_dict(self, model) -> dict | None:
+        """Every parameter gathered whole (experts from their EP group) on rank 0, on the CPU; None on the others.
+        Every rank must call it (it runs collectives)."""
+        if not self.mesh.distributed:
+            return {name: t.detach().cpu() for name, t in model.state_dict().items()}
+        full = {name: t.cpu() for name, t in self.full_tensors(model)}
         return full if self.is_main else None
+
+    def inference_copy(self, model, dtype: torch.dtype):
+        """A plain one-device model in `dtype` holding `model`'s whole weights, on every rank: what each rank's
+        rollout decoder runs (refresh it with refresh_copy after each optimizer step)."""
+        from engine.loader import empty_model
+
+        copy = empty_model(model.config, dtype, self.mesh.device)
+        self.refresh_copy(model, copy)
+        return copy.eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def refresh_copy(self, model, copy) -> None:
+        """copy's weights := model's, gathered layer by layer (in place: a decoder on `copy` sees its parameters'
+        versions change and drops its cached prefixes)."""
+        target = dict(copy.named_parameters())
+        for name, t in self.full_tensors(model):
+            target[name].copy_(t)
 
     def export(self, model, path: str, tokenizer=None) -> None:
         """The model gathered and saved once, by rank 0, in the Hugging Face layout engine.load_model reads."""
@@ -243,17 +263,6 @@ def metrics_logger(d: Distributed, *args, **kwargs):
     return MetricsLogger(*args, **kwargs) if d.is_main else _NoMetrics()
 
 
-def require_one_process(command: str) -> None:
-    """ValueError for a trainer not wired for torchrun yet: N ranks would each run the whole job and write the
-    same output dir."""
-    import os
-
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size > 1:
-        raise ValueError(f"{command} does not run under torchrun yet (WORLD_SIZE={world_size}); run it as one "
-                         "process (train.rft runs on many ranks)")
-
-
 def single_process() -> Distributed:
     """World size 1, whatever the environment says (a trainer function called directly)."""
     from engine.parallel import ParallelDims, ParallelMesh
@@ -261,11 +270,19 @@ def single_process() -> Distributed:
     return Distributed(ParallelMesh(dims=ParallelDims(world_size=1), rank=0, local_rank=0, device=torch.device("cpu")))
 
 
-def setup_trainer(cfg, output_dir: str) -> Distributed:
+def world_size() -> int:
+    """The job's world size from torchrun's environment (1 without torchrun)."""
+    import os
+
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def setup_trainer(cfg, output_dir: str, model: str | None = None) -> Distributed:
     """setup() for a trainer's config: refuses, on every rank before any work, a global batch smaller than the
     world size, checks the EP degree against the model's experts, turns progress bars off on ranks other
     than 0, and has rank 0 record the mesh in output_dir/parallel.json (world_size, expert_parallel,
-    data-parallel sizes) beside config.yaml."""
+    data-parallel sizes) beside config.yaml. `model`: the checkpoint whose experts are checked (default
+    cfg.model; "" skips the check: a model not resolved yet, in one process)."""
     import json
     import os
 
@@ -276,7 +293,9 @@ def setup_trainer(cfg, output_dir: str) -> Distributed:
         raise ValueError(f"--batch_size {cfg.batch_size} (the global batch) is smaller than the world size "
                          f"{world_size}: each rank needs at least one sequence")
     backend = "gloo" if cfg.device == "cpu" else None
-    d = setup(cfg.expert_parallel, num_experts=load_config(cfg.model).num_experts, backend=backend)
+    model = cfg.model if model is None else model
+    num_experts = load_config(model).num_experts if model else None
+    d = setup(cfg.expert_parallel, num_experts=num_experts, backend=backend)
     if not d.is_main:
         cfg.progress = False  # rank 0 alone draws progress bars
     if d.is_main:
