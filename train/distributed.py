@@ -188,6 +188,11 @@ class Distributed:
     def full_tensors(self, model):
         """(name, whole tensor) of every parameter, gathered on every rank (experts from their EP group), on the
         mesh's device, one at a time. Every rank must iterate it to the end (it runs collectives)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in model.modules():  # a forward without backward (no_grad) leaves the root unit gathered
+            if isinstance(module, FSDPModule):
+                module.reshard()
         ep_group = self.mesh.ep.get_group() if self.mesh.dims.expert_parallel > 1 else None
         for name, param in model.named_parameters():
             t = param.full_tensor().detach()  # gathered over its FSDP mesh
