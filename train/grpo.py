@@ -518,7 +518,9 @@ class GRPOTrainer:
         keys = sorted(acc)
         totals = dict(zip(keys, d.sum(torch.stack([acc[k].float() for k in keys])).tolist()))
         real_micro = d.sum_floats(real)[0] * cfg.num_iterations
-        sums = {k: totals[k] / max(real_micro, 1) for k in keys if k not in ("loss", "aux_loss", "diff_sum", "diff_count")}
+        sums = {k: totals[k] / max(real_micro, 1) for k in keys
+                if k not in ("loss", "aux_loss", "diff_sum", "diff_count", "log_ratio/clamped")}
+        sums["log_ratio/clamped"] = totals["log_ratio/clamped"]  # a count over the step's passes
         sums["loss"] = totals["loss"] / cfg.num_iterations
         sums["aux_loss"] = totals["aux_loss"] / cfg.num_iterations
         sums["grad_norm"] = float(torch.stack(grad_norms).float().mean())

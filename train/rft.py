@@ -268,17 +268,17 @@ def train(cfg: RFTConfig, model, tokenizer, kept: list, device, resume_from=None
             raise ValueError(f"step {step + 1}: the batch has no target token (every completion token is masked)")
         if dist.mesh.distributed:  # the normalizer above is the global batch's; each rank computes its share
             batches = [collate(dist.local_share(g), tokenizer.pad_token_id, device) for g in group]
-        loss_sum = aux_sum = 0.0
+        figures = torch.zeros(3, dtype=torch.float64, device=device)  # loss, aux loss, tokens: summed on the device
         for b in batches:
             total, loss, aux = sft_step_loss(model, b, normalizer, cfg.lambda_aux, cfg.grad_accum, autocast,
                                              dist.group)
             total.backward()
-            loss_sum, aux_sum = loss_sum + loss.item(), aux_sum + aux.item() / cfg.grad_accum
+            figures += torch.stack([loss, aux / cfg.grad_accum, b["attention_mask"].sum()]).double()
         grad_norm = dist.clip_grad_norm_(model.parameters(), cfg.max_grad_norm if cfg.max_grad_norm > 0
                                          else float("inf"))
-        tokens = sum(int(b["attention_mask"].sum()) for b in batches)
-        if dist.mesh.distributed:  # the global step's figures (every rank's guard then decides alike)
-            loss_sum, aux_sum, tokens = dist.sum_floats(loss_sum, aux_sum, tokens)
+        # the global step's figures (every rank's guard then decides alike), on the host once per step
+        loss_sum, aux_sum, tokens = dist.sum(figures).tolist()
+        tokens = int(tokens)
         lr = scheduler.get_last_lr()[0]
         guard.step(optimizer, loss_sum, grad_norm, f"step {step + 1}")
         scheduler.step()
