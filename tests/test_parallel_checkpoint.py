@@ -124,3 +124,18 @@ def test_rank_killed_during_a_save_leaves_the_previous_checkpoint(tmp_path):
     assert state["step"] == 1
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), survivor["weights"][name]), name
+
+
+def test_a_one_process_checkpoint_is_refused_under_torchrun(tmp_path):
+    """Its optimizer.pt is indexed by the whole parameters; the sharded optimizer cannot take it."""
+    from types import SimpleNamespace
+
+    from train.checkpoint import load_checkpoint, save_checkpoint
+
+    model = build_model()
+    opt = torch.optim.AdamW(model.parameters())
+    path = save_checkpoint(str(tmp_path), 1, model, opt)
+    with pytest.raises(CheckpointError, match=r"step-00000001: written by one process \(optimizer.pt\); under "
+                                              r"torchrun resume from a checkpoint written under torchrun"):
+        load_checkpoint(path, opt, model=model, comm=SimpleNamespace(world_size=2))
+    assert load_checkpoint(path, opt, model=model)["step"] == 1  # in one process it loads

@@ -33,6 +33,7 @@ import os
 import random
 import re
 import shutil
+import warnings
 
 import torch
 
@@ -370,7 +371,9 @@ def _load_sharded(path: str, model, optimizer, comm) -> None:
                               "(load_checkpoint(..., model=model))")
     state, restore = _dcp_state(model, optimizer, comm)
     try:
-        dcp.load(state, checkpoint_id=os.path.join(path, DCP_DIR), no_dist=not torch.distributed.is_initialized())
+        with warnings.catch_warnings():  # one process loading a sharded checkpoint is intended here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=os.path.join(path, DCP_DIR), no_dist=not torch.distributed.is_initialized())
     except (Exception, CheckpointException) as e:  # noqa: BLE001  (DCP's exception is a BaseException)
         why = (str(e).strip().splitlines() or [""])[-1]  # DCP wraps each rank's traceback: its last line says why
         raise CheckpointError(f"{os.path.join(path, DCP_DIR)}: does not fit this model and optimizer (a checkpoint "

@@ -20,6 +20,10 @@ fp32 master weights with fp32 AdamW states (train.precision; checkpoints hold th
 `--old_logprobs trainer` takes old_logprobs from the trainer's own forward instead.
 Everything is a --flag or a key of --config run.yaml (train.config); checkpoints are atomic and
 --resume auto continues exactly; the final model is exported in the HF layout to <output_dir>/final.
+Under torchrun (train.distributed) the policy and the reference are sharded (FSDP2, --expert_parallel); each rank
+decodes its share of the step's prompts with a gathered inference copy of the policy (refreshed after each
+update; bench/bench_rollout_weights.py measures it against decoding through the sharded module), the rewards are
+joined for the advantages, and the loss is normalised over the global batch; checkpoints are sharded.
 """
 import contextlib
 import dataclasses
