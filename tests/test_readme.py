@@ -61,6 +61,7 @@ def test_many_gpu_commands_use_real_options(capsys):
             assert module == "train.plan"
             assert plan_main(words[3:]) == 0
             out = capsys.readouterr().out
-            assert "139.87  fits in 141.0 GB" in out and "139.9 GB at `--batch_size 16`" in section
+            assert "rollout 131.38, update 136.65" in out and "136.65  fits in 141.0 GB" in out
+            assert "rollouts 131.4 GB, update 136.7 GB, which fits in 141 GB" in " ".join(section.split())
         checked.append(module)
     assert sorted(set(checked)) == ["train.grpo", "train.plan", "train.rft"]

@@ -516,6 +516,7 @@ class GRPOTrainer:
             if self.guard.step(self.optimizer, step_loss, grad_norm, f"step {self.step + 1}, pass {it + 1}") and self.master:
                 self.master.copy_to_model()
             self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)  # the rollouts never share memory with gradients (train.plan)
         model.eval()
         if self.infer is not None:  # the rollout decoder's copy follows the update
             d.refresh_copy(model, self.infer)
