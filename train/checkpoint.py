@@ -337,8 +337,8 @@ def save_sharded_checkpoint(root: str, step: int, model, optimizer, scheduler, t
     bad = [b for b in comm.all_gather_objects(first_nonfinite(local)) if b is not None]
     _refuse_nonfinite(bad[0] if bad else None, step, root)
     final, tmp = comm.from_main(lambda: begin_save(root, step))
+    restore = comm.checkpoint_view(state)
     try:
-        restore = comm.checkpoint_view(state)
         dcp.save(state, checkpoint_id=os.path.join(tmp, DCP_DIR))
     finally:
         restore()

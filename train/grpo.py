@@ -284,11 +284,9 @@ class GRPOTrainer:
                                                   resume_step=self.step if self.resume_from else None)
 
     def _load_reference(self):
-        """The frozen starting checkpoint (in the compute dtype on one device; under torchrun fp32 sharded like
-        the policy, computing in its dtype)."""
-        if not self.dist.mesh.distributed:
-            return load_model(self.start_model, dtype=self.dtype, device=self.device).requires_grad_(False)
-        ref = load_model(self.start_model, dtype=torch.float32, device=self.device).requires_grad_(False)
+        """The frozen starting checkpoint in the compute dtype (no master copy: it never trains); under torchrun
+        sharded like the policy."""
+        ref = load_model(self.start_model, dtype=self.dtype, device=self.device).requires_grad_(False)
         return self.dist.parallelize(ref, self.dtype == torch.bfloat16)
 
     # -- data ---------------------------------------------------------------------------------------
@@ -356,7 +354,8 @@ class GRPOTrainer:
         cfg, K = self.cfg, self.cfg.num_generations
         # this rank's prompts (all in one process) by their places in the global batch, which seed their samples
         places = self.dist.local_share(list(range(cfg.batch_size)), "batch of prompts")
-        idx = [self.batch_indices(step)[p] for p in places]
+        indices = self.batch_indices(step)
+        idx = [indices[p] for p in places]
         t0 = time.perf_counter()
         self.model.eval()
         with torch.no_grad():
