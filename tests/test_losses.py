@@ -249,3 +249,20 @@ def test_sft_loss_without_target_tokens_is_a_clear_error():
         sft_loss(hidden, weight, torch.full_like(targets, -100))
     with pytest.raises(ValueError, match="no target token"):
         sft_loss(hidden, weight, targets, torch.zeros(B, T))
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_log_ratio_is_clamped_before_exp_and_counted(level):
+    from train.losses import LOG_RATIO_CLAMP
+
+    old = torch.zeros(2, 3)
+    logprobs = torch.tensor([[-0.1, 100.0, -0.2], [-0.3, -0.1, -0.2]], requires_grad=True)  # one corrupt token
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    ref = torch.full((2, 3), -200.0)  # a KL log ratio far beyond the clamp too
+    loss, m = policy_loss(logprobs, old, torch.tensor([-1.0, 1.0]), mask, ref_logprobs=ref, beta=0.1,
+                          epsilon_low=0.2, epsilon_high=1e9, importance_sampling_level=level)
+    assert torch.isfinite(loss)  # exp(100) is inf in fp32: with A < 0 the unclamped loss is inf
+    assert m["log_ratio/clamped"].item() == 1  # the one token (at sequence level: its sequence, mean 100/3 > 10)
+    assert m["ratio/mean"].item() < math.exp(LOG_RATIO_CLAMP)
+    loss.backward()
+    assert torch.isfinite(logprobs.grad).all()

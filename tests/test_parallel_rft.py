@@ -9,6 +9,7 @@ by sqrt(v) turns a rounding of a tiny gradient into a small fraction of lr; a mi
 averaged reduction moves weights by ~lr, 200x the tolerance."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -23,10 +24,10 @@ ARGS = dict(train_rooms=12, k=2, max_steps=2, batch_size=4, eval_rooms=0, warmup
             progress=False)
 
 
-def torchrun(nproc: int, out: str, model: str, *extra: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def torchrun(nproc: int, out: str, model: str, *extra: str, timeout: float = 300, **args) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
            "127.0.0.1", "--master_port", str(free_port()), "-m", "train.rft", "--model", model, "--output_dir", out]
-    for k, v in ARGS.items():
+    for k, v in {**ARGS, **args}.items():
         cmd += [f"--{k}", str(v).lower() if isinstance(v, bool) else str(v)]
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     return subprocess.run(cmd + list(extra), cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -65,8 +66,47 @@ def test_torchrun_two_ranks_equal_one_process(student, tmp_path):  # noqa: F811
     assert sum(moved) >= len(moved) - 1  # training moved the weights: the match is not of the initial ones
 
 
+def test_save_with_two_ranks_resume_with_one_and_four(student, tmp_path):  # noqa: F811
+    """Sharded checkpoints: a 2-rank run (expert_parallel 2) "crashes" after step 2; resuming it with 1 process
+    and with 4 ranks (expert_parallel 2: each expert sharded over 2 ranks) gives the uninterrupted run's losses
+    and final weights (the tolerances above: the ranks sum in other groupings)."""
+    import engine
+    from train.rft import run
+
+    args = dict(max_steps=4, save_every=2, keep_last=5, batch_size=5)  # 10 examples: 2 whole batches an epoch
+    one = tmp_path / "one"
+    run(tiny_cfg(student, one, **{**ARGS, **args}))
+    ref_rows, ref = metrics(one), engine.load_model(str(one / "final"), dtype=torch.float32)
+    out = tmp_path / "two"
+    res = torchrun(2, str(out), student, "--expert_parallel", "2", **args)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert sorted(os.listdir(out / "checkpoints")) == ["step-00000002", "step-00000004"]
+    assert os.path.isdir(out / "checkpoints" / "step-00000002" / "dcp")  # sharded, not a gathered model/
+
+    def crash_after_step_2():
+        shutil.rmtree(out / "checkpoints" / "step-00000004")
+        shutil.rmtree(out / "final")
+
+    for resume in ("one process", "4 ranks"):
+        crash_after_step_2()
+        if resume == "one process":
+            run(tiny_cfg(student, out, **{**ARGS, **args}, resume="auto"))
+        else:
+            res = torchrun(4, str(out), student, "--expert_parallel", "2", "--resume", "auto", **args)
+            assert res.returncode == 0, res.stderr[-3000:]
+            assert "resumed from" in res.stdout and "step 2" in res.stdout
+        rows = metrics(out)
+        assert [r["step"] for r in rows] == [r["step"] for r in ref_rows] == [1, 2, 3, 4]
+        for key in ("loss", "grad_norm"):
+            torch.testing.assert_close(torch.tensor([r[key] for r in rows]), torch.tensor([r[key] for r in ref_rows]),
+                                       rtol=1e-5, atol=0, msg=f"{key}, resumed with {resume}")
+        got = engine.load_model(str(out / "final"), dtype=torch.float32).state_dict()
+        assert got.keys() == ref.state_dict().keys() and len(got) > 0
+        for name, t in ref.state_dict().items():
+            torch.testing.assert_close(got[name], t, rtol=0, atol=5e-5, msg=f"{name}, resumed with {resume}")
+
+
 @pytest.mark.parametrize("extra, message", [
-    (["--resume", "auto"], "--resume auto: checkpoints under torchrun (world size 2) need sharded"),
     (["--batch_size", "1"], "--batch_size 1 (the global batch) is smaller than the world size 2"),
 ])
 def test_torchrun_bad_input_fails_on_every_rank(student, tmp_path, extra, message):  # noqa: F811

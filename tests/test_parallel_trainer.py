@@ -78,11 +78,3 @@ def test_trainer_helpers_on_two_ranks(tmp_path):
     assert got.keys() == ref_state.keys() and len(got) > 0
     for name, t in ref_state.items():
         assert torch.equal(got[name], t), name
-
-
-def test_grpo_refuses_torchrun_until_it_is_wired(monkeypatch, capsys):
-    from train.grpo import main
-
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    assert main(["--eval_rooms", "0"]) == 2
-    assert "python -m train.grpo does not run under torchrun yet (WORLD_SIZE=2)" in capsys.readouterr().err

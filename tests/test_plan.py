@@ -80,6 +80,15 @@ def test_grpo_adds_rollout_weights_kv_cache_and_reference():
     assert gathered["rollout_kv_cache_bf16"] == 16 * 2048 * 2 * 48 * 4 * 128 * 2
     assert gathered["reference_model_bf16"] == gathered["parameters_fp32"] // 2
     assert gathered["activations_checkpointing"] < gathered["activations_no_checkpointing"]
+    # the peak is the larger phase: rollouts hold no gradients or activations, the update no KV cache
+    r = plan(cfg, PlanConfig(**kw))
+    g = r["per_gpu_bytes"]
+    common = (g["parameters_fp32"] + g["optimizer_adamw_fp32"] + g["rollout_weights_bf16"] + g["reference_model_bf16"]
+              + g["reserve"])
+    assert r["phase_bytes"] == {"rollout": common + g["rollout_kv_cache_bf16"],
+                                "update": common + g["gradients_fp32"] + g["fsdp_gathered_bf16"]
+                                + g["activations_checkpointing"]}
+    assert r["total_bytes"] == max(r["phase_bytes"].values()) < sum(g[k] for k in r["counted"])
 
 
 @pytest.mark.parametrize("kw, message", [

@@ -33,3 +33,35 @@ def test_readme_python_block_runs(index, tmp_path):
     res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0, f"README block {index} failed:\n{code}\n{res.stderr[-3000:]}"
+
+
+def test_many_gpu_commands_use_real_options(capsys):
+    """The "Training on many GPUs" section's commands: every flag of a train.rft / train.grpo command is one of
+    that trainer's options, and the planner command runs and prints the figures the section quotes."""
+    from train.config import RFTConfig, build_parser
+    from train.grpo import GRPOConfig
+    from train.plan import main as plan_main
+
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    section = text.split("## Training on many GPUs", 1)[1].split("\n## ", 1)[0]
+    lines = [ln.split("#")[0].strip() for b in re.findall(r"^```bash\n(.*?)^```$", section, flags=re.S | re.M)
+             for ln in b.splitlines()]
+    trainers = {"train.rft": RFTConfig, "train.grpo": GRPOConfig}
+    checked = []
+    for line in filter(None, lines):
+        words = line.split()
+        module = words[words.index("-m") + 1]
+        flags = [w for w in words[words.index("-m") + 2:] if w.startswith("--")]
+        if module in trainers:
+            known = {s for a in build_parser(trainers[module])._actions for s in a.option_strings}
+            assert set(flags) <= known, (line, set(flags) - known)
+            assert "--expert_parallel" in flags
+        else:
+            assert module == "train.plan"
+            assert plan_main(words[3:]) == 0
+            out = capsys.readouterr().out
+            assert "rollout 131.38, update 136.65" in out and "136.65  fits in 141.0 GB" in out
+            assert "rollouts 131.4 GB, update 136.7 GB, which fits in 141 GB" in " ".join(section.split())
+        checked.append(module)
+    assert sorted(set(checked)) == ["train.grpo", "train.plan", "train.rft"]

@@ -6,6 +6,9 @@ sums over ranks, rank 0 alone writing, the model parallelized (engine.parallel) 
 `--batch_size` stays the global batch: every rank builds the same step (same data order, same seed) and keeps
 its contiguous share, so a run's math does not depend on the number of ranks. One process without torchrun
 gets world size 1, and every helper here is then the identity (today's path, unchanged).
+
+Checkpoints (save_checkpoint, resolve_resume): train.checkpoint's atomic saves; under torchrun every rank writes
+its shards with torch.distributed.checkpoint, and a resume with any number of ranks reshards them.
 """
 import sys
 from dataclasses import dataclass
@@ -93,6 +96,74 @@ class Distributed:
             raise RuntimeError(f"rank 0 failed: {value}")
         return value
 
+    def all_gather_objects(self, obj) -> list:
+        """Every rank's `obj` (picklable), in rank order."""
+        if not self.mesh.distributed:
+            return [obj]
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def checkpoint_view(self, state: dict):
+        """Swaps, in place in `state` (model/optimizer state dicts keyed by parameter name), every expert-parallel
+        tensor for a view of the same local memory as a shard of the whole experts tensor [E, ...] (EP rank j's
+        experts at rows j * E/ep, then FSDP's rows of them), so a checkpoint holds the model's real shapes and
+        loads into any other mesh or one process. Returns the function that swaps the originals back."""
+        if not self.mesh.distributed or self.mesh.dims.expert_parallel == 1:
+            return lambda: None
+        from torch.distributed.tensor import DTensor, Shard
+
+        mesh = self._ep_major_mesh()
+        ep = self.mesh.dims.expert_parallel
+        swapped = []
+
+        def visit(tree: dict, path: str):
+            for key, value in tree.items():
+                if isinstance(value, dict):
+                    visit(value, f"{path}{key}.")
+                elif isinstance(value, DTensor) and ".mlp.experts." in f"{path}{key}":
+                    shape = torch.Size((value.shape[0] * ep, *value.shape[1:]))
+                    swapped.append((tree, key, value))
+                    tree[key] = DTensor.from_local(value.to_local(), mesh, [Shard(0), Shard(0)], run_check=False,
+                                                   shape=shape, stride=torch.empty(shape, device="meta").stride())
+
+        visit(state, "")
+        assert swapped, "expert parallel without expert tensors in the state dict"
+
+        def restore():
+            for tree, key, value in swapped:
+                tree[key] = value
+        return restore
+
+    def _ep_major_mesh(self):
+        """The ranks as an [ep, dp_mod_ep] mesh (build_mesh lays them out [dp_mod_ep, ep]): the order in which
+        an expert tensor is split, first into EP ranks' experts, then by FSDP. Metadata only: no process groups."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        dims = self.mesh.dims
+        ranks = torch.arange(dims.world_size).view(dims.dp_mod_ep, dims.expert_parallel).T.contiguous()
+        return DeviceMesh(self.mesh.device.type, ranks, mesh_dim_names=("ep", "dp_mod_ep"), _init_backend=False,
+                          _rank=self.rank)
+
+    def save_checkpoint(self, root: str, step: int, model, optimizer, scheduler, trainer_state: dict,
+                        keep_last: int, tokenizer=None, save_model=None) -> str:
+        """train.checkpoint's atomic save: the HF-layout one in one process, the sharded one (every rank writes
+        its shards) under torchrun."""
+        from train import checkpoint
+
+        if not self.mesh.distributed:
+            return checkpoint.save_checkpoint(root, step, model, optimizer, scheduler, trainer_state,
+                                              tokenizer=tokenizer, keep_last=keep_last, save_model=save_model)
+        return checkpoint.save_sharded_checkpoint(root, step, model, optimizer, scheduler, trainer_state, self,
+                                                  keep_last=keep_last)
+
+    def resolve_resume(self, resume: str, root: str):
+        """train.checkpoint.resolve_resume on rank 0 alone (it verifies checksums and removes dead saves' temp
+        dirs), its answer sent to every rank."""
+        from train.checkpoint import resolve_resume
+
+        return self.from_main(lambda: resolve_resume(resume, root))
+
     def close(self) -> None:
         """Leaves the process group (after the last collective)."""
         destroy_distributed()
@@ -114,12 +185,14 @@ class Distributed:
     def clip_grad_norm_(self, parameters, max_norm: float) -> torch.Tensor:
         return clip_grad_norm_(list(parameters), max_norm, group=self.group)
 
-    def full_state_dict(self, model) -> dict | None:
-        """Every parameter gathered whole (experts from their EP group) on rank 0, on the CPU; None on the others.
-        Every rank must call it (it runs collectives)."""
-        if not self.mesh.distributed:
-            return {name: t.detach().cpu() for name, t in model.state_dict().items()}
-        full = {}
+    def full_tensors(self, model):
+        """(name, whole tensor) of every parameter, gathered on every rank (experts from their EP group), on the
+        mesh's device, one at a time. Every rank must iterate it to the end (it runs collectives)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in model.modules():  # a forward without backward (no_grad) leaves the root unit gathered
+            if isinstance(module, FSDPModule):
+                module.reshard()
         ep_group = self.mesh.ep.get_group() if self.mesh.dims.expert_parallel > 1 else None
         for name, param in model.named_parameters():
             t = param.full_tensor().detach()  # gathered over its FSDP mesh
@@ -127,9 +200,32 @@ class Distributed:
                 parts = [torch.empty_like(t) for _ in range(self.mesh.dims.expert_parallel)]
                 dist.all_gather(parts, t.contiguous(), group=ep_group)
                 t = torch.cat(parts)
-            if self.is_main:
-                full[name] = t.cpu()
+            yield name, t
+
+    def full_state_dict(self, model) -> dict | None:
+        """Every parameter gathered whole (experts from their EP group) on rank 0, on the CPU; None on the others.
+        Every rank must call it (it runs collectives)."""
+        if not self.mesh.distributed:
+            return {name: t.detach().cpu() for name, t in model.state_dict().items()}
+        full = {name: t.cpu() for name, t in self.full_tensors(model)}
         return full if self.is_main else None
+
+    def inference_copy(self, model, dtype: torch.dtype):
+        """A plain one-device model in `dtype` holding `model`'s whole weights, on every rank: what each rank's
+        rollout decoder runs (refresh it with refresh_copy after each optimizer step)."""
+        from engine.loader import empty_model
+
+        copy = empty_model(model.config, dtype, self.mesh.device)
+        self.refresh_copy(model, copy)
+        return copy.eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def refresh_copy(self, model, copy) -> None:
+        """copy's weights := model's, gathered layer by layer (in place: a decoder on `copy` sees its parameters'
+        versions change and drops its cached prefixes)."""
+        target = dict(copy.named_parameters())
+        for name, t in self.full_tensors(model):
+            target[name].copy_(t)
 
     def export(self, model, path: str, tokenizer=None) -> None:
         """The model gathered and saved once, by rank 0, in the Hugging Face layout engine.load_model reads."""
@@ -172,17 +268,6 @@ def metrics_logger(d: Distributed, *args, **kwargs):
     return MetricsLogger(*args, **kwargs) if d.is_main else _NoMetrics()
 
 
-def require_one_process(command: str) -> None:
-    """ValueError for a trainer not wired for torchrun yet: N ranks would each run the whole job and write the
-    same output dir."""
-    import os
-
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size > 1:
-        raise ValueError(f"{command} does not run under torchrun yet (WORLD_SIZE={world_size}); run it as one "
-                         "process (train.rft runs on many ranks)")
-
-
 def single_process() -> Distributed:
     """World size 1, whatever the environment says (a trainer function called directly)."""
     from engine.parallel import ParallelDims, ParallelMesh
@@ -190,28 +275,32 @@ def single_process() -> Distributed:
     return Distributed(ParallelMesh(dims=ParallelDims(world_size=1), rank=0, local_rank=0, device=torch.device("cpu")))
 
 
-def setup_trainer(cfg, output_dir: str) -> Distributed:
-    """setup() for a trainer's config: refuses, on every rank before any work, what does not run under
-    torchrun yet, checks the EP degree against the model's experts, turns progress bars off on ranks other
+def world_size() -> int:
+    """The job's world size from torchrun's environment (1 without torchrun)."""
+    import os
+
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def setup_trainer(cfg, output_dir: str, model: str | None = None) -> Distributed:
+    """setup() for a trainer's config: refuses, on every rank before any work, a global batch smaller than the
+    world size, checks the EP degree against the model's experts, turns progress bars off on ranks other
     than 0, and has rank 0 record the mesh in output_dir/parallel.json (world_size, expert_parallel,
-    data-parallel sizes) beside config.yaml."""
+    data-parallel sizes) beside config.yaml. `model`: the checkpoint whose experts are checked (default
+    cfg.model; "" skips the check: a model not resolved yet, in one process)."""
     import json
     import os
 
     from engine.config import load_config
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size > 1 and cfg.resume != "none":
-        raise ValueError(f"--resume {cfg.resume}: checkpoints under torchrun (world size {world_size}) need sharded "
-                         "torch.distributed.checkpoint saves, which this trainer does not write yet")
     if world_size > 1 and cfg.batch_size < world_size:
         raise ValueError(f"--batch_size {cfg.batch_size} (the global batch) is smaller than the world size "
                          f"{world_size}: each rank needs at least one sequence")
-    if world_size > 1 and cfg.save_every:
-        raise ValueError(f"--save_every {cfg.save_every}: checkpoints under torchrun (world size {world_size}) "
-                         "are not written yet; the final model is exported to final/")
     backend = "gloo" if cfg.device == "cpu" else None
-    d = setup(cfg.expert_parallel, num_experts=load_config(cfg.model).num_experts, backend=backend)
+    model = cfg.model if model is None else model
+    num_experts = load_config(model).num_experts if model else None
+    d = setup(cfg.expert_parallel, num_experts=num_experts, backend=backend)
     if not d.is_main:
         cfg.progress = False  # rank 0 alone draws progress bars
     if d.is_main:

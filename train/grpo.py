@@ -15,11 +15,17 @@ eval.json; summary.json adds the TPR reduction and the quality changes in points
 Multi-turn data: a record of the seed's shape with `followups`, a list of later user turns (a string,
 or {"question", "meta"?, "reference"?} so the judge can check each turn); each turn is judged as a
 record whose history holds the trajectory's own earlier answers, with its own L_ref.
-Precision: fp32 on the CPU; on a GPU --bf16 auto trains the bf16 weights directly (no fp32 master
-copy); there `--old_logprobs trainer` takes old_logprobs from the trainer's own forward instead.
+Precision: fp32 on the CPU; on a GPU --bf16 auto computes and decodes in bf16 while the optimizer updates
+fp32 master weights with fp32 AdamW states (train.precision; checkpoints hold the masters); there
+`--old_logprobs trainer` takes old_logprobs from the trainer's own forward instead.
 Everything is a --flag or a key of --config run.yaml (train.config); checkpoints are atomic and
 --resume auto continues exactly; the final model is exported in the HF layout to <output_dir>/final.
+Under torchrun (train.distributed) the policy and the reference are sharded (FSDP2, --expert_parallel); each rank
+decodes its share of the step's prompts with a gathered inference copy of the policy (refreshed after each
+update; bench/bench_rollout_weights.py measures it against decoding through the sharded module), the rewards are
+joined for the advantages, and the loss is normalised over the global batch; checkpoints are sharded.
 """
+import contextlib
 import dataclasses
 import json
 import math
@@ -35,13 +41,13 @@ from engine.loader import load_model, load_tokenizer, save_model
 from kernels.logprobs import fused_linear_logprobs
 from train import distributed
 from train.advantages import SCALE_REWARDS, group_advantages, multi_turn_advantages, token_advantages
-from train.checkpoint import latest_checkpoint, load_checkpoint, resolve_resume, save_checkpoint
-from train.config import (ConfigError, RFTConfig, RunConfig, _choice, format_config, parse_config, run_cli,
+from train.checkpoint import is_sharded, latest_checkpoint, load_checkpoint, model_dir
+from train.config import (ConfigError, RFTConfig, RunConfig, _choice, format_config, opt, parse_config, run_cli,
                           save_config)
 from train.data import build_prompt, split_thought
 from train.losses import PolicyLossConfig, policy_loss
-from train.metrics import MetricsLogger
 from train.nonfinite import NonFiniteGuard
+from train.precision import MasterWeights
 from train.rewards import CompositeReward, RewardConfig, RewardError, load_reward_fns
 from train.rft import make_judge
 from train.rollout import Rollouts, collate, reference_lengths, shuffled_order
@@ -98,6 +104,8 @@ class GRPOConfig(RunConfig):
     multi_turn: bool = field(default=False, metadata={"help": "records' `followups` are later turns of one trajectory"})
     turn_weight: float = field(default=0.5, metadata={"help": "turn-level vs trajectory-level credit"})
     export_dir: str = field(default="", metadata={"help": "HF export of the final model (default: <output_dir>/final)"})
+    expert_parallel: int = opt(1, "under torchrun: ranks that split each MoE layer's experts (divides the world "
+                                  "size and num_experts)")
 
     def check_model(self) -> None:
         if self.model != "auto":  # `auto` is resolved later, by resolve_start
@@ -106,7 +114,7 @@ class GRPOConfig(RunConfig):
     def validate(self) -> None:
         super().validate()
         for name in ("num_generations", "max_new_tokens", "num_iterations", "micro_batch_size",
-                     "rollout_max_num_seqs", "rollout_kv_bytes"):
+                     "rollout_max_num_seqs", "rollout_kv_bytes", "expert_parallel"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
         if self.ref_samples < 0:
@@ -214,34 +222,49 @@ class GRPOTrainer:
             torch.set_num_threads(cfg.threads)
         torch.manual_seed(cfg.seed)
         self.ckpt_root = os.path.join(cfg.output_dir, "checkpoints")
-        self.resume_from = resolve_resume(cfg.resume, self.ckpt_root)
+        if distributed.world_size() > 1 and cfg.model == "auto":
+            raise ConfigError("--model auto under torchrun: pass --model CHECKPOINT_DIR (the RFT default's student "
+                              "is made by one process: run train.rft first)")
+        if distributed.world_size() > 1 and cfg.multi_turn:
+            raise ConfigError("--multi_turn does not run under torchrun yet: run it as one process")
+        self.dist = distributed.setup_trainer(cfg, cfg.output_dir, "" if cfg.model == "auto" else cfg.model)
+        self.device = self.dist.device(self.device)
+        self.resume_from = self.dist.resolve_resume(cfg.resume, self.ckpt_root)
         state = {}
         if self.resume_from:
             with open(os.path.join(self.resume_from, "trainer_state.json")) as f:
                 state = json.load(f)
         self.start_model = state.get("start_model") or resolve_start(cfg)
-        model_path = os.path.join(self.resume_from, "model") if self.resume_from else self.start_model
-        self.model = load_model(model_path, dtype=self.dtype, device=self.device)
+        model_path = model_dir(self.resume_from) or self.start_model  # a sharded checkpoint loads below
+        # fp32 from the file: with bf16 the fp32 values stay as the optimizer's master weights (one device), or
+        # FSDP2's sharded fp32 parameters (torchrun), which the rollout decoder reads as a gathered inference copy
+        self.model = load_model(model_path, dtype=torch.float32, device=self.device)
         self.model.gradient_checkpointing = cfg.gradient_checkpointing
+        self.master = self.infer = None
+        if self.dist.mesh.distributed:
+            self.model = self.dist.parallelize(self.model, self.dtype == torch.bfloat16)
+            self.infer = self.dist.inference_copy(self.model, self.dtype)
+        elif self.dtype != torch.float32:
+            self.master = MasterWeights(self.model, self.dtype)
         self.tokenizer = load_tokenizer(model_path) or load_tokenizer(self.start_model)
         if self.tokenizer is None:
             raise ConfigError(f"{self.start_model}: the checkpoint has no tokenizer (the prompts are text)")
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.ref_model = None
         if cfg.beta > 0:  # the frozen starting checkpoint; not loaded at all when β = 0
-            self.ref_model = load_model(self.start_model, dtype=self.dtype, device=self.device)
-            self.ref_model.requires_grad_(False)
+            self.ref_model = self._load_reference()
         self.train_records, self.eval_records = load_records(cfg)
         self.prompts = [build_prompt(r, self.tokenizer) for r in self.train_records]
         self.judge = make_judge(cfg)
         self.reward = CompositeReward(self.judge, cfg.reward_config())
         self.loss_cfg = cfg.loss_config()
-        self.rollouts = Rollouts(self.model, self.tokenizer, num_generations=cfg.num_generations,
+        self.rollouts = Rollouts(self.infer or self.model, self.tokenizer, num_generations=cfg.num_generations,
                                  max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, **self._sampling())
         n = len(self.train_records)
         self.total_steps = cfg.max_steps or math.ceil(cfg.epochs * n / cfg.batch_size)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        # what the optimizer updates and clipping reads: the fp32 masters under bf16
+        self.trainable = self.master.parameters() if self.master else [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
         warm = cfg.warmup_steps * cfg.num_iterations
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / max(1, warm)))
         self.step = 0
@@ -249,10 +272,22 @@ class GRPOTrainer:
         self.before = None
         self.guard = NonFiniteGuard(cfg.max_nonfinite_steps)
         if self.resume_from:
-            state = load_checkpoint(self.resume_from, self.optimizer, self.scheduler)
+            if self.master and is_sharded(self.resume_from):
+                raise ConfigError(f"{self.resume_from}: written under torchrun; resuming it as one process with bf16 "
+                                  "weights is not supported (use --bf16 false, or torchrun)")
+            state = load_checkpoint(self.resume_from, self.optimizer, self.scheduler, model=self.model, comm=self.dist)
+            if self.infer is not None:
+                self.dist.refresh_copy(self.model, self.infer)
             self.step, self.ref_lengths, self.before = state["step"], state["ref_lengths"], state.get("before")
             self.guard.skipped = state.get("nonfinite_steps", 0)
-        self.metrics = MetricsLogger(cfg.output_dir, cfg.tensorboard, resume_step=self.step if self.resume_from else None)
+        self.metrics = distributed.metrics_logger(self.dist, cfg.output_dir, cfg.tensorboard,
+                                                  resume_step=self.step if self.resume_from else None)
+
+    def _load_reference(self):
+        """The frozen starting checkpoint in the compute dtype (no master copy: it never trains); under torchrun
+        sharded like the policy."""
+        ref = load_model(self.start_model, dtype=self.dtype, device=self.device).requires_grad_(False)
+        return self.dist.parallelize(ref, self.dtype == torch.bfloat16)
 
     # -- data ---------------------------------------------------------------------------------------
     def batch_indices(self, step: int) -> list:
@@ -274,7 +309,8 @@ class GRPOTrainer:
             return
         source = self.rollouts
         if self.step > 0:  # the policy has moved: decode with the starting checkpoint instead
-            ref = self.ref_model or load_model(self.start_model, dtype=self.dtype, device=self.device)
+            plain_ref = None if self.dist.mesh.distributed else self.ref_model  # a sharded one cannot decode
+            ref = plain_ref or load_model(self.start_model, dtype=self.dtype, device=self.device)
             self.rollouts.release()
             source = Rollouts(ref, self.tokenizer, num_generations=self.cfg.num_generations,
                               max_new_tokens=self.cfg.max_new_tokens, seed=self.cfg.seed, **self._sampling())
@@ -284,9 +320,12 @@ class GRPOTrainer:
             for i, group in zip(todo, trajs):
                 for t, (s, e) in enumerate(group[0].turn_spans):
                     self.ref_lengths[f"{self.train_records[i]['id']}#{t}"] = max(1, e - s)
-        else:
-            reference_lengths(source, [self.train_records[i] for i in todo], [self.prompts[i] for i in todo],
-                              self.ref_lengths, self.cfg.ref_samples)
+        else:  # each rank decodes its share (seeded by record id: any split gives the same lengths)
+            mine = todo[self.dist.rank::self.dist.world_size]
+            found = reference_lengths(source, [self.train_records[i] for i in mine], [self.prompts[i] for i in mine],
+                                      {}, self.cfg.ref_samples)
+            for part in self.dist.all_gather_objects(found):
+                self.ref_lengths.update(part)
         source.release()
         if self.cfg.progress:
             print(f"L_ref of {len(todo)} prompts in {time.perf_counter() - t0:.1f}s", flush=True)
@@ -313,14 +352,17 @@ class GRPOTrainer:
     # -- rollouts and rewards -----------------------------------------------------------------------
     def rollout_phase(self, step: int) -> tuple:
         cfg, K = self.cfg, self.cfg.num_generations
-        idx = self.batch_indices(step)
+        # this rank's prompts (all in one process) by their places in the global batch, which seed their samples
+        places = self.dist.local_share(list(range(cfg.batch_size)), "batch of prompts")
+        indices = self.batch_indices(step)
+        idx = [indices[p] for p in places]
         t0 = time.perf_counter()
         self.model.eval()
         with torch.no_grad():
             if cfg.multi_turn:
                 groups = self._multi_turn_rollouts(idx, step)
             else:
-                groups = self.rollouts.generate([self.prompts[i] for i in idx], step)
+                groups = self.rollouts.generate([self.prompts[i] for i in idx], step, keys=places)
         self.rollouts.release()  # the update never shares memory with the KV cache
         t_rollout = time.perf_counter() - t0
         comps = [c for g in groups for c in g]
@@ -344,27 +386,36 @@ class GRPOTrainer:
         else:
             refs = [self.ref_lengths[r["id"]] for r in records]
             res = self.reward(records, [c.text for c in comps], [c.length for c in comps], refs)
-            rewards = torch.tensor([x.reward for x in res])
             for x in res:
                 for k, v in x.components.items():
                     comp_values.setdefault(k, []).append(v)
+            # the ranks' rewards joined in global order: advantages (group or batch statistics) and metrics are
+            # the one-process ones; this rank keeps its completions' share
+            gathered = self.dist.all_gather_objects(([x.reward for x in res], comp_values,
+                                                     [(c.length, len(c.token_ids), c.truncated) for c in comps]))
+            rewards = torch.tensor([r for part in gathered for r in part[0]])
+            comp_values = {k: [v for part in gathered for v in part[1][k]] for k in comp_values}
+            shape = [t for part in gathered for t in part[2]]
             advantages, keep, adv_stats = group_advantages(rewards, K, cfg.scale_rewards, cfg.advantage_eps,
                                                            cfg.drop_zero_variance)
-            advantages = advantages.tolist()
-        lengths = torch.tensor([float(c.length) for c in comps])
-        gen_tokens = sum(len(c.token_ids) for c in comps)
+            first = places[0] * K
+            advantages, keep = advantages[first:first + len(comps)].tolist(), keep[first:first + len(comps)]
+        if cfg.multi_turn:
+            shape = [(c.length, len(c.token_ids), c.truncated) for c in comps]
+        lengths = torch.tensor([float(n) for n, _, _ in shape])
+        gen_tokens = sum(n for _, n, _ in shape)
         m = {"reward/mean": rewards.mean(), "reward/std": rewards.std()}
         for k, v in comp_values.items():
             t = torch.tensor(v, dtype=torch.float32)
             m[f"reward/{k}/mean"], m[f"reward/{k}/std"] = t.mean(), t.std() if t.numel() > 1 else 0.0
         m.update({"tpr/mean": lengths.mean(), "tpr/min": lengths.min(), "tpr/max": lengths.max(),
-                  "truncated_frac": sum(c.truncated for c in comps) / len(comps),
+                  "truncated_frac": sum(t for _, _, t in shape) / len(shape),
                   "zero_variance_groups": adv_stats["zero_variance_groups"],
                   "time/rollout_s": t_rollout, "rollout_tokens_per_s": gen_tokens / max(t_rollout, 1e-9),
                   "decode_gflops_per_response": flops.decode_flops(self.model.config, float(lengths.mean())) / 1e9})
         kept = [i for i in range(len(comps)) if keep[i]]
         batch = None
-        if kept:
+        if kept:  # under torchrun a rank may keep nothing while others do: update_phase runs on every rank
             batch = collate([comps[i] for i in kept], [advantages[i] for i in kept], self.pad_id, cfg.mask_truncated)
         return batch, m
 
@@ -386,11 +437,40 @@ class GRPOTrainer:
             out.append(mb)
         return out
 
+    def _empty_micro_batch(self) -> dict:
+        """A one-row micro-batch that adds nothing (no completion token, no router token): under torchrun a rank
+        with fewer micro-batches than another runs it, so every rank joins the same collectives."""
+        ids = torch.full((1, 2), self.pad_id, dtype=torch.long, device=self.device)
+        zeros = torch.zeros((1, 1), device=self.device)
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "targets": ids[:, 1:].clone(),
+                "completion_mask": zeros, "old_logprobs": zeros.clone(), "advantages": zeros.clone(),
+                "router_mask": torch.zeros_like(ids)}
+
+    def _loss_share(self, mb, rows: float, num_micro: int) -> float:
+        """Under torchrun, the factor that makes a micro-batch's loss (gradient_accumulation_steps 1) its share
+        of the global batch's: grpo and dr_grpo weigh each sequence 1 / (sequences of the global batch), which is
+        the one-process loss when its micro-batches are equal; bnpo averages the micro-batches of all ranks;
+        dapo is normalised by the global token count already. 1 in one process (policy_loss divides)."""
+        if not self.dist.mesh.distributed:
+            return 1.0
+        kind = self.loss_cfg.loss_type
+        if kind in ("grpo", "dr_grpo"):
+            return mb["input_ids"].shape[0] / rows
+        return 1.0 / (num_micro * self.dist.world_size) if kind == "bnpo" else 1.0
+
     def update_phase(self, batch) -> dict:
-        cfg, model = self.cfg, self.model
+        """μ optimizer passes over the batch. Metrics accumulate on the device and reach the host once per
+        optimizer step (the non-finite guard's check) and once at the end; under torchrun they are the global
+        batch's (one all-reduce per pass for the loss, one at the end)."""
+        cfg, model, d = self.cfg, self.model, self.dist
         t0 = time.perf_counter()
-        micro = self._micro_batches(batch)
-        n_items = sum(mb["completion_mask"].sum() for mb in micro)
+        micro = self._micro_batches(batch) if batch is not None else []
+        real = len(micro)
+        if d.mesh.distributed:  # every rank runs as many forwards as the busiest: each gathers weights (FSDP, EP)
+            micro += [self._empty_micro_batch() for _ in range(max(d.all_gather_objects(real)) - real)]
+        n_items = d.sum(sum(mb["completion_mask"].sum() for mb in micro))
+        rows = d.sum_floats(sum(mb["input_ids"].shape[0] for mb in micro[:real]))[0]
+        loss_cfg = dataclasses.replace(self.loss_cfg, gradient_accumulation_steps=1 if d.mesh.distributed else len(micro))
         with torch.no_grad():
             for mb in micro:
                 if self.ref_model is not None:
@@ -398,39 +478,58 @@ class GRPOTrainer:
                 if cfg.old_logprobs == "trainer":
                     mb["old_logprobs"] = self._logprobs(model, mb)[0]
         model.train()
-        sums: dict = {}
-        diffs, lrs = [], []
+        zero = lambda: torch.zeros((), device=self.device)  # noqa: E731
+        acc = {"loss": zero(), "aux_loss": zero(), "diff_sum": zero(), "diff_count": zero()}
+        diff_max, grad_norms, lrs = zero(), [], []
         for it in range(cfg.num_iterations):
             self.optimizer.zero_grad(set_to_none=True)
-            step_loss = 0.0
-            for mb in micro:
+            step_loss = zero()
+            for j, mb in enumerate(micro):
                 (lp, ent), router_logits = self._logprobs(model, mb, entropy=True)
                 mask = mb["completion_mask"]
                 if it == 0:
-                    d = ((lp.detach() - mb["old_logprobs"]).abs() * mask)
-                    diffs.append((d.sum(), mask.sum(), d.max()))
+                    diff = (lp.detach() - mb["old_logprobs"]).abs() * mask
+                    acc["diff_sum"] += diff.sum()
+                    acc["diff_count"] += mask.sum()
+                    diff_max = torch.maximum(diff_max, diff.max())
                 loss, lm = policy_loss(lp, mb["old_logprobs"], mb["advantages"], mask,
                                        ref_logprobs=mb.get("ref_logprobs"), entropy=ent, num_items_in_batch=n_items,
-                                       config=dataclasses.replace(self.loss_cfg, gradient_accumulation_steps=len(micro)))
-                aux = torch.zeros((), device=self.device)
+                                       config=loss_cfg)
+                loss = loss * self._loss_share(mb, rows, len(micro))
+                aux = zero()
                 if router_logits and cfg.lambda_aux > 0:
-                    aux = model.load_balancing_loss(router_logits, mb["attention_mask"]) / len(micro)
+                    aux = model.load_balancing_loss(router_logits, mb.get("router_mask", mb["attention_mask"]),
+                                                    group=d.group) / len(micro)
                     loss = loss + cfg.lambda_aux * aux
                 loss.backward()
-                step_loss += float(loss.detach())
-                # loss and aux are already / len(micro): their sum over micro-batches is the step's
-                for k, v in {"loss": loss.detach() * len(micro), "aux_loss": aux.detach() * len(micro), **lm}.items():
-                    sums[k] = sums.get(k, 0.0) + float(v) / (len(micro) * cfg.num_iterations)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
-            sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(grad_norm) / cfg.num_iterations
+                step_loss += loss.detach()
+                # loss and aux are this micro-batch's share of the step: their sums are the step's
+                acc["aux_loss"] += aux.detach()
+                for k, v in lm.items():  # means over the real micro-batches
+                    acc[k] = acc.get(k, zero()) + v * (j < real)
+            grad_norm = d.clip_grad_norm_(self.trainable, cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
+            step_loss = d.sum(step_loss)  # the global step's, so every rank's guard decides alike
+            acc["loss"] += step_loss / d.world_size  # summed over ranks below with the rest
+            grad_norms.append(grad_norm)
             lrs.append(self.scheduler.get_last_lr()[0])  # the lr this optimizer step uses
-            self.guard.step(self.optimizer, step_loss, grad_norm, f"step {self.step + 1}, pass {it + 1}")
+            if self.guard.step(self.optimizer, step_loss, grad_norm, f"step {self.step + 1}, pass {it + 1}") and self.master:
+                self.master.copy_to_model()
             self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)  # the rollouts never share memory with gradients (train.plan)
         model.eval()
-        total = sum(float(d[0]) for d in diffs)
-        count = sum(float(d[1]) for d in diffs)
-        sums["logprob_diff/mean"] = total / max(count, 1.0)
-        sums["logprob_diff/max"] = max(float(d[2]) for d in diffs)
+        if self.infer is not None:  # the rollout decoder's copy follows the update
+            d.refresh_copy(model, self.infer)
+        keys = sorted(acc)
+        totals = dict(zip(keys, d.sum(torch.stack([acc[k].float() for k in keys])).tolist()))
+        real_micro = d.sum_floats(real)[0] * cfg.num_iterations
+        sums = {k: totals[k] / max(real_micro, 1) for k in keys
+                if k not in ("loss", "aux_loss", "diff_sum", "diff_count", "log_ratio/clamped")}
+        sums["log_ratio/clamped"] = totals["log_ratio/clamped"]  # a count over the step's passes
+        sums["loss"] = totals["loss"] / cfg.num_iterations
+        sums["aux_loss"] = totals["aux_loss"] / cfg.num_iterations
+        sums["grad_norm"] = float(torch.stack(grad_norms).float().mean())
+        sums["logprob_diff/mean"] = totals["diff_sum"] / max(totals["diff_count"], 1.0)
+        sums["logprob_diff/max"] = max(d.all_gather_objects(float(diff_max)))
         sums["time/update_s"] = time.perf_counter() - t0
         sums["lr"] = sum(lrs) / len(lrs)  # what the step's passes used (not the next step's, as the scheduler now has)
         sums["nonfinite_steps"] = self.guard.skipped
@@ -445,31 +544,41 @@ class GRPOTrainer:
         # its decoder attaches its own KV cache to the shared attention layers: ours must be released
         # first (it comes back, re-attached, at the next rollout); it releases its own when done
         self.rollouts.release()
-        return evaluate(self.model, self.tokenizer, self.eval_records, self.judge, self.cfg.eval_max_new_tokens,
+        return evaluate(self.infer or self.model, self.tokenizer, self.eval_records, self.judge, self.cfg.eval_max_new_tokens,
                         self.cfg.eval_temperature, self.cfg.seed, progress=False, label=label,
                         samples=self.cfg.eval_samples)
 
     # -- the loop -----------------------------------------------------------------------------------
     def train_step(self, step: int) -> dict:
         batch, m = self.rollout_phase(step)
-        if batch is None:  # every group had zero variance and was dropped
+        if not self.dist.sum_floats(int(batch is not None))[0]:  # every group had zero variance and was dropped
             m.update({"skipped_update": 1})
         else:
             m.update(self.update_phase(batch))
-        tokens = 0 if batch is None else float(batch["completion_mask"].sum())
+        tokens = self.dist.sum_floats(0.0 if batch is None else float(batch["completion_mask"].sum()))[0]
         m["tokens_per_s"] = tokens / max(m["time/rollout_s"] + m.get("time/update_s", 0.0), 1e-9)
         return m
 
+    def trained_model(self):
+        """A context giving the model with its trained weights: the fp32 masters under bf16 (what checkpoints
+        and the export hold, so a resumed run continues from them exactly), else the model itself."""
+        return self.master.fp32_model() if self.master else contextlib.nullcontext(self.model)
+
     def save(self, step: int) -> str:
-        return save_checkpoint(self.ckpt_root, step, self.model, self.optimizer,
-                               self.scheduler, {"ref_lengths": self.ref_lengths, "start_model": self.start_model,
-                                                "before": self.before, "nonfinite_steps": self.guard.skipped},
-                               keep_last=self.cfg.keep_last, save_model=lambda m, p: save_model(m, p, tokenizer=self.tokenizer))
+        """An atomic checkpoint: one process's HF-layout one, or under torchrun the sharded one."""
+        with self.trained_model() as model:
+            return self.dist.save_checkpoint(self.ckpt_root, step, model, self.optimizer, self.scheduler,
+                                             {"ref_lengths": self.ref_lengths, "start_model": self.start_model,
+                                              "before": self.before, "nonfinite_steps": self.guard.skipped},
+                                             self.cfg.keep_last,
+                                             save_model=lambda m, p: save_model(m, p, tokenizer=self.tokenizer))
 
     def train(self, evaluate: bool = True) -> dict:
         cfg = self.cfg
         evaluate = evaluate and bool(self.eval_records)  # --eval_rooms 0 (no --eval_data): no table
-        save_config(cfg, cfg.output_dir)
+        evaluate = evaluate and self.dist.is_main  # under torchrun rank 0 evaluates its gathered copy
+        if self.dist.is_main:
+            save_config(cfg, cfg.output_dir)
         self.compute_reference_lengths()
         if evaluate and self.before is None:
             self.before = self.evaluate("start (RFT student)")
@@ -491,7 +600,12 @@ class GRPOTrainer:
                 self.save(self.step)
         self.save(self.step)
         export = cfg.export_dir or os.path.join(cfg.output_dir, "final")
-        save_model(self.model, export, tokenizer=self.tokenizer)
+        if self.dist.mesh.distributed:
+            self.dist.export(self.model, export, self.tokenizer)  # gathered, written by rank 0
+            self.dist.close()
+        else:
+            with self.trained_model() as model:
+                save_model(model, export, tokenizer=self.tokenizer)
         self.metrics.close(plot=cfg.plot)
         summary = {"steps": self.step, "train_minutes": (time.time() - t_start) / 60, "export": export,
                    "start_model": self.start_model, "last": {k: float(v) for k, v in (last or {}).items()}}
@@ -502,8 +616,9 @@ class GRPOTrainer:
             summary.update(before=_brief(self.before), after=_brief(after), **tpr_change(self.before, after))
             table = write_eval(cfg.output_dir, [self.before, after])  # eval_table.md, eval.json
             print(f"\n{table}\n{summary['change']}\n", flush=True)
-        with open(os.path.join(cfg.output_dir, "summary.json"), "w") as f:
-            json.dump(_rounded(summary), f, indent=1)
+        if self.dist.is_main:
+            with open(os.path.join(cfg.output_dir, "summary.json"), "w") as f:
+                json.dump(_rounded(summary), f, indent=1)
         return summary
 
 
@@ -531,7 +646,6 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
 
     def body():
-        distributed.require_one_process("python -m train.grpo")
         cfg = parse_config(GRPOConfig, argv, description=__doc__.split("\n")[0], prog="python -m train.grpo")
         if cfg.progress:
             print("GRPO config:\n" + format_config(cfg), flush=True)

@@ -13,7 +13,9 @@ and the aggregation over the completion mask:
     bnpo    sum over tokens / number of active tokens in this batch     / gradient_accumulation_steps
     dr_grpo sum over tokens / (B * max_completion_length)               / gradient_accumulation_steps
     dapo    sum over tokens / num_items_in_batch (active tokens of the whole accumulated batch)
-so summing the losses of the micro-batches of one optimizer step gives the step's loss. delta (TRL's
+so summing the losses of the micro-batches of one optimizer step gives the step's loss. Log ratios (and the
+KL's) are clamped to ±10 before exp(), as torchtitan does, so one stale token cannot overflow a step; the
+clamps are counted ("log_ratio/clamped"). delta (TRL's
 two-sided clip) is the dual clip c for negative advantages: with delta > 1 + epsilon_high it changes
 only tokens with A < 0 and w > delta, whose loss becomes -delta * A with no gradient.
 """
@@ -26,6 +28,7 @@ import torch
 from kernels.logprobs import fused_linear_logprobs
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+LOG_RATIO_CLAMP = 10.0  # |log ratio| beyond this is clamped before exp(), as torchtitan does
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
 
@@ -99,8 +102,9 @@ def policy_loss(logprobs, old_logprobs, advantages, completion_mask, *, ref_logp
     gradient_accumulation_steps=).
 
     Returns (loss, metrics): metrics are detached 0-d tensors (no host sync): "clip_ratio/low_mean",
-    "clip_ratio/high_mean", "clip_ratio/region_mean", "ratio/mean", and "kl" (beta > 0) and "entropy"
-    (when given).
+    "clip_ratio/high_mean", "clip_ratio/region_mean", "ratio/mean", "log_ratio/clamped" (how many log ratios were
+    beyond ±LOG_RATIO_CLAMP and clamped before exp(); the KL's log ratio is clamped alike, uncounted), and "kl"
+    (beta > 0) and "entropy" (when given).
     """
     cfg = make_policy_loss_config(config, **options)
     if logprobs.dim() != 2:
@@ -129,13 +133,15 @@ def policy_loss(logprobs, old_logprobs, advantages, completion_mask, *, ref_logp
         log_weights = log_ratio
     else:
         log_weights = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
-    coef_1 = torch.exp(log_weights)
+    # one stale or corrupt token must not overflow exp() and end a run: clamped (no gradient there) and counted
+    clamped = (log_weights.detach().abs() > LOG_RATIO_CLAMP) * (mask if log_weights.shape == mask.shape else 1.0)
+    coef_1 = torch.exp(log_weights.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     coef_2 = torch.clamp(coef_1, 1 - cfg.epsilon_low, 1 + cfg.epsilon_high)
     unclipped = coef_1 if cfg.delta is None else torch.clamp(coef_1, max=cfg.delta)
     per_token_loss = -torch.min(unclipped * adv, coef_2 * adv)
     per_token_kl = None
     if cfg.beta != 0.0:
-        diff = ref_logprobs.float() - logprobs
+        diff = (ref_logprobs.float() - logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         per_token_kl = torch.exp(diff) - diff - 1
         per_token_loss = per_token_loss + cfg.beta * per_token_kl
 
@@ -160,6 +166,7 @@ def policy_loss(logprobs, old_logprobs, advantages, completion_mask, *, ref_logp
             "clip_ratio/high_mean": _masked_mean(is_high.float(), mask),
             "clip_ratio/region_mean": _masked_mean((is_low | is_high).float(), mask),
             "ratio/mean": _masked_mean(coef_1, mask),
+            "log_ratio/clamped": clamped.sum(),  # a count (tokens, or sequences at sequence level): sum, not mean
         }
         if per_token_kl is not None:
             metrics["kl"] = _masked_mean(per_token_kl, mask)

@@ -13,7 +13,8 @@ Estimates, stated as such: the bf16 working set FSDP gathers (the root unit of e
 head, held through forward and backward; two decoder layers, the one computing and the one prefetched; one
 layer's unsharded gradient in bf16 and its fp32 reduce-scatter input); activations saved for backward per
 micro-batch (with and without gradient checkpointing, which keeps each layer's input and recomputes one layer
-at a time); for GRPO the rollout engine's weights (`gathered`: a full bf16 inference copy refreshed after each
+at a time); for GRPO, whose peak is the larger of its two phases (rollouts: no gradients, no FSDP working set
+or activations; the update: no KV cache, which the trainer releases), the rollout engine's weights (`gathered`: a full bf16 inference copy refreshed after each
 step, as verl's hybrid engine; `sharded`: generation through the FSDP module, nothing extra), its KV cache for
 the rank's rollouts at seq_len, and the frozen reference model (bf16, sharded like the policy); and a fixed
 reserve for the CUDA context and allocator fragmentation. GB = 1e9 bytes.
@@ -168,7 +169,12 @@ def plan(cfg: ModelConfig, run: PlanConfig) -> dict:
     per_gpu["reserve"] = int(run.reserve_gb * GB)
     activations = "activations_checkpointing" if run.gradient_checkpointing else "activations_no_checkpointing"
     counted = [k for k in per_gpu if not k.startswith("activations_")] + [activations]
-    total = sum(per_gpu[k] for k in counted)
+    phases = {"step": counted}
+    if run.trainer == "grpo":  # train.grpo never holds both: the peak is the larger phase
+        phases = {"rollout": [k for k in counted if k not in ("gradients_fp32", "fsdp_gathered_bf16", activations)],
+                  "update": [k for k in counted if k != "rollout_kv_cache_bf16"]}
+    phase_bytes = {name: sum(per_gpu[k] for k in keys) for name, keys in phases.items()}
+    total = max(phase_bytes.values())
     return {
         "model": {"params_total": total_params, "params_experts": expert_params, "num_experts": cfg.num_experts,
                   "layers": L},
@@ -178,6 +184,8 @@ def plan(cfg: ModelConfig, run: PlanConfig) -> dict:
         "per_gpu_params": {"total": numel, "experts": expert_numel, "tensors": tensors},
         "per_gpu_bytes": per_gpu,
         "counted": counted,
+        "phases": phases,
+        "phase_bytes": phase_bytes,
         "total_bytes": total,
         "total_gb": round(total / GB, 2),
         "gpu_mem_gb": run.gpu_mem_gb,
@@ -194,6 +202,9 @@ def format_table(report: dict) -> str:
     for key, value in report["per_gpu_bytes"].items():
         lines.append(f"{key:32}{value / GB:>10.2f}  {'yes' if key in report['counted'] else ''}")
     verdict = "fits" if report["fits"] else "does NOT fit"
+    if len(report["phases"]) > 1:
+        lines.append("phases (the peak is the larger): " + ", ".join(
+            f"{name} {b / GB:.2f}" for name, b in report["phase_bytes"].items()))
     lines.append(f"{'total':32}{report['total_gb']:>10.2f}  {verdict} in {report['gpu_mem_gb']} GB")
     return "\n".join(lines)
 

@@ -23,7 +23,7 @@ import time
 import torch
 
 from train import distributed
-from train.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+from train.checkpoint import load_checkpoint, model_dir
 from train.config import RFTConfig, format_config, parse_config, run_cli, save_config
 from train.data import build_prompt, load_jsonl, write_jsonl
 from train.nonfinite import NonFiniteGuard
@@ -238,7 +238,7 @@ def train(cfg: RFTConfig, model, tokenizer, kept: list, device, resume_from=None
     start_step, micro_done = 0, 0
     guard = NonFiniteGuard(cfg.max_nonfinite_steps)
     if resume_from:
-        state = load_checkpoint(resume_from, optimizer, scheduler)
+        state = load_checkpoint(resume_from, optimizer, scheduler, model=model, comm=dist)
         start_step, micro_done = state["step"], state["micro_batches_done"]
         guard.skipped = state.get("nonfinite_steps", 0)
         log(f"resumed from {resume_from}: step {start_step}, {micro_done} micro-batches done")
@@ -268,17 +268,17 @@ def train(cfg: RFTConfig, model, tokenizer, kept: list, device, resume_from=None
             raise ValueError(f"step {step + 1}: the batch has no target token (every completion token is masked)")
         if dist.mesh.distributed:  # the normalizer above is the global batch's; each rank computes its share
             batches = [collate(dist.local_share(g), tokenizer.pad_token_id, device) for g in group]
-        loss_sum = aux_sum = 0.0
+        figures = torch.zeros(3, dtype=torch.float64, device=device)  # loss, aux loss, tokens: summed on the device
         for b in batches:
             total, loss, aux = sft_step_loss(model, b, normalizer, cfg.lambda_aux, cfg.grad_accum, autocast,
                                              dist.group)
             total.backward()
-            loss_sum, aux_sum = loss_sum + loss.item(), aux_sum + aux.item() / cfg.grad_accum
+            figures += torch.stack([loss, aux / cfg.grad_accum, b["attention_mask"].sum()]).double()
         grad_norm = dist.clip_grad_norm_(model.parameters(), cfg.max_grad_norm if cfg.max_grad_norm > 0
                                          else float("inf"))
-        tokens = sum(int(b["attention_mask"].sum()) for b in batches)
-        if dist.mesh.distributed:  # the global step's figures (every rank's guard then decides alike)
-            loss_sum, aux_sum, tokens = dist.sum_floats(loss_sum, aux_sum, tokens)
+        # the global step's figures (every rank's guard then decides alike), on the host once per step
+        loss_sum, aux_sum, tokens = dist.sum(figures).tolist()
+        tokens = int(tokens)
         lr = scheduler.get_last_lr()[0]
         guard.step(optimizer, loss_sum, grad_norm, f"step {step + 1}")
         scheduler.step()
@@ -290,12 +290,11 @@ def train(cfg: RFTConfig, model, tokenizer, kept: list, device, resume_from=None
                         tokens_per_s=tokens / dt, tokens=tokens, nonfinite_steps=guard.skipped)
         bar.set_postfix(loss=f"{loss_sum:.3f}", aux=f"{aux_sum:.3f}", tok_s=f"{tokens / dt:.0f}")
         bar.update(1)
-        if not dist.mesh.distributed and ((cfg.save_every and (step + 1) % cfg.save_every == 0)
-                                          or step + 1 == total_steps):
-            save_checkpoint(ckpt_root, step + 1, model, optimizer, scheduler,
-                            {"micro_batches_done": micro_done, "total_steps": total_steps,
-                             "nonfinite_steps": guard.skipped}, tokenizer=tokenizer,
-                            keep_last=cfg.keep_last, save_model=_save_model)
+        if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == total_steps:
+            dist.save_checkpoint(ckpt_root, step + 1, model, optimizer, scheduler,
+                                 {"micro_batches_done": micro_done, "total_steps": total_steps,
+                                  "nonfinite_steps": guard.skipped}, cfg.keep_last, tokenizer=tokenizer,
+                                 save_model=_save_model)
     bar.close()
     metrics.close(plot=cfg.plot)
     model.eval()
@@ -330,7 +329,7 @@ def _run(cfg: RFTConfig) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = dist.device(resolve_device(cfg))
-    resume_from = resolve_resume(cfg.resume, os.path.join(cfg.output_dir, "checkpoints"))
+    resume_from = dist.resolve_resume(cfg.resume, os.path.join(cfg.output_dir, "checkpoints"))
     train_inputs, held_out = load_inputs(cfg)
     judge = make_judge(cfg)
 
@@ -346,8 +345,8 @@ def _run(cfg: RFTConfig) -> dict:
         raise ValueError(f"--model {cfg.model}: the checkpoint has no tokenizer (tokenizer.json)")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = engine.load_model(os.path.join(resume_from, "model") if resume_from else cfg.model,
-                              dtype=torch.float32, device=device)
+    # a sharded checkpoint's weights load in train(), into the sharded model
+    model = engine.load_model(model_dir(resume_from) or cfg.model, dtype=torch.float32, device=device)
 
     rows = []
     eval_kw = dict(max_new_tokens=cfg.eval_max_new_tokens, temperature=cfg.eval_temperature, seed=cfg.seed,
