@@ -158,7 +158,7 @@ def test_jsonl_round_trip_and_bad_lines_named(tmp_path):
 
 
 def test_encoded_session_spans_hold_each_decision_and_the_end_token():
-    from tests.tiny_tokenizer import train_tokenizer
+    from tiny_tokenizer import train_tokenizer
 
     tok = train_tokenizer()
     s = make_sessions(1, seed=0)[0]

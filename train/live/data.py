@@ -6,7 +6,7 @@ One session per line:
      "system": "you are the live assistant ...",                       the session's system prompt
      "products": [{"link": 3, "name": "pork zongzi", "attributes": {"price": "39 yuan", ...}}],   optional
      "intervals": [
-        {"t": 10,                                                       seconds into the stream (optional)
+        {"t": 10,                                     seconds into the stream (optional: 10 x its 1-based index)
          "events": [{"type": "comment", "user": "amy", "text": "how much is link 3?"}, ...],
                                                                         or one preformatted string
          "decision": {"kind": "ANS", "recipient": "amy", "task": "answer",
@@ -39,6 +39,9 @@ def check_session(s, where: str) -> dict:
         at = f"{where} intervals[{i}]"
         if not isinstance(iv, dict) or "events" not in iv or not isinstance(iv.get("decision"), dict):
             raise DataError(f"{at}: an interval needs events and a decision object")
+        t = iv.get("t")
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0):
+            raise DataError(f"{at}: t must be a number of seconds >= 0, got {t!r}")
         try:
             render_events(iv["events"])
             d = iv["decision"]
@@ -85,6 +88,12 @@ class EncodedSession:
     kinds: list  # the gold kind of each interval
 
 
+def interval_time(interval: dict, index: int, interval_s: float = 10.0) -> float:
+    """The interval's time as the context shows it: its "t", else interval_s apart from interval_s."""
+    t = interval.get("t")
+    return (index + 1) * interval_s if t is None else t
+
+
 def encode_session(session: dict, tokenizer, eos_id: int, decisions: list | None = None) -> EncodedSession:
     """The session's token ids as a LiveSession would see them (no compaction). decisions: per interval
     the decision text to put in context (default: the gold ones)."""
@@ -93,7 +102,7 @@ def encode_session(session: dict, tokenizer, eos_id: int, decisions: list | None
     ids = encode(tokenizer, system_segment(session["system"]))
     spans, kinds = [], []
     for i, iv in enumerate(session["intervals"]):
-        ids += encode(tokenizer, interval_segment(render_events(iv["events"], iv.get("t")), after_decision=i > 0))
+        ids += encode(tokenizer, interval_segment(render_events(iv["events"], interval_time(iv, i)), after_decision=i > 0))
         text = decision_text(iv) if decisions is None else decisions[i]
         start = len(ids)
         ids += encode(tokenizer, text) + [eos_id]
