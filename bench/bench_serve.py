@@ -116,10 +116,11 @@ def report(n: int, max_tokens: int, samples: dict) -> None:
         for q in (0.5, 0.9, 0.99):
             record(suite="serve", case=f"{what} p{int(q * 100)} {case}", metric="ms",
                    ours=1e3 * percentile(vals["server"], q), baseline=1e3 * percentile(vals["direct"], q),
-                   baseline_name="AsyncLLM.generate direct", extra={"streams": n, "samples": len(vals["server"])})
+                   baseline_name="AsyncLLM.generate direct", kind="overhead",
+                   extra={"streams": n, "samples": len(vals["server"])})
     # tokens per second across all streams, from each path's own mean TPOT
     for k in ("server", "direct"):
         tpots = [s[1] for s in samples[k] if s[1] is not None]
         samples[k + "_tps"] = n / statistics.mean(tpots) if tpots else 0.0
     record(suite="serve", case=f"decode throughput {case}", metric="tok/s", ours=samples["server_tps"],
-           baseline=samples["direct_tps"], baseline_name="AsyncLLM.generate direct", higher_is_better=True)
+           baseline=samples["direct_tps"], baseline_name="AsyncLLM.generate direct", higher_is_better=True, kind="overhead")

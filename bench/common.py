@@ -32,6 +32,13 @@ class Row:
     higher_is_better: bool = False
     floor: float | None = None  # the hardware bound for this case, same unit (GPU only)
     extra: dict = field(default_factory=dict)
+    # what the baseline comparison means: "speedup" (ours against another implementation), "overhead" (a
+    # layer of ours against the same work without it: ours is the cost) or "reproduction" (our figure
+    # against a published one: the closer to 1, the better)
+    kind: str = "speedup"
+
+    def __post_init__(self):
+        assert self.kind in ("speedup", "overhead", "reproduction"), self.kind
 
     @property
     def speedup(self) -> float | None:
@@ -39,6 +46,17 @@ class Row:
         if self.baseline is None or self.ours == 0 or self.baseline == 0:
             return None
         return self.ours / self.baseline if self.higher_is_better else self.baseline / self.ours
+
+    @property
+    def reading(self) -> str:
+        """The comparison in words, as its kind reads."""
+        if self.speedup is None:
+            return ""
+        if self.kind == "overhead":
+            return f"{100 * (1 / self.speedup - 1):+.0f}% cost"
+        if self.kind == "reproduction":
+            return f"{self.ours / self.baseline:.3f} of it ({100 * (self.ours / self.baseline - 1):+.1f}%)"
+        return f"{self.speedup:.2f}x better" if self.speedup >= 1 else f"{1 / self.speedup:.2f}x worse"
 
 
 def record(**kw) -> Row:
@@ -160,37 +178,32 @@ def _write_tables(mode: str) -> list[str]:
     with open(paths[1], "w") as f:
         f.write(f"# livemoe benchmarks ({mode} mode)\n\n")
         f.write(", ".join(f"{k} {v}" for k, v in env.items()) + "\n\n")
-        f.write("| suite | case | metric | ours | baseline | vs | ours better by | of floor |\n")
+        f.write("| suite | case | metric | ours | baseline | vs | reads as | of floor |\n")
         f.write("| --- | --- | --- | ---: | ---: | --- | ---: | ---: |\n")
         for r in ROWS:
             base = "" if r.baseline is None else f"{r.baseline:.4g}"
-            sp = "" if r.speedup is None else f"{r.speedup:.2f}x"
             fl = "" if r.floor is None or not r.ours else f"{(r.ours / r.floor if r.higher_is_better else r.floor / r.ours):.0%}"
-            f.write(f"| {r.suite} | {r.case} | {r.metric} | {r.ours:.4g} | {base} | {r.baseline_name} | {sp} | {fl} |\n")
+            f.write(f"| {r.suite} | {r.case} | {r.metric} | {r.ours:.4g} | {base} | {r.baseline_name} | {r.reading} | {fl} |\n")
     return paths
 
 
 def write_results(mode: str) -> list[str]:
-    """The session's end: the tables with their mode, and a PNG chart of the ratios (where matplotlib is)."""
+    """The session's end: the tables with their mode, and results.png (bench.plot; where matplotlib is)."""
     if not ROWS:
         return []
-    paths = _write_tables(mode) + [os.path.join(OUT_DIR, "results.png")]
+    paths = _write_tables(mode)
     try:
-        import matplotlib
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return paths
+    from bench.plot import draw_results
 
-        matplotlib.use("Agg")
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    fig = draw_results(ROWS, f"livemoe benchmarks, {mode} mode, {device}, {time.strftime('%Y-%m-%d')}")
+    if fig is not None:
         import matplotlib.pyplot as plt
 
-        ranked = [r for r in ROWS if r.speedup is not None]
-        fig, ax = plt.subplots(figsize=(9, 0.35 * len(ranked) + 1.5))
-        labels = [f"{r.suite}: {r.case} ({r.metric})" for r in ranked]
-        ax.barh(labels, [r.speedup for r in ranked], color=["tab:green" if r.speedup >= 1 else "tab:red" for r in ranked])
-        ax.axvline(1.0, color="k", lw=0.8)
-        ax.set_xlabel("ours better than baseline by (x)")
-        ax.set_title(f"livemoe benchmarks, {mode} mode, {torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}")
-        fig.tight_layout()
-        fig.savefig(paths[2], dpi=100)
+        paths.append(os.path.join(OUT_DIR, "results.png"))
+        fig.savefig(paths[-1], dpi=100)
         plt.close(fig)
-    except ImportError:
-        paths.pop()
     return paths

@@ -1,5 +1,10 @@
 """`pytest bench/ --benchmark` runs the suites at full size; plain `pytest bench/` is a quick smoke mode
-that CI runs so the suites cannot rot."""
+that CI runs so the suites cannot rot.
+
+Our figures are in bench/out/results.{md,json,png} (printed at the end). pytest-benchmark's own table
+is off by default: each suite hands its fixture one timed call (rounds=1 in quick mode and for the
+minutes-long decode and serve cases), so that table would print "1 round, stddev 0" rows beside ours.
+`--benchmark-enable` brings it back (with its rounds where a suite gives several)."""
 import os
 import sys
 
@@ -15,6 +20,14 @@ from fixtures import one_thread  # noqa: E402,F401  (shared fixture)
 def pytest_addoption(parser):
     parser.addoption("--benchmark", action="store_true", default=False,
                      help="run the benchmark suites at full size (default: quick smoke mode)")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    # before pytest-benchmark's own pytest_configure reads the option; --benchmark-only needs it enabled
+    enable = config.getoption("benchmark_enable", default=None)
+    if enable is not None and not enable and not config.getoption("benchmark_only", default=False):
+        config.option.benchmark_disable = True
 
 
 @pytest.fixture(scope="session")

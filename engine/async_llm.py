@@ -21,7 +21,7 @@ import threading
 from collections import deque
 from itertools import count
 
-from engine.llm import LLM
+from engine.llm import LLM, apply_threads
 from engine.outputs import RequestOutput
 from engine.sampling import SamplingParams
 from engine.streaming import OutputDeltas, StreamDelta
@@ -30,8 +30,9 @@ log = logging.getLogger(__name__)
 
 
 class EngineError(RuntimeError):
-    """The engine ended a request that the caller did not stop (a step failed: the requests in flight end
-    with this, and the loop goes on serving new ones)."""
+    """The engine ended a request that the caller did not stop: a fault of its own in a step (it alone ends
+    with this), or a step that failed as a whole (the requests in flight end with this); the loop goes on
+    serving new ones."""
 
 
 class EngineDeadError(EngineError):
@@ -189,6 +190,7 @@ class AsyncLLM:
 
     def _run(self) -> None:
         llm = self.llm
+        apply_threads(llm.threads)  # this thread's own OpenMP setting
         try:
             while True:
                 if not self._apply_commands(block=not llm.has_unfinished_requests()):
@@ -202,6 +204,7 @@ class AsyncLLM:
                         outputs = []
                     self._stats = llm.stats()
                     self._deliver(outputs)
+                    self._fail_some(llm.take_failed())
         except BaseException as e:  # noqa: BLE001 (the thread must report, whatever it was)
             log.exception("the engine loop died")
             self._dead = e
@@ -270,6 +273,16 @@ class AsyncLLM:
                     if not out.finished:
                         self._streams.pop(stream.request_id, None)
                         self.llm.abort(stream.request_id)
+
+    def _fail_some(self, failed: dict[str, str]) -> None:
+        """Ends the streams of requests the engine failed alone (after their earlier outputs)."""
+        for rid, why in failed.items():
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                try:
+                    stream.loop.call_soon_threadsafe(stream._put, EngineError(f"request {rid} failed: {why}"))
+                except RuntimeError:
+                    pass
 
     def _fail_all(self, error: BaseException) -> None:
         streams, self._streams = self._streams, {}

@@ -27,6 +27,13 @@ class EngineConfig:
     max_graph_batch_size: int = 256  # largest decode batch captured in a CUDA graph
     attention_backend: str = "auto"  # auto: Triton on CUDA, csrc/paged_attention.cpp on CPU; "reference": PyTorch
     seed: int = 0  # the generator of requests that give no seed
+    # a request's running sequences beyond this yield their seats to other requests' waiting ones (preempted,
+    # recomputed later), so a request with a large n cannot starve a small one; alone, a request uses every seat
+    max_running_seqs_per_request: int = 32
+    # torch CPU threads (0: torch's default). None: 1 for an engine that loads its checkpoint (measured fastest
+    # for CPU decode of small models on a shared 2-core machine; the trainers' default too), and the caller's
+    # setting for LLM.from_model (a trainer sets its own). Raise it on a dedicated many-core host
+    threads: int | None = None
     use_tqdm: bool = True  # progress bar in generate() for batches of more than 16 prompts
 
     def __post_init__(self):
@@ -39,7 +46,7 @@ class EngineConfig:
                 fail(f"{name} must be a positive integer, got {value!r}")
 
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes",
-                     "max_graph_batch_size"):
+                     "max_graph_batch_size", "max_running_seqs_per_request"):
             positive_int(name)
         for name in ("max_model_len", "num_kv_blocks"):
             if getattr(self, name) is not None:
@@ -50,6 +57,9 @@ class EngineConfig:
             fail(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             fail(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.threads is not None and (not isinstance(self.threads, int) or isinstance(self.threads, bool)
+                                         or self.threads < 0):
+            fail(f"threads must be an integer >= 0 (0: torch's default), got {self.threads!r}")
         if not isinstance(self.seed, int):
             fail(f"seed must be an integer, got {self.seed!r}")
 

@@ -8,9 +8,14 @@ In-process use by a trainer (no weight copy): `LLM.from_model(model, tokenizer)`
 released around a training update (`release_kv_cache()`, or `with llm.kv_cache_released(): ...`) and
 comes back at the next step. Cached prefixes are dropped automatically when the weights change (any
 in-place update of a parameter bumps its version counter, which each step checks).
+
+A step that fails because of one request (its row gives non-finite logits, or cannot be sampled or
+detokenized) ends that request alone (`take_failed()` says which, and why); the others go on. The
+engine sets torch's CPU thread count (EngineConfig.threads) when it is built.
 """
 import contextlib
 import logging
+import math
 import time
 from itertools import count
 
@@ -20,14 +25,18 @@ from engine import flops
 from engine.block_manager import BlockManager
 from engine.detokenizer import IncrementalDetokenizer
 from engine.engine_config import EngineConfig
+from engine.errors import RequestFailedError
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from engine.sampler import Sampler
+from engine.prompts import chat_prompt_ids, encode_text
+from engine.sampler import SampleResult, Sampler
 from engine.sampling import RequestError, SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
+
+DEFAULT_THREADS = 1  # CPU decode of small models: 0.8-1.2 ms/step with 1 thread, 7-30 with 2 (shared 2-core host)
 
 
 class Request:
@@ -47,13 +56,18 @@ class LLM:
         from engine.loader import load_model, load_tokenizer
 
         config = EngineConfig.from_options(**options)  # bad options fail before the weights load
+        self.threads = DEFAULT_THREADS if config.threads is None else config.threads
+        apply_threads(self.threads)  # before loading: the loader's copies run on them too
         self._setup(load_model(model_path, dtype=dtype, device=device), load_tokenizer(model_path), config)
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, tokenizer=None, **options) -> "LLM":
         """An engine over an existing module (shared, not copied: the trainer's updates are seen)."""
         llm = cls.__new__(cls)
-        llm._setup(model, tokenizer, EngineConfig.from_options(**options))
+        config = EngineConfig.from_options(**options)
+        llm.threads = config.threads or 0  # None: the caller's (a trainer's) setting stays
+        apply_threads(llm.threads)
+        llm._setup(model, tokenizer, config)
         return llm
 
     def _setup(self, model, tokenizer, config: EngineConfig):
@@ -80,6 +94,10 @@ class LLM:
         self._flops_per_token = flops.decode_flops(model.config, 1)
         self.num_steps = 0
         self.num_prefix_cache_resets = 0
+        self.failed: dict[str, str] = {}  # request id -> why the engine ended it (see take_failed)
+        self.num_failed_requests = 0
+        self.num_nonfinite_logits_steps = 0
+        self.last_logits_finite = True  # whether the last step that sampled got finite logits on every row
         self.reserve_kv_cache()
 
     # -- KV cache lifetime --------------------------------------------------------------------------
@@ -91,7 +109,8 @@ class LLM:
         num_blocks = num_blocks or self.runner.budget_num_blocks()
         self.runner.allocate_kv_cache(num_blocks)
         self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens,
+                                   self.config.max_running_seqs_per_request)
         self._weights_version = self._param_version()
 
     def release_kv_cache(self) -> None:
@@ -123,7 +142,7 @@ class LLM:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError("a text prompt needs a tokenizer, and this checkpoint has none; pass token ids")
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, encode_text(self.tokenizer, prompt)
         if isinstance(prompt, (list, tuple)):
             return None, list(prompt)
         if isinstance(prompt, torch.Tensor) and prompt.dim() == 1:
@@ -223,19 +242,28 @@ class LLM:
                 self.model.train()
         self.scheduler.update_computed(out)
         self.num_steps += 1
-        seqs = [out.seqs[i] for i in sampling]
+        seqs = self._drop_nonfinite_rows([out.seqs[i] for i in sampling], logits)
         for seq in seqs:
             if seq.generator is None and seq.seed is not None:
-                seq.generator = torch.Generator(device=logits.device).manual_seed(seq.seed)
-        result = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
+                try:
+                    seq.generator = torch.Generator(device=logits.device).manual_seed(seq.seed)
+                except Exception as e:  # noqa: BLE001 (one request's seed: fail it alone)
+                    self._fail(seq.request_id, f"its generator could not be seeded with {seq.seed}: {e!r}")
+        seqs, result = self._sample(logits, seqs)
         now = time.perf_counter()
         # the requests to report: every sampled one, or (generate) only those a finishing seq may complete
         touched: dict[str, Request] = {}
         for seq, token, lp in zip(seqs, result.token_ids, result.logprobs):
+            if seq.request_id not in self.requests:
+                continue  # failed earlier in this step (another of its n samples)
             seq.append_token(token, now)
             if lp is not None:
                 seq.logprobs.append(lp)
-            self._check_stop(seq)
+            try:
+                self._check_stop(seq)
+            except Exception as e:  # noqa: BLE001 (e.g. its stop strings could not be detokenized)
+                self._fail(seq.request_id, f"checking its stop conditions failed: {e!r}")
+                continue
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
                 touched[seq.request_id] = self.requests[seq.request_id]
@@ -250,6 +278,60 @@ class LLM:
             elif not finished_only:
                 outputs.append(self._output(req))
         return outputs
+
+    # -- faults of one request ----------------------------------------------------------------------
+
+    def _drop_nonfinite_rows(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Sequence]:
+        """Fails the requests whose logits hold NaN or +inf (sampling them would pick garbage) and counts
+        the step (`stats()["last_logits_finite"]`: /health reports a model that produces them). A max
+        propagates NaN and shows +inf: one over the batch on the hot path (~2 us), per row only if it fails."""
+        if not seqs:
+            return seqs
+        self.last_logits_finite = math.isfinite(logits.amax().item())
+        if self.last_logits_finite:
+            return seqs
+        bad = (~torch.isfinite(logits.amax(-1))).nonzero()[:, 0].tolist()
+        self.num_nonfinite_logits_steps += 1
+        for i in bad:
+            self._fail(seqs[i].request_id, "the model produced non-finite logits (NaN or inf) for it")
+        log.error("step %d: the model produced non-finite logits for %d of %d rows", self.num_steps, len(bad),
+                  len(seqs))
+        return [seq for seq in seqs if seq.request_id in self.requests]
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[Sequence], SampleResult]:
+        """The batch sampled at once; if that fails, row by row, so only the rows that fail lose their request."""
+        rows = [i for i, seq in enumerate(seqs) if seq.request_id in self.requests]
+        if len(rows) < len(seqs):
+            seqs, logits = [seqs[i] for i in rows], logits[rows]
+        try:
+            return seqs, self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        except Exception:  # noqa: BLE001
+            log.exception("sampling a batch of %d rows failed; sampling them one by one", len(seqs))
+        kept, tokens, logprobs = [], [], []
+        for i, seq in enumerate(seqs):
+            if seq.request_id not in self.requests:
+                continue
+            try:
+                r = self.sampler(logits[i:i + 1], [seq.params], [seq.generator])
+            except Exception as e:  # noqa: BLE001
+                self._fail(seq.request_id, f"sampling failed: {e!r}")
+                continue
+            kept.append(seq)
+            tokens += r.token_ids
+            logprobs += r.logprobs
+        return kept, SampleResult(tokens, logprobs)
+
+    def _fail(self, request_id: str, why: str) -> None:
+        if self.abort(request_id):
+            log.error("request %s failed: %s", request_id, why)
+            self.failed[request_id] = why
+            self.num_failed_requests += 1
+
+    def take_failed(self) -> dict[str, str]:
+        """The requests the engine ended because of a fault of their own since the last call, and why
+        (they get no further output)."""
+        failed, self.failed = self.failed, {}
+        return failed
 
     def _check_stop(self, seq: Sequence) -> None:
         p = seq.params
@@ -358,6 +440,9 @@ class LLM:
                                 bar.update(1)
                     elif o.finished:
                         self._pending.append(o)  # someone else's: the next step() returns it
+                mine_failed = [f"{rid}: {self.failed.pop(rid)}" for rid in ids if rid in self.failed]
+                if mine_failed:
+                    raise RequestFailedError("the engine ended request(s) " + "; ".join(mine_failed))
         except BaseException:
             for rid in ids:
                 self.abort(rid)
@@ -374,16 +459,13 @@ class LLM:
         return stream(self, prompt, params, request_id)
 
     def chat(self, conversations, params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool | None = None) -> list[RequestOutput]:
+             use_tqdm: bool | None = None, special_tokens_in_content: bool = False) -> list[RequestOutput]:
         """conversations: one list of {"role", "content"} messages, or a list of them; the checkpoint's
-        chat template (with the generation prompt) makes each prompt."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise RequestError("chat needs a tokenizer with a chat template, and this checkpoint has none")
+        chat template (with the generation prompt) makes each prompt. Special tokens written inside a
+        content stay text unless special_tokens_in_content (see engine.prompts)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        # the template writes any special tokens itself: encode without adding them again
-        prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True),
-                                         add_special_tokens=False) for c in conversations]
+        prompts = [chat_prompt_ids(self.tokenizer, c, special_tokens_in_content) for c in conversations]
         return self.generate(prompts, params, use_tqdm)
 
     # -- introspection ------------------------------------------------------------------------------
@@ -404,4 +486,14 @@ class LLM:
             num_eager_fallbacks=self.runner.num_eager_fallbacks,
             num_graph_replays=self.runner.num_graph_replays,
             num_steps=self.num_steps,
+            num_failed_requests=self.num_failed_requests,
+            num_nonfinite_logits_steps=self.num_nonfinite_logits_steps,
+            last_logits_finite=self.last_logits_finite,
         )
+
+
+def apply_threads(threads: int) -> None:
+    """torch's CPU thread count for the engine (0: leave it). Process-wide; the AsyncLLM engine thread
+    calls it again (OpenMP settings are per thread until a thread's first parallel region)."""
+    if threads:
+        torch.set_num_threads(threads)

@@ -13,7 +13,6 @@ from engine.attention import Attention
 from engine.context import Context, reset_context, set_context
 from engine.engine_config import EngineConfig, EngineConfigError
 from engine.scheduler import SchedulerOutput
-from kernels.attention.decode import choose_num_splits
 
 log = logging.getLogger(__name__)
 _ARRAY_TYPECODE = {torch.long: "q", torch.int32: "i"}
@@ -212,6 +211,9 @@ class ModelRunner:
         )
 
     def _graph_context(self, b: int) -> Context:
+        # imported here: the Triton module is only there on CUDA (a CPU install may have no Triton)
+        from kernels.attention.decode import choose_num_splits
+
         v = self.graph_vars
         return Context(slot_mapping=v["slot_mapping"][:b], context_lens=v["context_lens"][:b],
                        block_tables=v["block_tables"][:b], is_decode=True, backend=self.backend,

@@ -56,13 +56,13 @@ class Sampler:
         """logits [B, V]; params and generators (None: the shared one) per row."""
         B, V = logits.shape
         assert len(params) == B == len(generators)
-        if all(p.temperature == 0.0 and p.logprobs is None for p in params):  # greedy, nothing else asked
+        if all(p.greedy and p.logprobs is None for p in params):  # greedy, nothing else asked
             return SampleResult(logits.argmax(-1).tolist(), [None] * B)
         logits = logits.float()
         device = logits.device
-        temperature = torch.tensor([p.temperature for p in params], device=device)
-        greedy = temperature == 0
-        scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
+        # greedy rows (temperature below MIN_TEMPERATURE) are divided by 1: their raw logprobs are log_softmax(logits)
+        temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
+        scaled = logits / temperature[:, None]
         any_filter = any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params)
         if any_filter:
             filtered = filter_logits(

@@ -4,16 +4,20 @@ Filtering order (what `sampler.py` does, and what "processed" logprobs see):
   logits / temperature -> top_k (keep the k largest) -> top_p (the smallest set, largest first, whose
   probability under the top-k-renormalised distribution reaches top_p; the token that crosses top_p is
   kept) -> min_p (keep tokens with p >= min_p * p_max).
-temperature == 0 is greedy (argmax of the raw logits; filters are then irrelevant).
+temperature < MIN_TEMPERATURE (0 included) is greedy (argmax of the raw logits; filters are then
+irrelevant): dividing by a smaller one overflows the logits (NaN, or a row of inf that samples at random).
 
 logprobs_mode:
   "raw"       log_softmax(logits / temperature) before any filtering (log_softmax(logits) when greedy):
               what an RL trainer recomputes from the same weights, so old_logprobs match.
   "processed" log_softmax of the filtered logits (tokens outside the kept set get -inf).
 """
+import sys
 from dataclasses import dataclass, field
 
 LOGPROBS_MODES = ("raw", "processed")
+MIN_TEMPERATURE = 1e-5  # below it: greedy (vLLM's threshold too); logits / 1e-5 stay far from fp32's max
+INT64_MAX = 2**63 - 1  # what the engine's tensors and torch.Generator seeds hold
 
 
 class RequestError(ValueError):
@@ -45,8 +49,17 @@ class SamplingParams:
         def fail(msg):
             raise RequestError(f"SamplingParams: {msg}")
 
-        if not _is_number(self.temperature) or self.temperature < 0:
-            fail(f"temperature must be a number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not _is_number(self.temperature) or not 0 <= self.temperature <= sys.float_info.max:
+            fail(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        # every integer must fit the int64 tensors and generator seeds it ends up in (seed + i for sample i)
+        ints = {"top_k": self.top_k, "max_tokens": self.max_tokens, "n": self.n, "logprobs": self.logprobs,
+                "stop_token_ids": max((t for t in self.stop_token_ids if _is_int(t)), default=0)}
+        if _is_int(self.seed) and _is_int(self.n):
+            ints["seed + n - 1"] = self.seed + max(self.n, 1) - 1
+        too_big = [f"{name} must be at most 2**63 - 1, got {v}" for name, v in ints.items()
+                   if _is_int(v) and v > INT64_MAX]
+        if too_big:
+            fail("; ".join(too_big))
         if not _is_int(self.top_k) or self.top_k < -1:
             fail(f"top_k must be an integer >= 1, or -1/0 to disable, got {self.top_k!r}")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
@@ -70,7 +83,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_TEMPERATURE
 
 
 def _is_int(x) -> bool:

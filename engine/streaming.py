@@ -15,6 +15,7 @@ frees its KV blocks.
 from dataclasses import dataclass
 
 from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import RequestFailedError
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.sampling import SamplingParams
 
@@ -118,6 +119,9 @@ def stream(llm, prompt, params: SamplingParams | None = None, request_id: str | 
                 finished = out.finished
                 yield from deltas.feed(out)
             if not finished and request_id not in llm.requests:
+                why = llm.failed.pop(request_id, None)
+                if why is not None:  # the engine ended it (a fault of this request alone)
+                    raise RequestFailedError(f"the engine ended request {request_id}: {why}")
                 return  # aborted from elsewhere
     finally:
         if not finished:

@@ -84,3 +84,76 @@ def test_base_config_is_reusable():
 def test_missing_model_dir():
     with pytest.raises(ConfigError, match="--model /no/model: no such checkpoint directory"):
         parse_config(RFTConfig, ["--model", "/no/model"])
+
+
+def _help(module: str) -> str:
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root}
+    res = subprocess.run([sys.executable, "-m", module, "--help"], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
+def _options(text: str) -> dict:
+    """{an option's names: its help text} from argparse's help (continuation lines joined)."""
+    import re
+
+    out, current = {}, None
+    for line in text.splitlines():
+        m = re.match(r"^  (--?\S.*?)(?:\s{2,}(.*))?$", line)
+        if m:
+            current = m.group(1).strip()
+            out[current] = (m.group(2) or "").strip()
+        elif current and line.startswith(" " * 8) and line.strip():
+            out[current] = (out[current] + " " + line.strip()).strip()
+        else:
+            current = None
+    return out
+
+
+@pytest.mark.parametrize("module, own, foreign", [
+    ("train.rft", ["--k", "--teacher", "--marker_weight", "--batching", "--grad_accum", "--max_len"],
+     ["--num_generations", "--beta"]),
+    ("train.grpo", ["--num_generations", "--beta", "--loss_type"],
+     ["--marker_weight", "--markers", "--batching", "--grad_accum", "--max_len", "--k", "--teacher"]),
+])
+def test_help_lists_each_own_option_once_with_what_it_does(module, own, foreign):
+    import dataclasses
+    import importlib
+
+    text = _help(module)
+    assert text.startswith(f"usage: python -m {module} ")
+    opts = _options(text)
+    cls = importlib.import_module(module).__dict__["GRPOConfig" if module == "train.grpo" else "RFTConfig"]
+    fields = [f for f in dataclasses.fields(cls)]
+    assert len(fields) > 40
+    for f in fields:
+        names = [k for k in opts if k.split()[0] == f"--{f.name}"]
+        assert len(names) == 1, (f.name, names)
+        help_ = opts[names[0]]
+        assert len(help_) > 10, f"--{f.name} has no description"
+        assert help_.count("(default") <= 1, help_
+        if f.type in (bool, "bool"):  # booleans read --flag / --no_flag, not --flag [FLAG]
+            assert names[0] == f"--{f.name} / --no_{f.name}"
+    for name in own:
+        assert any(k.split()[0] == name for k in opts), name
+    for name in foreign:
+        assert not any(k.split()[0] == name for k in opts), name
+
+
+def test_boolean_flags_and_their_yaml_form(tmp_path):
+    assert parse_config(RFTConfig, ["--no_progress"]).progress is False
+    assert parse_config(RFTConfig, ["--tensorboard"]).tensorboard is True
+    assert parse_config(RFTConfig, ["--progress", "false", "--tensorboard", "yes"]).tensorboard is True
+    y = tmp_path / "c.yaml"
+    y.write_text("progress: false\nskip_bad_lines: true\n")
+    cfg = parse_config(RFTConfig, ["--config", str(y)])
+    assert cfg.progress is False and cfg.skip_bad_lines is True
+    assert parse_config(RFTConfig, ["--config", str(y), "--progress"]).progress is True  # flags win
+    with pytest.raises(SystemExit):
+        parse_config(RFTConfig, ["--no_progress", "true"])

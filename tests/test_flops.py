@@ -1,9 +1,15 @@
 """FLOPs accounting against the LiveThinking seed's Table 3 and the published parameter counts."""
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
 from engine import flops
+from engine.flops.__main__ import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Table 3 (Tblive-E-Commerce QA): D. TFLOPs and TPR -> decode FLOPs per token = D. TFLOPs / TPR.
 TABLE3 = {"qwen3-30b-a3b": (2.38, 396), "qwen3-235b-a22b": (17.03, 387), "qwen3-32b": (23.55, 368)}
@@ -38,10 +44,28 @@ def test_attention_and_prefill_terms():
 
 
 def test_cli_prints_json(capsys, tmp_path):
-    assert flops.main(["qwen3-30b-a3b", "--context", "4096", "--prompt", "100", "--tokens", "153"]) == 0
+    assert main(["qwen3-30b-a3b", "--context", "4096", "--prompt", "100", "--tokens", "153"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["params_total"] == 30532122624
     assert out["decode_flops_per_token"]["attention"] > 0 and out["prefill_flops"]["total"] > 0
     assert abs(out["decode_tflops_per_response"] - 0.92) < 0.03  # LiveThinking's 153-token responses
-    assert flops.main([str(tmp_path / "missing.json")]) == 2
+    assert main([str(tmp_path / "missing.json")]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_cli_without_prompt_has_no_prefill_and_unknown_preset_lists_the_presets(capsys):
+    assert main(["qwen3-32b"]) == 0
+    assert "prefill_flops" not in json.loads(capsys.readouterr().out)  # only with --prompt, as the README says
+    assert main(["qwen3-99b"]) == 2
+    err = capsys.readouterr().err
+    assert "qwen3-99b" in err and all(name in err for name in flops.preset_names())
+
+
+def test_python_m_engine_flops_runs_without_a_warning():
+    # `import engine` imports engine.flops; running it as __main__ used to make runpy warn on every run
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "PYTHONWARNINGS": "default"}
+    res = subprocess.run([sys.executable, "-m", "engine.flops", "qwen3-30b-a3b", "--prompt", "8"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stderr == ""
+    assert json.loads(res.stdout)["prefill_flops"]["total"] > 0

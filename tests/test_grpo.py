@@ -49,7 +49,7 @@ def state(path):
 def test_end_to_end_every_parameter_changes_and_the_loss_stays_finite(student, tmp_path):
     out = tmp_path / "run"
     assert main(args(student, out, "--max_steps", "3", "--eval_rooms", "2", "--eval_max_new_tokens", "8",
-                     "--micro_batch_size", "3", "--plot", "true")) == 0
+                     "--micro_batch_size", "3", "--plot", "true", "--warmup_steps", "3")) == 0
     start, end = state(student), state(str(out / "final"))  # the HF export loads back
     assert start.keys() == end.keys()
     unchanged = [k for k in start if torch.equal(start[k], end[k])]
@@ -65,7 +65,8 @@ def test_end_to_end_every_parameter_changes_and_the_loss_stays_finite(student, t
     assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # the policy starts as the reference
     assert rows[-1]["kl"] > 0
     assert max(r["logprob_diff/max"] for r in rows) < 2e-5  # decoder old_logprobs vs the fused kernel, fp32
-    assert os.path.isfile(out / "curves.png")
+    assert [r["lr"] for r in rows] == pytest.approx([1e-2 / 3, 2e-2 / 3, 1e-2])  # the lr each step used (warm-up)
+    assert os.path.isfile(out / "curves.png") and os.path.isfile(out / "curves_more.png")
     table = (out / "eval_table.md").read_text()
     assert "| Correct. | Helpful. | TPR |" in table and "+ GRPO" in table
     summary = json.loads((out / "summary.json").read_text())

@@ -55,11 +55,38 @@ def test_filters_are_per_row():
     dict(temperature=-0.1), dict(temperature=float("nan")), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2),
     dict(top_k=1.5), dict(min_p=-0.1), dict(min_p=2.0), dict(max_tokens=0), dict(n=0), dict(logprobs=-1),
     dict(logprobs_mode="weird"), dict(stop=[""]), dict(stop_token_ids=[-1]), dict(seed=-3), dict(max_tokens=True),
+    # non-finite, or integers the engine's int64 tensors and generator seeds cannot hold
+    dict(temperature=float("inf")), dict(temperature=10**400), dict(seed=2**63), dict(seed=2**64),
+    dict(seed=2**63 - 2, n=3), dict(top_k=2**63), dict(max_tokens=2**64), dict(logprobs=2**63),
+    dict(stop_token_ids=[2**63]), dict(n=2**64),
 ])
 def test_invalid_params_rejected(kw):
     with pytest.raises(RequestError) as e:
         SamplingParams(**kw)
     assert isinstance(e.value, ValueError) and str(e.value).startswith("SamplingParams:")
+
+
+def test_largest_integers_the_engine_holds_are_accepted():
+    p = SamplingParams(seed=2**63 - 3, n=3, top_k=2**63 - 1, temperature=0.7, logprobs=1)
+    gens = [torch.Generator().manual_seed(p.seed + i) for i in range(p.n)]  # what the engine makes
+    logits = torch.randn(3, V)
+    out = Sampler()(logits, [p] * 3, gens)
+    assert len(out.token_ids) == 3 and all(0 <= t < V for t in out.token_ids)
+
+
+@pytest.mark.parametrize("temperature", [1e-5 / 2, 1e-38, 1e-45, 1e-50])
+def test_too_small_temperature_is_greedy(temperature):
+    """Dividing by these overflowed to NaN (token 0, NaN logprobs) or sampled at random; now they decode
+    as temperature 0 does, with the same (finite) raw logprobs."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50) * 5
+    tiny = SamplingParams(temperature=temperature, logprobs=2)
+    assert tiny.greedy
+    greedy = Sampler()(logits, [SamplingParams(temperature=0, logprobs=2)] * 4, [None] * 4)
+    got = Sampler()(logits, [tiny] * 4, [None] * 4)
+    assert got.token_ids == logits.argmax(-1).tolist() == greedy.token_ids
+    assert got.logprobs == greedy.logprobs and all(math.isfinite(v) for lp in got.logprobs for v in lp.values())
+    assert not SamplingParams(temperature=1e-5).greedy  # the threshold itself samples
 
 
 def test_stop_string_is_listed():

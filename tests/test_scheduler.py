@@ -100,3 +100,41 @@ def test_abort_frees_blocks():
     assert a.status == SequenceStatus.FINISHED and a not in sched.running
     sched.finish(b)
     assert sched.block_manager.num_free_blocks == 64 and not sched.has_unfinished()
+
+
+def req_seq(request_id, n=3, start=0):
+    s = Sequence(list(range(start, start + n)), SamplingParams(), request_id)
+    return s
+
+
+def test_fair_share_seats_a_small_request_behind_a_large_one():
+    """Request "big" (12 seqs) fills all 4 seats; "small" arrives behind 8 of big's waiting seqs. With a
+    share of 2, small is seated at the next step (a big seq is preempted for it) instead of waiting for
+    two waves of big; alone, big used every seat; and nothing is lost (each seq still runs to its end)."""
+    sched = Scheduler(BlockManager(64, BS), 4, 64, max_running_seqs_per_request=2)
+    big = [req_seq("big", start=10 * i) for i in range(12)]
+    for s in big:
+        sched.add(s)
+    step(sched)
+    assert [s.request_id for s in sched.running] == ["big"] * 4  # alone: every seat, not just its share
+    small = req_seq("small", start=500)
+    sched.add(small)
+    out = step(sched)
+    assert small in out.seqs and small.status == SequenceStatus.RUNNING
+    assert sum(s.request_id == "big" for s in sched.running) == 3 and sched.num_preemptions == 1
+    # the preempted big seq waits at the front, but the share keeps it from taking small's seat back
+    preempted = [s for s in big if s.num_preemptions]
+    assert len(preempted) == 1 and sched.waiting[0] is preempted[0]
+    step(sched)
+    assert small.status == SequenceStatus.RUNNING and sched.num_preemptions == 1  # no thrash
+
+
+def test_fair_share_off_is_first_come_first_served():
+    sched = Scheduler(BlockManager(64, BS), 4, 64)  # no share given: the whole batch
+    for i in range(12):
+        sched.add(req_seq("big", start=10 * i))
+    step(sched)
+    small = req_seq("small", start=500)
+    sched.add(small)
+    step(sched)
+    assert small.status == SequenceStatus.WAITING and sched.num_preemptions == 0

@@ -156,11 +156,30 @@ BAD = [
     (dict(temperature=-0.5), "temperature"),
     (dict(top_p=0), "top_p"),
     (dict(top_p=1.5), "top_p"),
-    (dict(model="no-such-model"), "does not exist"),
     (dict(prompt="word " * 300), "context"),
+    (dict(max_tokens=100000), "maximum context length is 256 tokens"),  # refused, not clamped
     (dict(extra_body={"top_k": "many"}), "top_k"),
     (dict(presence_penalty=0.5), "presence_penalty"),
     (dict(logprobs=99), "logprobs"),
+    # integers the engine cannot hold: once a 500 for every request in flight
+    (dict(seed=2**64), "seed"),
+    (dict(seed=2**63 - 1, n=2), "seed + n - 1"),
+    (dict(extra_body={"top_k": 2**63}), "top_k"),
+    (dict(n=10**6), "n: 1000000 is over this server's limit"),
+    # no coercion, no non-finite numbers
+    (dict(extra_body={"max_tokens": "5"}), "max_tokens"),
+    (dict(extra_body={"max_tokens": True}), "max_tokens"),
+    (dict(extra_body={"n": 2.0}), "n"),
+]
+# bodies a JSON library would not write: non-finite numbers (Python's json reads them), lone surrogates
+RAW_BAD = [
+    (b'{"model": "tiny", "prompt": "hi", "temperature": Infinity}', "temperature"),
+    (b'{"model": "tiny", "prompt": "hi", "temperature": NaN}', "temperature"),
+    (b'{"model": "tiny", "prompt": "hi", "temperature": 1e999}', "temperature"),
+    (b'{"model": "tiny", "prompt": "lone \\ud800 surrogate"}', "not valid Unicode"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "x \\udfff"}]}', "not valid Unicode"),
+    (b'{"model": "tiny", "messages": [{"role": "hacker", "content": "hi"}]}', "role"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": "5"}', "max_tokens"),
 ]
 
 
@@ -176,13 +195,15 @@ def test_bad_requests_get_400_and_server_keeps_serving(served, client, stream):
         assert words in err.value.body["message"] and err.value.body["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError, match="messages"):
         client.chat.completions.create(model=MODEL, messages=[], stream=stream)
-    for raw in (b"{not json", b'{"model": "tiny", "prompt": "hi", "max_tokens": 4', b"[1, 2]"):
-        req = urllib.request.Request(server.url + "/v1/completions", data=raw,
-                                     headers={"Content-Type": "application/json"})
+    raw_bad = [(raw, "") for raw in (b"{not json", b'{"model": "tiny", "prompt": "hi", "max_tokens": 4', b"[1, 2]")]
+    for raw, words in raw_bad + RAW_BAD:
+        route = "/v1/chat/completions" if b"messages" in raw else "/v1/completions"
+        req = urllib.request.Request(server.url + route, data=raw, headers={"Content-Type": "application/json"})
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(req, timeout=10)
-        assert err.value.code == 400
-        assert json.loads(err.value.read())["error"]["type"] == "invalid_request_error"
+        assert err.value.code == 400, raw
+        error = json.loads(err.value.read())["error"]
+        assert error["type"] == "invalid_request_error" and words in error["message"], (raw, error)
     ok = client.completions.create(model=MODEL, prompt="hi", max_tokens=3, extra_body={"ignore_eos": True})
     assert ok.usage.completion_tokens == 3
     assert urllib.request.urlopen(server.url + "/health", timeout=10).status == 200
@@ -295,14 +316,22 @@ def test_command_line(tmp_path):
 
     path, _ = make_text_checkpoint(tmp_path / "cli")
     flags = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "32", "--block-size", "16",
-             "--no-enable-prefix-caching"]
-    with ServerProcess(path, MODEL, flags, env={"OMP_NUM_THREADS": "1"}) as server:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+             "--no-enable-prefix-caching", "--threads", "1", "--max-n", "3"]
+    with ServerProcess(path, MODEL, flags, env={"OMP_NUM_THREADS": "1", "LIVEMOE_API_KEY": "k3y"}) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="k3y", max_retries=0, timeout=60)
         out = client.completions.create(model=MODEL, prompt="cli", max_tokens=5, extra_body={"ignore_eos": True})
         assert out.usage.completion_tokens == 5
         assert metric(server.url, "livemoe_kv_blocks_total") == 32
+        with pytest.raises(openai.BadRequestError, match="--max-n"):
+            client.completions.create(model=MODEL, prompt="cli", max_tokens=2, n=4)
+        with pytest.raises(openai.NotFoundError):  # --served-model-name tiny: the folder's name is not served
+            client.completions.create(model="cli", prompt="cli", max_tokens=2)
+        with pytest.raises(openai.AuthenticationError):  # the key came from LIVEMOE_API_KEY
+            openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0).models.list()
     assert server.proc.returncode is not None
     with pytest.raises(SystemExit, match="block_size must be a power of two"):
         main(["--model", path, "--block-size", "3"])
+    with pytest.raises(SystemExit, match="max_body_bytes must be a positive int"):
+        main(["--model", path, "--max-body-bytes", "0"])
     args = parser().parse_args(["--model", path] + flags)
     assert (args.num_kv_blocks, args.enable_prefix_caching) == (32, False) and not hasattr(args, "max_num_seqs")

@@ -1,14 +1,23 @@
 """Typed run configs: every field is a `--flag`, `--config file.yaml` takes the same keys, flags win.
 
 `RunConfig` holds what every trainer shares (model, data, optimiser, checkpoints, judge, eval);
-`RFTConfig` adds the teacher and the selection. A trainer subclasses RunConfig (as GRPO does) and
-gets the same parsing, printing, saving and validation for free: `parse_config(RFTConfig, argv)`.
+`RFTConfig` adds the teacher, the selection and the SFT options. A trainer subclasses RunConfig (as
+GRPO does) and gets the same parsing, `--help`, printing, saving and validation for free:
+`parse_config(RFTConfig, argv, prog="python -m train.rft")`. Every field carries its one-line help
+(`opt(default, help)`); booleans are `--flag` / `--no_flag` (or `--flag true|false`, as YAML has them).
 All user-facing checks live in `validate()` and raise ConfigError.
+
+Plain argparse rather than jsonargparse, tyro or HfArgumentParser: those give typed flags and --help
+from dataclasses too, but each brings its own YAML merging and error path (a SystemExit, or its own
+exception text), while the trainers need one: defaults < YAML < flags, coerced by one function, every
+bad key or value a ConfigError naming the file or flag (run_cli prints it as one line). That is the
+~60 lines below.
 """
 import argparse
 import dataclasses
 import json
 import os
+import shutil
 import sys
 import types
 import typing
@@ -22,71 +31,72 @@ class ConfigError(ValueError):
     """A bad option: the message names it."""
 
 
+def opt(default, help: str, **kw):
+    """A config field with its one-line --help text (every option has one: `--help` lists them all)."""
+    return field(default=default, metadata={"help": help}, **kw)
+
+
 @dataclass(kw_only=True)
 class RunConfig:
+    """options every trainer shares"""
     # what to train, on what, where
-    model: str = field(default=DEFAULT_STUDENT, metadata={"help": "checkpoint directory to start from "
-                                                                 "(default: the committed tiny student)"})
-    data: str | None = field(default=None, metadata={"help": "JSONL (seed shape or MuSiQue); none = synthetic rooms"})
-    eval_data: str | None = field(default=None, metadata={"help": "held-out JSONL; none = synthetic held-out rooms"})
-    output_dir: str = "runs/rft"
-    seed: int = 0
-    device: str = field(default="auto", metadata={"help": "auto | cpu | cuda"})
+    model: str = opt(DEFAULT_STUDENT, "checkpoint directory to start from (default: the committed tiny student, "
+                                      "train/assets/student)")
+    data: str | None = opt(None, "training JSONL (the seed's shape or MuSiQue's); none = synthetic live-commerce rooms")
+    eval_data: str | None = opt(None, "held-out JSONL for the before/after table; none = synthetic held-out rooms "
+                                      "(none with --data: no table)")
+    output_dir: str = opt("runs/rft", "where the config, metrics, curves, checkpoints and final/ export go")
+    seed: int = opt(0, "seed of the data order, sampling and initialisation")
+    device: str = opt("auto", "auto (a GPU when there is one) | cpu | cuda")
     # 1 by default: the tiny default model gains little from a second thread, and on a shared 2-core CPU
     # two threads per process oversubscribe it and run several times slower (measured: 25.7 s vs 1.2 s
     # for the same evaluation)
-    threads: int = field(default=1, metadata={"help": "CPU threads for torch (0 = torch's default)"})
-    skip_bad_lines: bool = field(default=False, metadata={"help": "skip and count malformed JSONL lines"})
-    train_rooms: int = field(default=2048, metadata={"help": "synthetic training inputs when --data is not given"})
-    eval_rooms: int = field(default=64, metadata={"help": "synthetic held-out rooms for the before/after table"})
+    threads: int = opt(1, "CPU threads for torch (0 = torch's default)")
+    skip_bad_lines: bool = opt(False, "skip and count malformed JSONL lines instead of stopping at the first")
+    train_rooms: int = opt(2048, "synthetic training inputs when --data is not given")
+    eval_rooms: int = opt(64, "synthetic held-out rooms for the before/after table (0 = no table)")
     # optimisation
-    lr: float = 2e-3  # the tiny default student; the seed used 1.5e-6 at 30B
-    weight_decay: float = 0.0
-    warmup_steps: int = 10
-    max_steps: int = 0  # 0: run `epochs` over the data
-    epochs: float = 8.0
-    batch_size: int = 8
-    grad_accum: int = 1
-    max_grad_norm: float = 1.0
-    lambda_aux: float = field(default=0.01, metadata={"help": "MoE load-balancing loss weight (seed: 0.01)"})
-    marker_weight: float = field(default=1.0, metadata={"help": "loss weight of marker tokens (1 = plain SFT)"})
-    markers: str = field(default="<think>,</think>", metadata={"help": "comma-separated marker strings"})
-    max_len: int = 1024
-    batching: str = field(default="bucket", metadata={"help": "bucket (length-bucketed) | pad (shuffled)"})
-    bf16: str = field(default="auto", metadata={"help": "auto (on a GPU) | true | false"})
-    gradient_checkpointing: bool = False
+    lr: float = opt(2e-3, "learning rate after warm-up (suits the tiny student; the seed used 1.5e-6 at 30B)")
+    weight_decay: float = opt(0.0, "AdamW weight decay")
+    warmup_steps: int = opt(10, "optimizer steps of linear lr warm-up, then cosine decay to 0")
+    max_steps: int = opt(0, "optimizer steps to run; 0 = --epochs passes over the data")
+    epochs: float = opt(8.0, "passes over the training data when --max_steps is 0")
+    batch_size: int = opt(8, "training examples per micro-batch")
+    max_grad_norm: float = opt(1.0, "clip the gradient norm to this (0 = no clipping)")
+    lambda_aux: float = opt(0.01, "MoE load-balancing loss weight, as in the seed")
+    bf16: str = opt("auto", "bf16 compute: auto (on a GPU) | true | false")
+    gradient_checkpointing: bool = opt(False, "recompute activations in the backward pass to save memory")
     # runs
-    save_every: int = 0  # 0: only at the end
-    keep_last: int = 2
-    max_nonfinite_steps: int = field(default=5, metadata={"help": "stop the run (exit 2) after this many optimizer "
-                                                                  "steps in a row with a NaN/Inf loss or gradient; "
-                                                                  "each such step is skipped"})
-    resume: str = field(default="none", metadata={"help": "none | auto | a checkpoint directory"})
-    log_every: int = 1
-    tensorboard: bool = False
-    progress: bool = True
+    save_every: int = opt(0, "write a checkpoint every N steps (0 = only at the end)")
+    keep_last: int = opt(2, "checkpoints kept on disk (older ones are deleted)")
+    max_nonfinite_steps: int = opt(5, "stop the run (exit 2) after this many optimizer steps in a row with a "
+                                      "NaN/Inf loss or gradient; each such step is skipped")
+    resume: str = opt("none", "none | auto (the latest checkpoint in --output_dir) | a checkpoint directory")
+    log_every: int = opt(1, "log and print metrics every N steps")
+    tensorboard: bool = opt(False, "also write metrics for TensorBoard (<output_dir>/tensorboard)")
+    progress: bool = opt(True, "progress bars and per-step lines")
+    plot: bool = opt(True, "draw curves.png (and curves_more.png) from metrics.jsonl at the end")
     # judge and evaluation
-    judge: str = field(default="auto", metadata={"help": "auto | synthetic | squad | llm | module:attr"})
-    judge_url: str | None = None
-    judge_model: str = field(default="default", metadata={"help": "model name at --judge_url, or a local "
-                                                                   "checkpoint directory judged with the engine"})
-    judge_language: str = "en"
-    judge_api_key_env: str = "OPENAI_API_KEY"
-    judge_concurrency: int = 8
-    eval_max_new_tokens: int = 256
+    judge: str = opt("auto", "auto | synthetic | squad | llm | module:attr (your own judge)")
+    judge_url: str | None = opt(None, "OpenAI-compatible endpoint of --judge llm")
+    judge_model: str = opt("default", "model name at --judge_url, or a local checkpoint directory judged with "
+                                      "the engine")
+    judge_language: str = opt("en", "language of the LLM judge's prompts (the seed's Appendix B): en | zh")
+    judge_api_key_env: str = opt("OPENAI_API_KEY", "environment variable holding the --judge_url API key")
+    judge_concurrency: int = opt(8, "parallel requests to --judge_url")
+    eval_max_new_tokens: int = opt(256, "token limit of each held-out response")
     # sampled, as reasoning models are evaluated (greedy decoding of a small model shows one mode of
     # its answers: the RFT student's greedy answer is its short one, while most of its samples copy
     # the teacher's long thoughts); 0 = greedy
-    eval_temperature: float = field(default=0.7, metadata={"help": "held-out decoding temperature (the seed's τ); 0 = greedy"})
-    eval_samples: int = field(default=4, metadata={"help": "responses sampled per held-out prompt (1 when greedy)"})
+    eval_temperature: float = opt(0.7, "held-out decoding temperature (the seed's τ); 0 = greedy")
+    eval_samples: int = opt(4, "responses sampled per held-out prompt (1 when greedy)")
 
     def check_model(self) -> None:
         if not os.path.isdir(self.model):
             raise ConfigError(f"--model {self.model}: no such checkpoint directory")
 
     def validate(self) -> None:
-        positive = ["batch_size", "grad_accum", "max_len", "keep_last", "log_every", "eval_max_new_tokens", "eval_samples",
-                    "max_nonfinite_steps"]
+        positive = ["batch_size", "keep_last", "log_every", "eval_max_new_tokens", "eval_samples", "max_nonfinite_steps"]
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
@@ -99,9 +109,6 @@ class RunConfig:
                               "identical (use --eval_samples 1 with --eval_temperature 0)")
         if self.max_steps == 0 and self.epochs <= 0:
             raise ConfigError("--epochs must be > 0 when --max_steps is 0")
-        if self.marker_weight <= 0:
-            raise ConfigError(f"--marker_weight must be > 0, got {self.marker_weight}")
-        _choice("batching", self.batching, ("bucket", "pad"))
         _choice("bf16", self.bf16, ("auto", "true", "false"))
         _choice("device", self.device, ("auto", "cpu", "cuda"))
         _choice("judge_language", self.judge_language, ("en", "zh"))
@@ -119,24 +126,37 @@ class RunConfig:
 
 @dataclass(kw_only=True)
 class RFTConfig(RunConfig):
-    teacher: str = field(default="scripted", metadata={"help": "scripted | a checkpoint directory | an http(s) URL"})
-    teacher_model: str = field(default="default", metadata={"help": "model name sent to a --teacher URL"})
-    teacher_api_key_env: str = "OPENAI_API_KEY"
-    k: int = field(default=4, metadata={"help": "teacher samples per input (seed: 4)"})
-    temperature: float = field(default=0.7, metadata={"help": "teacher sampling temperature (seed: 0.7)"})
-    teacher_max_new_tokens: int = 384
-    teacher_concurrency: int = 8
-    teacher_retries: int = 3
-    teacher_timeout_s: float = 120.0
-    wrong_link_rate: float = field(default=0.25, metadata={"help": "scripted teacher: wrong-link answers"})
-    deflect_rate: float = field(default=0.2, metadata={"help": "scripted teacher: bare deflections"})
-    verbose_rate: float = field(default=0.6, metadata={"help": "scripted teacher: long meta-reasoning thoughts"})
-    selection: str = field(default="first", metadata={"help": "first | random | shortest passing candidate"})
+    """RFT options: the teacher, the selection and the SFT"""
+    # teacher and selection
+    teacher: str = opt("scripted", "scripted | a checkpoint directory | an http(s) URL (OpenAI-compatible)")
+    teacher_model: str = opt("default", "model name sent to a --teacher URL")
+    teacher_api_key_env: str = opt("OPENAI_API_KEY", "environment variable holding the --teacher URL's API key")
+    k: int = opt(4, "teacher samples per input, as in the seed")
+    temperature: float = opt(0.7, "teacher sampling temperature, as in the seed")
+    teacher_max_new_tokens: int = opt(384, "token limit of each teacher sample")
+    teacher_concurrency: int = opt(8, "parallel requests to a --teacher URL")
+    teacher_retries: int = opt(3, "retries of a failed request to a --teacher URL")
+    teacher_timeout_s: float = opt(120.0, "seconds before a request to a --teacher URL times out")
+    wrong_link_rate: float = opt(0.25, "scripted teacher: share of answers with a wrong link")
+    deflect_rate: float = opt(0.2, "scripted teacher: share of bare deflections")
+    verbose_rate: float = opt(0.6, "scripted teacher: share of long meta-reasoning thoughts")
+    selection: str = opt("first", "which passing candidate an input keeps: first | random | shortest")
+    # SFT
+    grad_accum: int = opt(1, "micro-batches per optimizer step")
+    max_len: int = opt(1024, "tokens per training example (prompt + completion; longer ones are cut)")
+    batching: str = opt("bucket", "bucket (shuffled, length-bucketed) | pad (shuffled)")
+    marker_weight: float = opt(1.0, "loss weight of the --markers tokens (1 = plain SFT; LiveAssistant's "
+                                    "marker-aware SFT weighs them more)")
+    markers: str = opt("<think>,</think>", "comma-separated marker strings, one token each")
 
     def validate(self) -> None:
         super().validate()
-        if self.k < 1:
-            raise ConfigError(f"--k must be >= 1, got {self.k}")
+        for name in ("k", "grad_accum", "max_len"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        if self.marker_weight <= 0:
+            raise ConfigError(f"--marker_weight must be > 0, got {self.marker_weight}")
+        _choice("batching", self.batching, ("bucket", "pad"))
         if self.temperature < 0:
             raise ConfigError(f"--temperature must be >= 0, got {self.temperature}")
         for name in ("wrong_link_rate", "deflect_rate", "verbose_rate"):
@@ -188,23 +208,82 @@ def _coerce(name: str, tp, value, where: str):
         raise ConfigError(f"{where}: {name} must be {tp.__name__}, got {value!r}") from None
 
 
-def build_parser(cls, description: str = "") -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=description, argument_default=argparse.SUPPRESS)
-    ap.add_argument("--config", help="YAML file with the same keys as the flags (flags win)")
+class BoolFlag(argparse.Action):
+    """A boolean option: `--flag` / `--no_flag`, and `--flag true|false` as YAML writes it."""
+
+    def __init__(self, option_strings, dest, **kw):
+        negated = ["--no_" + s[2:] for s in option_strings]
+        super().__init__(option_strings + negated, dest, nargs="?", metavar="", **kw)
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        if option_string.startswith("--no_"):
+            if value is not None:
+                parser.error(f"{option_string} takes no value")
+            setattr(namespace, self.dest, False)
+            return
+        try:
+            setattr(namespace, self.dest, True if value is None else _to_bool(value))
+        except argparse.ArgumentTypeError as e:
+            parser.error(f"{option_string}: {e}")
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """One line of names per option: `--lr LR`, `--progress / --no_progress`."""
+
+    def __init__(self, prog):
+        super().__init__(prog, max_help_position=32, width=min(120, shutil.get_terminal_size().columns))
+
+    def _format_action_invocation(self, action):
+        if isinstance(action, BoolFlag):
+            return " / ".join(action.option_strings)
+        return super()._format_action_invocation(action)
+
+
+def _field_help(cls, name: str) -> str:
+    """A field's help; a subclass that only changes a default keeps its base class's text."""
+    for klass in cls.__mro__:
+        f = getattr(klass, "__dataclass_fields__", {}).get(name)
+        if f is not None and f.metadata.get("help"):
+            return f.metadata["help"]
+    return ""
+
+
+def _default_text(f) -> str:
+    if f.default is None:
+        return ""  # the help says what leaving it out means
+    if isinstance(f.default, bool):
+        return "true" if f.default else "false"
+    return str(f.default)
+
+
+def build_parser(cls, description: str = "", prog: str | None = None) -> argparse.ArgumentParser:
+    """--help lists each option once, in groups: the options every trainer shares, then the trainer's own."""
+    ap = argparse.ArgumentParser(prog=prog, description=description, argument_default=argparse.SUPPRESS,
+                                 formatter_class=_HelpFormatter,
+                                 usage=f"{prog or '%(prog)s'} [-h] [--config FILE.yaml] [--OPTION VALUE ...]")
+    ap.add_argument("--config", metavar="FILE.yaml", help="YAML file with the same keys as the options (flags win)")
     hints = typing.get_type_hints(cls)
+    groups = {}
     for f in dataclasses.fields(cls):
+        # the group of the most basic class that declares the field (an overridden default stays in its group)
+        owner = next(k for k in reversed(cls.__mro__) if f.name in getattr(k, "__dataclass_fields__", {}))
+        if owner not in groups:
+            groups[owner] = ap.add_argument_group((owner.__doc__ or owner.__name__).strip())
+        help_ = _field_help(cls, f.name)
+        default = _default_text(f)
+        if default and "(default" not in help_:
+            help_ = f"{help_} (default: {default})"
         tp = _base_type(hints[f.name])
-        help_ = f"{f.metadata.get('help', '')} (default: {f.default})".strip()
         if tp is bool:
-            ap.add_argument(f"--{f.name}", type=_to_bool, nargs="?", const=True, help=help_)
+            groups[owner].add_argument(f"--{f.name}", action=BoolFlag, help=help_)
         else:
-            ap.add_argument(f"--{f.name}", type=str, help=help_)
+            groups[owner].add_argument(f"--{f.name}", type=str, metavar={int: "INT", float: "FLOAT"}.get(tp, "TEXT"), help=help_)
     return ap
 
 
-def parse_config(cls, argv=None, description: str = ""):
+def parse_config(cls, argv=None, description: str = "", prog: str | None = None):
     """cls from defaults < --config YAML < flags, validated. Raises ConfigError on any bad key or value."""
-    args = vars(build_parser(cls, description).parse_args(argv))
+    args = vars(build_parser(cls, description, prog).parse_args(argv))
     values = {}
     path = args.pop("config", None)
     names = {f.name for f in dataclasses.fields(cls)}

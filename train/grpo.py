@@ -48,50 +48,55 @@ from train.rollout import Rollouts, collate, reference_lengths, shuffled_order
 
 @dataclass(kw_only=True)
 class GRPOConfig(RunConfig):
-    model: str = field(default="auto", metadata={"help": "checkpoint to start from; auto = the RFT default's student"})
+    """GRPO options: rollouts, loss, rewards"""
+    model: str = field(default="auto", metadata={"help": "checkpoint to start from; auto = the RFT default's student "
+                                                        "(running the RFT default first when it is missing)"})
     output_dir: str = "runs/grpo"
     rft_output: str = field(default="", metadata={"help": "where --model auto looks for the RFT student (default: RFT's output_dir)"})
     lr: float = 2e-4
-    warmup_steps: int = 2
-    max_steps: int = 60
+    warmup_steps: int = field(default=2, metadata={"help": "steps of linear lr warm-up, then constant"})
+    max_steps: int = field(default=60, metadata={"help": "GRPO steps (a rollout batch, then μ optimizer passes); "
+                                                         "0 = --epochs passes over the prompts"})
+    batch_size: int = field(default=8, metadata={"help": "prompts per step (each gets --num_generations rollouts)"})
     # rollouts
-    num_generations: int = field(default=8, metadata={"help": "K rollouts per prompt (seed: 8)"})
+    num_generations: int = field(default=8, metadata={"help": "K rollouts per prompt, as in the seed"})
     max_new_tokens: int = field(default=256, metadata={"help": "completion length limit of a rollout"})
-    temperature: float = field(default=0.7, metadata={"help": "rollout sampling temperature (0.7, the seed's τ, "
-                                                               "as the held-out answers are sampled)"})
-    top_p: float = 1.0
-    top_k: int = -1
+    temperature: float = field(default=0.7, metadata={"help": "rollout sampling temperature (the seed's τ, as the held-out "
+                                                               "answers are sampled)"})
+    top_p: float = field(default=1.0, metadata={"help": "rollout nucleus sampling (1 = off)"})
+    top_k: int = field(default=-1, metadata={"help": "rollout top-k sampling (-1 = off)"})
     ref_samples: int = field(default=4, metadata={"help": "L_ref = mean length of this many sampled responses of the "
                                                           "starting checkpoint per prompt; 0 = its greedy response"})
     rollout_kv_bytes: int = field(default=256 * 2**20, metadata={"help": "decoder KV-cache budget (CPU)"})
-    rollout_max_num_seqs: int = 512
+    rollout_max_num_seqs: int = field(default=512, metadata={"help": "sequences the rollout decoder runs at once"})
     # loss
-    beta: float = field(default=0.01, metadata={"help": "k3 KL weight to the starting checkpoint (seed: 0.01; 0 = no reference)"})
-    epsilon: float = field(default=0.2, metadata={"help": "clip η (seed: 0.2); the low side"})
-    epsilon_high: float | None = field(default=None, metadata={"help": "clip high side (default: --epsilon)"})
-    delta: float | None = field(default=None, metadata={"help": "dual clip c for negative advantages"})
+    beta: float = field(default=0.01, metadata={"help": "k3 KL weight to the starting checkpoint, as in the seed (0 = no reference model)"})
+    epsilon: float = field(default=0.2, metadata={"help": "clip ε of the ratio, the low side (and the high side without --epsilon_high), as in the seed"})
+    epsilon_high: float | None = field(default=None, metadata={"help": "clip ε of the ratio, the high side (default: --epsilon)"})
+    delta: float | None = field(default=None, metadata={"help": "dual clip c for negative advantages (none = no dual clip)"})
     loss_type: str = field(default="grpo", metadata={"help": "grpo | bnpo | dr_grpo | dapo"})
     importance_sampling_level: str = field(default="token", metadata={"help": "token | sequence (GSPO)"})
     num_iterations: int = field(default=1, metadata={"help": "μ: optimiser passes per rollout batch"})
     micro_batch_size: int = field(default=32, metadata={"help": "completions per forward/backward"})
     scale_rewards: str = field(default="group", metadata={"help": "group | batch | none"})
-    advantage_eps: float = 1e-4
+    advantage_eps: float = field(default=1e-4, metadata={"help": "added to the reward std when advantages are normalised"})
     drop_zero_variance: bool = field(default=False, metadata={"help": "leave groups with equal rewards out of the loss"})
     mask_truncated: bool = field(default=False, metadata={"help": "leave completions cut at max_new_tokens out of the loss"})
     old_logprobs: str = field(default="decoder", metadata={"help": "decoder (the sampled tokens' raw logprobs) | trainer"})
     # rewards (seed's Table 2)
-    w_correct: float = 0.4
-    w_helpful: float = 0.3
-    w_length: float = 0.3
-    lambda_upper: float = 0.5
-    lambda_lower: float = 0.4
+    w_correct: float = field(default=0.4, metadata={"help": "reward weight of correctness, as in the seed"})
+    w_helpful: float = field(default=0.3, metadata={"help": "reward weight of helpfulness, as in the seed"})
+    w_length: float = field(default=0.3, metadata={"help": "reward weight of the length reward, as in the seed"})
+    lambda_upper: float = field(default=0.5, metadata={"help": "length reward: upper end of the target band, "
+                                                               "a fraction of L_ref, as in the seed"})
+    lambda_lower: float = field(default=0.4, metadata={"help": "length reward: lower end of the target band, "
+                                                               "a fraction of L_ref, as in the seed"})
     length_epsilon: float = field(default=0.1, metadata={"help": "ε of the length reward, a fraction of L_ref"})
     reward_fns: str = field(default="", metadata={"help": "extra rewards: module:fn[=weight],... fn(record, completion, info)"})
     # multi-turn (LiveAssistant)
     multi_turn: bool = field(default=False, metadata={"help": "records' `followups` are later turns of one trajectory"})
     turn_weight: float = field(default=0.5, metadata={"help": "turn-level vs trajectory-level credit"})
-    export_dir: str = field(default="", metadata={"help": "HF export of the final model (default <output_dir>/final)"})
-    plot: bool = field(default=True, metadata={"help": "PNG curves of every metric at the end (curves.png)"})
+    export_dir: str = field(default="", metadata={"help": "HF export of the final model (default: <output_dir>/final)"})
 
     def check_model(self) -> None:
         if self.model != "auto":  # `auto` is resolved later, by resolve_start
@@ -103,9 +108,6 @@ class GRPOConfig(RunConfig):
                      "rollout_max_num_seqs", "rollout_kv_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
-        if self.grad_accum != 1:
-            raise ConfigError("--grad_accum: GRPO takes one optimiser step per pass over the rollout batch; "
-                              "use --micro_batch_size to bound memory")
         if self.ref_samples < 0:
             raise ConfigError(f"--ref_samples must be >= 0, got {self.ref_samples}")
         if self.num_generations < 2:
@@ -396,7 +398,7 @@ class GRPOTrainer:
                     mb["old_logprobs"] = self._logprobs(model, mb)[0]
         model.train()
         sums: dict = {}
-        diffs = []
+        diffs, lrs = [], []
         for it in range(cfg.num_iterations):
             self.optimizer.zero_grad(set_to_none=True)
             step_loss = 0.0
@@ -420,6 +422,7 @@ class GRPOTrainer:
                     sums[k] = sums.get(k, 0.0) + float(v) / (len(micro) * cfg.num_iterations)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
             sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(grad_norm) / cfg.num_iterations
+            lrs.append(self.scheduler.get_last_lr()[0])  # the lr this optimizer step uses
             self.guard.step(self.optimizer, step_loss, grad_norm, f"step {self.step + 1}, pass {it + 1}")
             self.scheduler.step()
         model.eval()
@@ -428,7 +431,7 @@ class GRPOTrainer:
         sums["logprob_diff/mean"] = total / max(count, 1.0)
         sums["logprob_diff/max"] = max(float(d[2]) for d in diffs)
         sums["time/update_s"] = time.perf_counter() - t0
-        sums["lr"] = self.scheduler.get_last_lr()[0]
+        sums["lr"] = sum(lrs) / len(lrs)  # what the step's passes used (not the next step's, as the scheduler now has)
         sums["nonfinite_steps"] = self.guard.skipped
         return sums
 
@@ -527,7 +530,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
 
     def body():
-        cfg = parse_config(GRPOConfig, argv, description=__doc__.split("\n")[0])
+        cfg = parse_config(GRPOConfig, argv, description=__doc__.split("\n")[0], prog="python -m train.grpo")
         if cfg.progress:
             print("GRPO config:\n" + format_config(cfg), flush=True)
         GRPOTrainer(cfg).train()

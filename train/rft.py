@@ -10,7 +10,7 @@
 With no arguments it runs the embedded default (synthetic rooms, the scripted teacher, the rule-based
 judge, the committed tiny student in train/assets/student) in a few minutes on a laptop CPU.
 Output dir: config.yaml, candidates.jsonl, selected.jsonl, selection.json, metrics.jsonl, curves.png,
-checkpoints/step-*/ (resume with --resume auto), final/ (HF layout), eval_table.md, eval.json.
+curves_more.png, checkpoints/step-*/ (resume with --resume auto), final/ (HF layout), eval_table.md, eval.json.
 """
 import contextlib
 import json
@@ -285,7 +285,7 @@ def train(cfg: RFTConfig, model, tokenizer, kept: list, device, resume_from=None
                              "nonfinite_steps": guard.skipped}, tokenizer=tokenizer,
                             keep_last=cfg.keep_last, save_model=_save_model)
     bar.close()
-    metrics.close()
+    metrics.close(plot=cfg.plot)
     model.eval()
     return {"steps": total_steps, "loss": last_loss, "examples": len(examples), "tokens": sum(lengths)}
 
@@ -373,7 +373,7 @@ def _run(cfg: RFTConfig) -> dict:
 
 
 def main(argv=None) -> int:
-    return run_cli(lambda: run(parse_config(RFTConfig, argv, description=__doc__.split("\n")[0])))
+    return run_cli(lambda: run(parse_config(RFTConfig, argv, description=__doc__.split("\n")[0], prog="python -m train.rft")))
 
 
 if __name__ == "__main__":

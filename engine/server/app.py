@@ -1,10 +1,16 @@
 """The OpenAI-compatible HTTP app over an AsyncLLM: /v1/completions, /v1/chat/completions (JSON, or
 server-sent events ending with `data: [DONE]`), /v1/models, /health, /metrics.
 
-Every request error is a 400 with an OpenAI error body (bad JSON, a wrong type, an unknown model, a
-parameter out of range, a prompt too long for the context); an unexpected failure is a 500 with the
-same shape, and the server keeps serving either way. A client that goes away — mid-stream, or while
-waiting for a JSON answer — gets its requests aborted, which frees their KV blocks.
+Every request error is a 400 with an OpenAI error body (bad JSON, a wrong type, a parameter out of
+range or over a ServerConfig limit, a prompt plus max_tokens over the context), except an unknown model
+(404), a missing API key (401) and a body too large (413; guard.py); an unexpected failure is a 500
+with the same shape, and the server keeps serving either way. A client that goes away — mid-stream, or
+while waiting for a JSON answer — gets its requests aborted, which frees their KV blocks. A request the
+engine fails alone (engine.llm) ends with an error; the others go on. /health is 503 when the engine
+loop died or its last step produced non-finite logits.
+
+Templates and tokenizers run on a small thread pool, off the event loop, so a long prompt does not
+stall other streams or /health; a text that cannot fit the context is refused from its length alone.
 
 A completions body with several prompts makes one engine request per prompt; choice k * n + j is
 completion j of prompt k. The non-streaming `usage` carries an extension, `usage.metrics`: TTFT and
@@ -13,6 +19,7 @@ a stream's usage event (`stream_options.include_usage`) carries it too.
 """
 import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 import time
 import uuid
 
@@ -24,7 +31,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import StreamingResponse
 
 from engine.async_llm import AsyncLLM, RequestStream
+from engine.prompts import chat_prompt_ids, encode_text
 from engine.sampling import RequestError, SamplingParams
+from engine.server.config import ServerConfig
+from engine.server.guard import RequestGuard
 from engine.server.metrics import ServerMetrics
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from engine.server.responses import Run
@@ -36,10 +46,16 @@ class ModelNotFound(RequestError):
     pass
 
 
-def build_app(engine: AsyncLLM, model_name: str) -> FastAPI:
-    server = OpenAIServer(engine, model_name)
-    app = FastAPI(title="livemoe", docs_url=None, redoc_url=None)
+def build_app(engine: AsyncLLM, model_name: str, config: ServerConfig | None = None,
+              bind_host: str = "127.0.0.1") -> FastAPI:
+    """bind_host: where the server listens (loopback: only loopback Host names are answered by default)."""
+    config = ServerConfig() if config is None else config
+    server = OpenAIServer(engine, model_name, config)
+    docs = dict(openapi_url="/openapi.json", docs_url="/docs") if config.enable_docs else dict(openapi_url=None,
+                                                                                                docs_url=None)
+    app = FastAPI(title="livemoe", redoc_url=None, **docs)
     app.state.server = server
+    app.add_middleware(RequestGuard, config=config, host_names=config.host_names(bind_host))
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(request: Request, exc: RequestValidationError):
@@ -47,8 +63,9 @@ def build_app(engine: AsyncLLM, model_name: str) -> FastAPI:
 
     @app.exception_handler(RequestError)
     async def bad_request(request: Request, exc: RequestError):
-        code = "model_not_found" if isinstance(exc, ModelNotFound) else None
-        return JSONResponse(error_body(str(exc), code), status_code=400)
+        if isinstance(exc, ModelNotFound):  # as OpenAI and vLLM answer
+            return JSONResponse(error_body(str(exc), "model_not_found"), status_code=404)
+        return JSONResponse(error_body(str(exc)), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
@@ -64,6 +81,9 @@ def build_app(engine: AsyncLLM, model_name: str) -> FastAPI:
     async def health():
         if engine.error is not None:
             return JSONResponse({"status": "dead", "error": str(engine.error)}, status_code=503)
+        if not engine.stats().get("last_logits_finite", True):
+            return JSONResponse({"status": "unhealthy", "error": "the model produced non-finite logits (NaN or "
+                                 "inf) at its last step; its weights are likely broken"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -78,16 +98,23 @@ def build_app(engine: AsyncLLM, model_name: str) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         server.check_model(body.model)
-        params = body.sampling_params()
-        prompts = [server.encode(p) for p in body.prompts()]
+        texts = body.prompts()
+        server.check_count("prompts", len(texts), config.max_prompts, "--max-prompts")
+        for p in texts:
+            server.check_text_fits(len(p) if isinstance(p, str) else 0)
+        prompts = await server.off_loop(lambda: [server.encode(p) for p in texts])
+        params = body.sampling_params(room=min(server.room(ids) for ids in prompts))
+        server.check_limits(params, prompts)
         return await server.respond(request, body, prompts, params, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         server.check_model(body.model)
-        ids = server.encode(server.apply_chat_template([m.as_template_input() for m in body.messages]),
-                            add_special_tokens=False)
-        params = body.sampling_params(room=max(1, server.context_limit - len(ids)))
+        messages = [m.as_template_input() for m in body.messages]
+        server.check_text_fits(sum(len(m["content"]) for m in messages))
+        ids = await server.off_loop(lambda: chat_prompt_ids(server.tokenizer, messages, body.special_tokens_in_content))
+        params = body.sampling_params(room=server.room(ids))
+        server.check_limits(params, [ids])
         return await server.respond(request, body, [ids], params, chat=True)
 
     return app
@@ -120,11 +147,15 @@ class SSEResponse(StreamingResponse):
 
 
 class OpenAIServer:
-    def __init__(self, engine: AsyncLLM, model_name: str):
-        self.engine, self.model_name, self.tokenizer = engine, model_name, engine.tokenizer
+    def __init__(self, engine: AsyncLLM, model_name: str, config: ServerConfig):
+        self.engine, self.model_name, self.tokenizer, self.config = engine, model_name, engine.tokenizer, config
         self.metrics = ServerMetrics(engine.stats)
         self.created = int(time.time())
         self._token_text: dict[int, str] = {}
+        # templates and tokenizers: off the event loop, on few threads (tokenizing is CPU work)
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="livemoe-tokenize")
+        # no token stands for more characters than its vocabulary string has (byte-level: one per byte)
+        self.max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=1) if self.tokenizer else None
 
     # -- request preparation --------------------------------------------------------------------
 
@@ -132,28 +163,62 @@ class OpenAIServer:
         if name != self.model_name:
             raise ModelNotFound(f"the model {name!r} does not exist; this server serves {self.model_name!r}")
 
+    @staticmethod
+    def check_count(what: str, count: int, limit: int, flag: str) -> None:
+        if count > limit:
+            raise RequestError(f"{what}: {count} is over this server's limit of {limit} ({flag})")
+
+    def check_limits(self, params: SamplingParams, prompts: list[list[int]]) -> None:
+        """The server's bounds on one request's work (ServerConfig), and max_tokens against the context left
+        after each prompt: refused, not clamped, when a prompt leaves less room (as vLLM does)."""
+        c = self.config
+        self.check_count("n", params.n, c.max_n, "--max-n")
+        self.check_count("sequences (prompts x n)", len(prompts) * params.n, c.max_sequences, "--max-sequences")
+        self.check_count("logprobs", params.logprobs or 0, c.max_logprobs, "--max-logprobs")
+        self.check_count("stop strings", len(params.stop), c.max_stop, "--max-stop")
+        limit = self.context_limit
+        for ids in prompts:
+            if len(ids) + params.max_tokens > limit:
+                raise RequestError(f"this model's maximum context length is {limit} tokens; the request asks for "
+                                   f"{len(ids) + params.max_tokens} ({len(ids)} in the prompt, {params.max_tokens} "
+                                   "in the completion): lower max_tokens")
+
+    def check_text_fits(self, num_chars: int) -> None:
+        """A text longer than the context times the longest token cannot fit: it is refused before it is
+        tokenized (4 MB of text takes ~10 s of CPU, on the pool other requests tokenize on)."""
+        if self.max_token_chars is None:
+            return
+        limit = self.context_limit
+        if num_chars > limit * self.max_token_chars:
+            raise RequestError(f"the prompt has {num_chars} characters; this model's maximum context length is "
+                               f"{limit} tokens and no token is longer than {self.max_token_chars} characters, so "
+                               f"at most {limit * self.max_token_chars} characters can fit")
+
     @property
     def context_limit(self) -> int:
         """Tokens one sequence may hold: the context, or the whole KV cache if smaller."""
         stats = self.engine.stats()
         return min(self.engine.max_model_len, stats["kv_blocks_total"] * self.engine.llm.config.block_size)
 
-    def encode(self, prompt, add_special_tokens: bool = True) -> list[int]:
-        """Token ids as LLM makes them: a text prompt as LLM.generate encodes it; a chat prompt (already
-        holding the template's special tokens) as LLM.chat does, adding none."""
+    def room(self, ids: list[int]) -> int:
+        """Tokens left to generate after this prompt (the default max_tokens; a prompt that leaves none is
+        refused)."""
+        limit = self.context_limit
+        if len(ids) >= limit:
+            raise RequestError(f"the prompt has {len(ids)} tokens; this model's maximum context length is {limit} "
+                               "tokens, which leaves no room to generate")
+        return limit - len(ids)
+
+    async def off_loop(self, fn):
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn)
+
+    def encode(self, prompt) -> list[int]:
+        """Token ids as LLM.generate makes them (a text prompt with the tokenizer's special tokens added)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError("this model has no tokenizer; send the prompt as token ids")
-            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            return encode_text(self.tokenizer, prompt)
         return list(prompt)
-
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise RequestError("this model has no chat template; use /v1/completions")
-        try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as e:  # the template's own checks (e.g. role order) raise jinja errors
-            raise RequestError(f"the chat template rejected the messages: {e}") from None
 
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)

@@ -19,14 +19,15 @@ import uvicorn
 
 from engine.async_llm import AsyncLLM
 from engine.server.app import build_app
+from engine.server.config import ServerConfig
 
 
 class BackgroundServer:
     def __init__(self, engine: AsyncLLM, model_name: str, host: str = "127.0.0.1", port: int = 0,
-                 log_level: str = "warning"):
+                 log_level: str = "warning", config: ServerConfig | None = None):
         self.engine, self.host = engine, host
         self.port = port or _free_port(host)
-        self.app = build_app(engine, model_name)
+        self.app = build_app(engine, model_name, config, bind_host=host)
         config = uvicorn.Config(self.app, host=host, port=self.port, log_level=log_level, lifespan="off")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="livemoe-http", daemon=True)

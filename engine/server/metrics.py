@@ -4,7 +4,8 @@ servers can live in one process (the tests).
 Per request, observed when it finishes: TTFT, TPOT and end-to-end latency histograms, finished
 requests by finish reason, prompt / generated tokens, decode FLOPs. Engine state, read at each scrape
 from AsyncLLM.stats(): running / waiting requests, KV blocks used and total, prefix-cache hit rate,
-preemptions, eager fallbacks (decode steps that could not replay a CUDA graph), engine steps.
+preemptions, eager fallbacks (decode steps that could not replay a CUDA graph), engine steps, requests
+failed alone and steps with non-finite logits.
 Every finished request also gets one log line with its metrics.
 """
 import logging
@@ -33,7 +34,9 @@ class EngineCollector:
     }
     COUNTERS = {
         "num_eager_fallbacks": ("livemoe_eager_fallbacks", "Decode steps run eagerly (no CUDA graph fits)"),
-        "num_preemptions": ("livemoe_preemptions", "Sequences preempted for KV blocks"),
+        "num_preemptions": ("livemoe_preemptions", "Sequences preempted (for KV blocks, or to seat another request)"),
+        "num_failed_requests": ("livemoe_failed_requests", "Requests the engine ended for a fault of their own"),
+        "num_nonfinite_logits_steps": ("livemoe_nonfinite_logits_steps", "Steps whose logits held NaN or inf"),
         "prefix_cache_hits": ("livemoe_prefix_cache_hit_tokens", "Prompt tokens served by the prefix cache"),
         "prefix_cache_queries": ("livemoe_prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache"),
         "num_steps": ("livemoe_engine_steps", "Engine steps run"),

@@ -5,6 +5,10 @@ failure is a 400 with an OpenAI-style error body. Unknown fields are ignored, as
 send some we do not use; fields we cannot honour (penalties, logit_bias, echo, suffix, best_of) are
 refused rather than silently dropped. Extensions in the body: `top_k`, `min_p`, `ignore_eos`,
 `return_token_ids` (each choice, streamed or not, also carries its token ids).
+
+Types are strict: `"5"` or `true` is no integer, and NaN, Infinity or 1e999 no number. The server's
+limits (ServerConfig) are checked by the app. On chat, `special_tokens_in_content` (default false)
+reads special tokens written in a message as tokens rather than text (engine.prompts).
 """
 from typing import Literal
 
@@ -12,15 +16,17 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from engine.sampling import RequestError, SamplingParams
 
-MAX_TOP_LOGPROBS = 20
+STRICT = ConfigDict(strict=True, allow_inf_nan=False)  # no coercion ("5" -> 5, true -> 1), finite floats
 
 
 class StreamOptions(BaseModel):
+    model_config = STRICT
+
     include_usage: bool = False
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", **STRICT)
 
     model: str
     max_tokens: int | None = None
@@ -78,27 +84,29 @@ class CompletionRequest(_Common):
             raise RequestError("prompt is empty")
         return list(p)
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, room: int) -> SamplingParams:
+        """room: the tokens left in the context after the longest prompt (max_tokens defaults to 16, or less
+        when less is left)."""
         if self.echo:
             raise RequestError("echo is not supported by this server")
         if self.suffix:
             raise RequestError("suffix is not supported by this server")
         if self.best_of not in (None, self.n):
             raise RequestError("best_of is not supported by this server (only best_of == n)")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise RequestError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
-        return self._params(16 if self.max_tokens is None else self.max_tokens, self.logprobs)
+        return self._params(min(16, room) if self.max_tokens is None else self.max_tokens, self.logprobs)
 
 
 class TextPart(BaseModel):
+    model_config = STRICT
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", **STRICT)
 
-    role: str
+    role: Literal["system", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
 
     def as_template_input(self) -> dict:
@@ -113,14 +121,12 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    special_tokens_in_content: bool = False
 
     def sampling_params(self, room: int) -> SamplingParams:
         """room: the tokens left in the context after the prompt (the default max_tokens)."""
-        if self.top_logprobs is not None:
-            if not self.logprobs:
-                raise RequestError("top_logprobs needs logprobs: true")
-            if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-                raise RequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs: true")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._params(room if max_tokens is None else max_tokens, logprobs)

@@ -6,17 +6,15 @@ Decode cost follows the LiveThinking seed: 2 x active matmul parameters per gene
 matmul and is left out; the lm_head is counted (tied or not: its matmul runs either way).
 
 CLI: python -m engine.flops PATH_OR_CONFIG_JSON_OR_PRESET [--context N] [--prompt N] [--tokens N]
-Presets (published configs, shipped in engine/presets/): qwen3-30b-a3b, qwen3-235b-a22b, qwen3-32b.
+(engine/flops/__main__.py). Presets (published configs, shipped in engine/presets/): qwen3-30b-a3b,
+qwen3-235b-a22b, qwen3-32b.
 """
-import argparse
-import json
 import os
-import sys
 
 from engine.config import ModelConfig, load_config
 from engine.errors import CheckpointError
 
-PRESET_DIR = os.path.join(os.path.dirname(__file__), "presets")
+PRESET_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "presets")
 
 
 def preset_names() -> list[str]:
@@ -28,6 +26,9 @@ def resolve_config(path_or_preset) -> ModelConfig:
         return path_or_preset
     if path_or_preset in preset_names():
         return load_config(os.path.join(PRESET_DIR, f"{path_or_preset}.json"))
+    if not os.path.exists(path_or_preset):
+        raise CheckpointError(f"{path_or_preset}: no such file or directory, and not a preset (presets: "
+                              f"{', '.join(preset_names())})")
     return load_config(path_or_preset)
 
 
@@ -102,26 +103,3 @@ def report(cfg: ModelConfig, context_len: int = 0, prompt_len: int = 0, tokens: 
         out["tokens"] = tokens
         out["decode_tflops_per_response"] = decode_flops(cfg, tokens) / 1e12
     return out
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m engine.flops", description=__doc__.split("\n\n")[0])
-    p.add_argument("model", help=f"checkpoint dir, config.json, or a preset: {', '.join(preset_names())}")
-    p.add_argument("--context", type=int, default=0, help="context length for the attention term of decode")
-    p.add_argument("--prompt", type=int, default=0, help="prompt length for prefill FLOPs")
-    p.add_argument("--tokens", type=int, default=0, help="tokens per response for decode TFLOPs per response")
-    args = p.parse_args(argv)
-    for name in ("context", "prompt", "tokens"):
-        if getattr(args, name) < 0:
-            p.error(f"--{name} must be >= 0")
-    try:
-        cfg = resolve_config(args.model)
-    except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(report(cfg, args.context, args.prompt, args.tokens), indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
