@@ -10,8 +10,8 @@ A block is registered as soon as it is allocated for tokens that fill it: its K/
 same step, and every layer stores the whole step's K/V before it attends, so a sequence admitted in
 the same step may already share it.
 
-Pinning (live sessions, engine.live): a caller asks `pin_on_finish(seq, holder)` before seq runs; when
-seq finishes, `free` keeps one reference on its blocks for `holder` (a `Pin`, swapped for the holder's
+Pinning (live sessions, engine.live): a caller asks `pin_on_finish(request_id, holder)` before the
+request runs (a request of one sequence); when its sequence finishes, `free` keeps one reference on its blocks for `holder` (a `Pin`, swapped for the holder's
 previous one), so no other request can evict them, and registers its partially filled last block as a
 pinned tail. The next request whose prompt continues those tokens takes the full blocks by hash and the
 tail by `pinned_tails` (it writes after the tail's tokens, so it must be the tail's only other user):
@@ -75,7 +75,7 @@ class BlockManager:
         self.max_pinned_blocks = num_blocks // 2
         self.num_pinned_blocks = 0
         self.pinned_tails: dict = {}  # hash of the full blocks before (None: none) -> [(block_id, tokens)]
-        self._pin_on_finish: dict[int, object] = {}  # seq_id -> holder (has a `pin` attribute)
+        self._pin_on_finish: dict[str, object] = {}  # request_id -> holder (has a `pin` attribute)
 
     @property
     def num_blocks(self) -> int:
@@ -204,13 +204,14 @@ class BlockManager:
 
     # -- pinning ------------------------------------------------------------------------------------
 
-    def pin_on_finish(self, seq: Sequence, holder) -> None:
-        """When seq finishes (not when it is preempted), its blocks become holder.pin (replacing and
-        releasing holder's previous Pin), within the pin budget."""
-        self._pin_on_finish[seq.seq_id] = holder
+    def pin_on_finish(self, request_id: str, holder) -> None:
+        """When the request's sequence finishes (not when it is preempted), its blocks become holder.pin
+        (replacing and releasing holder's previous Pin), within the pin budget. Keyed by request id, so
+        it can be asked before the request exists."""
+        self._pin_on_finish[request_id] = holder
 
-    def cancel_pin_on_finish(self, seq: Sequence) -> None:
-        self._pin_on_finish.pop(seq.seq_id, None)
+    def cancel_pin_on_finish(self, request_id: str) -> None:
+        self._pin_on_finish.pop(request_id, None)
 
     def _pin(self, seq: Sequence, previous: Pin | None) -> Pin | None:
         n = seq.num_computed_tokens
@@ -279,7 +280,7 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         if self._pin_on_finish and seq.finish_reason is not None:
-            holder = self._pin_on_finish.pop(seq.seq_id, None)
+            holder = self._pin_on_finish.pop(seq.request_id, None)
             if holder is not None:
                 pin = self._pin(seq, holder.pin)
                 self.unpin(holder.pin)

@@ -1,10 +1,13 @@
 """BlockManager pinning for live sessions: a finished sequence's blocks kept for its holder (partial
 tail included), taken back by the holder's next request, capped by a budget, released by unpin."""
+from itertools import count
+
 from engine.block_manager import BlockManager
 from engine.sampling import SamplingParams
 from engine.sequence import Sequence
 
 BS = 4
+IDS = count()
 
 
 class Holder:
@@ -13,8 +16,8 @@ class Holder:
 
 def finished(bm, tokens, holder):
     """A sequence computed over `tokens`, then finished."""
-    s = Sequence(list(tokens), SamplingParams())
-    bm.pin_on_finish(s, holder)
+    s = Sequence(list(tokens), SamplingParams(), request_id=f"r{next(IDS)}")
+    bm.pin_on_finish(s.request_id, holder)
     n = bm.allocate(s, 10**6)
     s.num_computed_tokens += n
     bm.cache_blocks(s)
@@ -86,8 +89,8 @@ def test_pin_budget_keeps_the_head_that_fits_and_preemption_does_not_pin():
     finished(bm, range(100, 110), h2)
     assert h2.pin is None and bm.num_pinned_blocks == 2  # over budget: nothing pinned
     h3 = Holder()
-    s = Sequence(list(range(200, 210)), SamplingParams())
-    bm.pin_on_finish(s, h3)
+    s = Sequence(list(range(200, 210)), SamplingParams(), request_id="preempted")
+    bm.pin_on_finish("preempted", h3)
     bm.allocate(s, 100)
     s.num_computed_tokens = 10
     bm.free(s)  # preempted (no finish_reason): its blocks go back, nothing is pinned

@@ -184,15 +184,14 @@ def step_sessions(llm, pairs) -> list:
     rids = []
     try:
         for s, (_, prompt, _) in zip(sessions, prepared):
-            rid = llm.add_request(prompt, s.params, request_id=f"{s.id}/{len(s.records)}")
-            rids.append(rid)
-            llm.block_manager.pin_on_finish(llm.requests[rid].seqs[0], s)
+            rid = f"{s.id}/{len(s.records)}"
+            llm.block_manager.pin_on_finish(rid, s)
+            rids.append(llm.add_request(prompt, s.params, request_id=rid))
         outs = _run(llm, rids)
     except BaseException:
-        for rid in rids:
-            req = llm.requests.get(rid)
-            if req is not None:
-                llm.block_manager.cancel_pin_on_finish(req.seqs[0])
+        for s in sessions:
+            rid = f"{s.id}/{len(s.records)}"
+            llm.block_manager.cancel_pin_on_finish(rid)
             llm.abort(rid)
         raise
     latency = time.perf_counter() - t0
