@@ -146,6 +146,8 @@ class AsyncLLM:
         if self._dead is not None:
             raise EngineDeadError(f"the engine loop has stopped: {self._dead}")
         params = SamplingParams() if params is None else params
+        if getattr(params, "structured", None) is not None:  # compiled (and cached) here, off the engine loop
+            await asyncio.get_running_loop().run_in_executor(None, self.llm.compile_grammar, params.structured)
         request_id = f"async-{next(self._ids)}" if request_id is None else str(request_id)
         stream = RequestStream(self, request_id, params, asyncio.get_running_loop())
         accepted: concurrent.futures.Future = concurrent.futures.Future()

@@ -16,6 +16,7 @@ engine sets torch's CPU thread count (EngineConfig.threads) when it is built.
 import contextlib
 import logging
 import math
+import threading
 import time
 from itertools import count
 
@@ -26,6 +27,7 @@ from engine.block_manager import BlockManager
 from engine.detokenizer import IncrementalDetokenizer
 from engine.engine_config import EngineConfig
 from engine.errors import RequestFailedError
+from engine.logits_processors import check_vocab
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.prompts import chat_prompt_ids, encode_text
@@ -83,7 +85,9 @@ class LLM:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
         self.runner = ModelRunner(model, config, self.max_model_len)
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, self.eos_token_ids)
+        self._grammar_compiler = None  # engine.structured.GrammarCompiler, made at the first structured request
+        self._grammar_lock = threading.Lock()
         self.block_manager: BlockManager | None = None
         self.scheduler: Scheduler | None = None
         self.requests: dict[str, Request] = {}
@@ -166,6 +170,9 @@ class LLM:
             raise RequestError(f"stop_token_ids out of the vocabulary [0, {self.vocab_size}): {bad_stop}")
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer, and this checkpoint has none; use stop_token_ids")
+        check_vocab(params, self.vocab_size)
+        if params.structured is not None:
+            self.compile_grammar(params.structured)  # a bad schema fails here; the result is cached
         longest = min(len(ids) + params.max_tokens, self.max_model_len)
         capacity = self.block_manager.num_blocks * self.config.block_size
         if longest > capacity:
@@ -196,6 +203,9 @@ class LLM:
         now = time.perf_counter()
         seqs = [Sequence(ids, params, request_id, i, None if params.seed is None else params.seed + i, now)
                 for i in range(params.n)]
+        if params.structured is not None:
+            for seq in seqs:
+                seq.grammar = self._grammars().state(params.structured, ids)
         self.requests[request_id] = Request(request_id, text, ids, params, seqs)
         for seq in seqs:
             self.scheduler.add(seq)
@@ -213,6 +223,22 @@ class LLM:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    # -- structured output ------------------------------------------------------------------------
+
+    def _grammars(self):
+        with self._grammar_lock:  # the server's worker threads and the engine thread may both ask first
+            if self._grammar_compiler is None:
+                from engine.structured import GrammarCompiler
+
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            return self._grammar_compiler
+
+    def compile_grammar(self, spec, field: str = "structured"):
+        """The compiled grammar of an engine.structured.StructuredOutput (cached by the spec): AsyncLLM
+        calls it in a worker thread before a request reaches the engine loop, which then only looks it up.
+        A bad spec raises RequestError naming `field`."""
+        return self._grammars().compile(spec, field)
 
     # -- the loop -----------------------------------------------------------------------------------
 
@@ -257,6 +283,8 @@ class LLM:
             if seq.request_id not in self.requests:
                 continue  # failed earlier in this step (another of its n samples)
             seq.append_token(token, now)
+            if seq.grammar is not None:
+                seq.grammar.advance([token])
             if lp is not None:
                 seq.logprobs.append(lp)
             try:
@@ -304,7 +332,7 @@ class LLM:
         if len(rows) < len(seqs):
             seqs, logits = [seqs[i] for i in rows], logits[rows]
         try:
-            return seqs, self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
+            return seqs, self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs], seqs)
         except Exception:  # noqa: BLE001
             log.exception("sampling a batch of %d rows failed; sampling them one by one", len(seqs))
         kept, tokens, logprobs = [], [], []
@@ -312,7 +340,7 @@ class LLM:
             if seq.request_id not in self.requests:
                 continue
             try:
-                r = self.sampler(logits[i:i + 1], [seq.params], [seq.generator])
+                r = self.sampler(logits[i:i + 1], [seq.params], [seq.generator], [seq])
             except Exception as e:  # noqa: BLE001
                 self._fail(seq.request_id, f"sampling failed: {e!r}")
                 continue
@@ -344,7 +372,8 @@ class LLM:
             text = self._text_so_far(seq)
             # only a stop string ending in the newest text can be new
             tail_from = max(0, len(seq.text) - max(map(len, p.stop)))
-            hits = [(i, s) for s in p.stop if (i := text.find(s, tail_from)) >= 0]
+            hits = [(i, s) for s in p.stop if (i := text.find(s, tail_from)) >= 0] \
+                if seq.num_output_tokens >= p.min_tokens else []
             seq.text = text
             if hits:
                 i, s = min(hits)
@@ -459,14 +488,34 @@ class LLM:
         return stream(self, prompt, params, request_id)
 
     def chat(self, conversations, params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool | None = None, special_tokens_in_content: bool = False) -> list[RequestOutput]:
+             use_tqdm: bool | None = None, tools: list[dict] | None = None, tool_choice: str = "auto",
+             special_tokens_in_content: bool = False) -> list[RequestOutput]:
         """conversations: one list of {"role", "content"} messages, or a list of them; the checkpoint's
         chat template (with the generation prompt) makes each prompt. Special tokens written inside a
-        content stay text unless special_tokens_in_content (see engine.prompts)."""
+        content stay text unless special_tokens_in_content (see engine.prompts).
+
+        tools: OpenAI-style [{"type": "function", "function": {"name", "parameters", ...}}], given to the
+        template; each completion's `tool_calls` then holds the Qwen3 / Hermes calls parsed from its text
+        ([{"name", "arguments": JSON text}]). tool_choice: "auto" (the model decides), "required" or a
+        function's name (the grammar makes the output one call, whose arguments match the parameters)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        prompts = [chat_prompt_ids(self.tokenizer, c, special_tokens_in_content) for c in conversations]
-        return self.generate(prompts, params, use_tqdm)
+        if tools:
+            from engine.tool_parser import tool_choice_constraint
+
+            params = tool_choice_constraint(tools, tool_choice, params)
+        elif tool_choice != "auto":
+            raise RequestError(f"chat: tool_choice {tool_choice!r} needs tools")
+        prompts = [chat_prompt_ids(self.tokenizer, c, special_tokens_in_content, tools=tools or None)
+                   for c in conversations]
+        outputs = self.generate(prompts, params, use_tqdm)
+        if tools:
+            from engine.tool_parser import parse_tool_calls
+
+            for out in outputs:
+                for c in out.outputs:
+                    c.tool_calls = parse_tool_calls(c.text)[1]
+        return outputs
 
     # -- introspection ------------------------------------------------------------------------------
 

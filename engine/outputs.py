@@ -11,6 +11,7 @@ class CompletionOutput:
     finish_reason: str | None  # "stop" (EOS, stop id or string), "length", "abort"; None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[dict[int, float]] | None = None  # per token {sampled: lp, top-1: lp, ...}
+    tool_calls: list[dict] | None = None  # LLM.chat with tools: [{"name", "arguments": JSON text}] parsed from text
 
     @property
     def token_logprobs(self) -> list[float] | None:

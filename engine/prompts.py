@@ -25,9 +25,10 @@ def check_unicode(text: str, what: str) -> None:
                            f"({text[e.start:e.end]!r})") from None
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict], special_tokens_in_content: bool = False) -> list[int]:
+def chat_prompt_ids(tokenizer, messages: list[dict], special_tokens_in_content: bool = False,
+                    tools: list[dict] | None = None) -> list[int]:
     """The token ids of `messages` under the tokenizer's chat template, with the generation prompt (the
-    template writes any special tokens itself: none are added)."""
+    template writes any special tokens itself: none are added); `tools` go to the template."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise RequestError("this model has no chat template (use a completions prompt)")
     for k, m in enumerate(messages):
@@ -37,10 +38,11 @@ def chat_prompt_ids(tokenizer, messages: list[dict], special_tokens_in_content: 
     forged = [k for k, m in enumerate(messages)
               if isinstance(m.get("content"), str) and any(s in m["content"] for s in specials)]
     if special_tokens_in_content or not forged:
-        return tokenizer.encode(_render(tokenizer, messages), add_special_tokens=False)
+        return tokenizer.encode(_render(tokenizer, messages, tools), add_special_tokens=False)
     # render with a marker in place of each such content, then encode those contents as plain text
     markers = {k: f"livemoe{uuid.uuid4().hex}m{k}" for k in forged}
-    text = _render(tokenizer, [{**m, "content": markers[k]} if k in markers else m for k, m in enumerate(messages)])
+    text = _render(tokenizer, [{**m, "content": markers[k]} if k in markers else m for k, m in enumerate(messages)],
+                   tools)
     ids, pos = [], 0
     for k, marker in markers.items():
         at = text.find(marker, pos)
@@ -53,8 +55,9 @@ def chat_prompt_ids(tokenizer, messages: list[dict], special_tokens_in_content: 
     return ids + tokenizer.encode(text[pos:], add_special_tokens=False)
 
 
-def _render(tokenizer, messages: list[dict]) -> str:
+def _render(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> str:
+    extra = {"tools": tools} if tools else {}
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
     except Exception as e:  # the template's own checks (e.g. role order) raise jinja errors
         raise RequestError(f"the chat template rejected the messages: {e}") from None

@@ -3,11 +3,15 @@
 Filters (see engine.sampling for the order) become -inf logits; sampling is the exponential race
 argmax(p / E), E ~ Exp(1), with E drawn from the row's own generator when the request has a seed, so a
 seeded request gets the same tokens whatever else is in the batch.
+
+Before temperature, the rows that ask for it get their logits processed (engine.logits_processors: the
+grammar mask, min_tokens, logit_bias, penalties); "raw" logprobs stay those of the unprocessed logits.
 """
 from dataclasses import dataclass
 
 import torch
 
+from engine.logits_processors import process_logits
 from engine.sampling import SamplingParams
 
 
@@ -41,8 +45,9 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 
 
 class Sampler:
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, eos_token_ids=()):
         self.seed = seed
+        self.eos_token_ids = set(eos_token_ids)  # what min_tokens bans
         self._generators: dict[torch.device, torch.Generator] = {}  # for requests without a seed
 
     def _shared_generator(self, device: torch.device) -> torch.Generator:
@@ -52,17 +57,23 @@ class Sampler:
 
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None]) -> SampleResult:
-        """logits [B, V]; params and generators (None: the shared one) per row."""
+                 generators: list[torch.Generator | None], seqs=None) -> SampleResult:
+        """logits [B, V]; params and generators (None: the shared one) per row; seqs (engine.sequence's,
+        per row: their tokens and grammar state) are needed only when a row's params process logits."""
         B, V = logits.shape
         assert len(params) == B == len(generators)
+        raw_logits, any_processing = logits, any(p.processes_logits for p in params)
+        if any_processing:
+            assert seqs is not None and len(seqs) == B, "logits processing needs the rows' sequences"
+            logits = process_logits(logits.float(), params, seqs, self.eos_token_ids)
         if all(p.greedy and p.logprobs is None for p in params):  # greedy, nothing else asked
             return SampleResult(logits.argmax(-1).tolist(), [None] * B)
         logits = logits.float()
         device = logits.device
         # greedy rows (temperature below MIN_TEMPERATURE) are divided by 1: their raw logprobs are log_softmax(logits)
-        temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
-        scaled = logits / temperature[:, None]
+        divisor = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)[:, None]
+        scaled = logits / divisor
+        raw_scaled = raw_logits.float() / divisor if any_processing else scaled
         any_filter = any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params)
         if any_filter:
             filtered = filter_logits(
@@ -95,9 +106,9 @@ class Sampler:
         rows = [i for i in range(B) if params[i].logprobs is not None]
         if rows:
             pick = (lambda t: t) if len(rows) == B else (lambda t: t[rows])  # a rollout batch asks on every row
-            raw = pick(scaled).log_softmax(-1)
+            raw = pick(raw_scaled).log_softmax(-1)
             dist = raw
-            if any_filter:
+            if any_filter or any_processing:
                 processed = pick(filtered).log_softmax(-1)
                 use_raw = torch.tensor([params[i].logprobs_mode == "raw" for i in rows], device=device)
                 dist = torch.where(use_raw[:, None], raw, processed)

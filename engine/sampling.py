@@ -39,6 +39,14 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; 0: the sampled token's; N: also the top-N
     logprobs_mode: str = "raw"
     skip_special_tokens: bool = True
+    # logits processing before temperature (engine.logits_processors; vLLM's definitions)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1: off
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    min_tokens: int = 0  # EOS and stop_token_ids banned (and stop strings not checked) before this many
+    structured: "StructuredOutput | None" = None  # engine.structured: JSON schema, regex, choice, grammar
+    processes_logits: bool = field(init=False, default=False, repr=False, compare=False)  # any of the above
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -80,6 +88,10 @@ class SamplingParams:
             fail(f"logprobs must be None or an integer >= 0, got {self.logprobs!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             fail(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
+        from engine import logits_processors  # imports this module
+
+        logits_processors.validate(self, fail)
+        self.processes_logits = logits_processors.needs_processing(self)  # read at every step: computed once
 
     @property
     def greedy(self) -> bool:

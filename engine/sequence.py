@@ -44,6 +44,7 @@ class Sequence:
         self.num_cached_prompt_tokens = 0  # prefix-cache hit at first scheduling
         self.text = ""  # detokenized output, kept only when stop strings need it
         self.detokenizer = None  # IncrementalDetokenizer of the output: stop strings, in-flight text
+        self.grammar = None  # engine.structured.GrammarState when the request's output is constrained
         # metrics
         self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None

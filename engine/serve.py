@@ -32,6 +32,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
     p.add_argument("--device", default=None, help="cuda | cpu (default: cuda when there is one)")
     p.add_argument("--log-level", default="info", help="default: info (one line per finished request)")
+    p.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+                   help="split chat outputs' <think>...</think> into message.reasoning_content (default: none)")
     _add_flags(p.add_argument_group("engine options (EngineConfig)"), EngineConfig)
     _add_flags(p.add_argument_group("server options (ServerConfig)"), ServerConfig)
     return p
@@ -72,8 +74,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"engine.serve: {e}")
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     try:
-        uvicorn.run(build_app(engine, name, server_config, bind_host=args.host), host=args.host, port=args.port,
-                    log_level=args.log_level.lower())
+        uvicorn.run(build_app(engine, name, server_config, bind_host=args.host, reasoning_parser=args.reasoning_parser),
+                    host=args.host, port=args.port, log_level=args.log_level.lower())
     finally:
         engine.shutdown()
 

@@ -1,4 +1,5 @@
 """Fixtures shared by tests/ and bench/ (both conftests import them), and helpers the tests share."""
+import contextlib
 import os
 import subprocess
 import sys
@@ -26,3 +27,23 @@ def run_with_portable_kernels(code: str) -> None:
     env = dict(os.environ, ATEN_CPU_CAPABILITY="default", PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tests")]))
     res = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
+
+
+POISON_SEED = 666  # the injected fault: sampling any batch holding this seed raises
+
+
+@contextlib.contextmanager
+def poisoned_sampler(llm):
+    """llm's sampler raises (as a seed >= 2**64 once did, mid-step) for any batch holding POISON_SEED."""
+    real = llm.sampler
+
+    def sampler(logits, params, generators, seqs=None):
+        if any(p.seed == POISON_SEED for p in params):
+            raise RuntimeError("Overflow when unpacking long long")
+        return real(logits, params, generators, seqs)
+
+    llm.sampler = sampler
+    try:
+        yield
+    finally:
+        llm.sampler = real

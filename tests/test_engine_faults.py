@@ -13,12 +13,12 @@ from engine.engine_config import EngineConfigError
 from engine.llm import LLM, RequestFailedError
 from engine.prompts import chat_prompt_ids
 from engine.sampling import RequestError, SamplingParams
+from fixtures import POISON_SEED, poisoned_sampler
 from tiny_tokenizer import make_text_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-POISON_SEED = 666  # the injected fault: sampling any batch holding this seed raises
 
 
 @pytest.fixture(scope="module")
@@ -28,17 +28,6 @@ def ckpt(tmp_path_factory):
 
 def engine(path, **options):
     return LLM(path, dtype=torch.float32, device="cpu", block_size=16, num_kv_blocks=64, **options)
-
-
-def poison_sampler(llm):
-    real = llm.sampler
-
-    def sampler(logits, params, generators):
-        if any(p.seed == POISON_SEED for p in params):
-            raise RuntimeError("Overflow when unpacking long long")  # what a bad seed once did, mid-step
-        return real(logits, params, generators)
-
-    llm.sampler = sampler
 
 
 def run_all(llm):
@@ -54,24 +43,24 @@ def test_a_request_that_breaks_sampling_fails_alone(ckpt):
     path, _ = ckpt
     llm = engine(path)
     alone = llm.generate(["first viewer", "second viewer"], GREEDY)
-    poison_sampler(llm)
-    a = llm.add_request("first viewer", GREEDY)
-    bad = llm.add_request("mean viewer", SamplingParams(temperature=0.5, seed=POISON_SEED, max_tokens=12))
-    b = llm.add_request("second viewer", GREEDY)
-    finished = run_all(llm)
-    failed = llm.take_failed()
-    assert set(finished) == {a, b} and list(failed) == [bad] and "Overflow" in failed[bad]
-    assert [finished[a].token_ids, finished[b].token_ids] == [o.token_ids for o in alone]
-    assert llm.block_manager.num_used_blocks == 0 and llm.stats()["num_failed_requests"] == 1
-    # generate() raises for its own failed request (and leaves nothing behind)
-    with pytest.raises(RequestFailedError, match="Overflow"):
-        llm.generate(["x", "y"], [GREEDY, SamplingParams(seed=POISON_SEED, max_tokens=4)])
-    assert not llm.has_unfinished_requests() and llm.block_manager.num_used_blocks == 0
-    # and so does stream(): its request's fault ends the generator with the reason, not silently
-    with pytest.raises(RequestFailedError, match="Overflow"):
-        list(llm.stream("mean viewer", SamplingParams(seed=POISON_SEED, max_tokens=4)))
-    assert not llm.has_unfinished_requests() and llm.block_manager.num_used_blocks == 0
-    assert [o.token_ids for o in llm.generate(["first viewer"], GREEDY)] == [alone[0].token_ids]
+    with poisoned_sampler(llm):
+        a = llm.add_request("first viewer", GREEDY)
+        bad = llm.add_request("mean viewer", SamplingParams(temperature=0.5, seed=POISON_SEED, max_tokens=12))
+        b = llm.add_request("second viewer", GREEDY)
+        finished = run_all(llm)
+        failed = llm.take_failed()
+        assert set(finished) == {a, b} and list(failed) == [bad] and "Overflow" in failed[bad]
+        assert [finished[a].token_ids, finished[b].token_ids] == [o.token_ids for o in alone]
+        assert llm.block_manager.num_used_blocks == 0 and llm.stats()["num_failed_requests"] == 1
+        # generate() raises for its own failed request (and leaves nothing behind)
+        with pytest.raises(RequestFailedError, match="Overflow"):
+            llm.generate(["x", "y"], [GREEDY, SamplingParams(seed=POISON_SEED, max_tokens=4)])
+        assert not llm.has_unfinished_requests() and llm.block_manager.num_used_blocks == 0
+        # and so does stream(): its request's fault ends the generator with the reason, not silently
+        with pytest.raises(RequestFailedError, match="Overflow"):
+            list(llm.stream("mean viewer", SamplingParams(seed=POISON_SEED, max_tokens=4)))
+        assert not llm.has_unfinished_requests() and llm.block_manager.num_used_blocks == 0
+        assert [o.token_ids for o in llm.generate(["first viewer"], GREEDY)] == [alone[0].token_ids]
 
 
 def test_nonfinite_logits_fail_their_requests_and_are_reported(ckpt):

@@ -23,6 +23,7 @@ pytest.importorskip("uvicorn", reason=_EXTRAS)
 
 from engine.async_llm import AsyncLLM  # noqa: E402
 from engine.server import BackgroundServer, ServerConfig, build_app  # noqa: E402
+from fixtures import POISON_SEED, poisoned_sampler  # noqa: E402
 from tiny_tokenizer import make_text_checkpoint  # noqa: E402
 
 MODEL = "tiny"
@@ -210,29 +211,19 @@ def test_a_request_that_breaks_the_step_fails_alone(served, client):
     a stream decoding beside it finishes with exactly its own tokens (it used to get the error too)."""
     engine, server, _ = served
     llm = engine.llm
-    real = llm.sampler
-
-    def sampler(logits, params, generators):
-        if any(p.seed == 666 for p in params):
-            raise RuntimeError("Overflow when unpacking long long")
-        return real(logits, params, generators)
-
     kw = dict(model=MODEL, prompt="an innocent stream", max_tokens=80, temperature=0,
               extra_body={"ignore_eos": True, "return_token_ids": True})
     expected = client.completions.create(**kw).choices[0].model_extra["token_ids"]
-    llm.sampler = sampler
-    try:
+    with poisoned_sampler(llm):
         got = []
         stream = client.completions.create(stream=True, **kw)
         got += next(iter(stream)).choices[0].model_extra["token_ids"]  # it is running
         with pytest.raises(openai.InternalServerError, match="Overflow"):
-            client.completions.create(model=MODEL, prompt="poison", max_tokens=30, seed=666, temperature=1.0,
+            client.completions.create(model=MODEL, prompt="poison", max_tokens=30, seed=POISON_SEED, temperature=1.0,
                                       extra_body={"ignore_eos": True})
         for chunk in stream:
             got += chunk.choices[0].model_extra["token_ids"]
         assert got == expected
-    finally:
-        llm.sampler = real
     assert get(server.url + "/health")[0] == 200
 
 

@@ -18,6 +18,7 @@ TPOT (seconds; the slowest request's TTFT, the token-weighted TPOT), output toke
 a stream's usage event (`stream_options.include_usage`) carries it too.
 """
 import asyncio
+import dataclasses
 import logging
 from concurrent.futures import ThreadPoolExecutor
 import time
@@ -47,10 +48,11 @@ class ModelNotFound(RequestError):
 
 
 def build_app(engine: AsyncLLM, model_name: str, config: ServerConfig | None = None,
-              bind_host: str = "127.0.0.1") -> FastAPI:
-    """bind_host: where the server listens (loopback: only loopback Host names are answered by default)."""
+              bind_host: str = "127.0.0.1", reasoning_parser: str | None = None) -> FastAPI:
+    """bind_host: where the server listens (loopback: only loopback Host names are answered by default).
+    reasoning_parser: qwen3 or deepseek_r1 splits chat outputs' <think> blocks into reasoning_content."""
     config = ServerConfig() if config is None else config
-    server = OpenAIServer(engine, model_name, config)
+    server = OpenAIServer(engine, model_name, config, reasoning_parser)
     docs = dict(openapi_url="/openapi.json", docs_url="/docs") if config.enable_docs else dict(openapi_url=None,
                                                                                                 docs_url=None)
     app = FastAPI(title="livemoe", redoc_url=None, **docs)
@@ -105,6 +107,7 @@ def build_app(engine: AsyncLLM, model_name: str, config: ServerConfig | None = N
         prompts = await server.off_loop(lambda: [server.encode(p) for p in texts])
         params = body.sampling_params(room=min(server.room(ids) for ids in prompts))
         server.check_limits(params, prompts)
+        await server.compile_constraint(body)
         return await server.respond(request, body, prompts, params, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -112,9 +115,14 @@ def build_app(engine: AsyncLLM, model_name: str, config: ServerConfig | None = N
         server.check_model(body.model)
         messages = [m.as_template_input() for m in body.messages]
         server.check_text_fits(sum(len(m["content"]) for m in messages))
-        ids = await server.off_loop(lambda: chat_prompt_ids(server.tokenizer, messages, body.special_tokens_in_content))
-        params = body.sampling_params(room=server.room(ids))
+        # the template renders the tools (Qwen3's lists them in the system turn)
+        tools = [{"type": "function", "function": f} for f in body.tool_functions()] \
+            if body.tool_mode() != "none" else None
+        ids = await server.off_loop(lambda: chat_prompt_ids(server.tokenizer, messages, body.special_tokens_in_content,
+                                                            tools))
+        params = server.answer_only_constraint(body.sampling_params(room=server.room(ids)))
         server.check_limits(params, [ids])
+        await server.compile_constraint(body)
         return await server.respond(request, body, [ids], params, chat=True)
 
     return app
@@ -147,8 +155,18 @@ class SSEResponse(StreamingResponse):
 
 
 class OpenAIServer:
-    def __init__(self, engine: AsyncLLM, model_name: str, config: ServerConfig):
+    def __init__(self, engine: AsyncLLM, model_name: str, config: ServerConfig, reasoning_parser: str | None = None):
+        from engine.reasoning import REASONING_PARSERS
+
+        if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"unknown reasoning parser {reasoning_parser!r}; choose one of {REASONING_PARSERS}")
         self.engine, self.model_name, self.tokenizer, self.config = engine, model_name, engine.tokenizer, config
+        self.reasoning_parser = reasoning_parser
+        self.think_tokens = None  # with a reasoning parser: (<think>, </think>) ids, when single tokens
+        if reasoning_parser is not None and self.tokenizer is not None:
+            from engine.reasoning import think_token_ids
+
+            self.think_tokens = think_token_ids(self.tokenizer)
         self.metrics = ServerMetrics(engine.stats)
         self.created = int(time.time())
         self._token_text: dict[int, str] = {}
@@ -220,6 +238,21 @@ class OpenAIServer:
             return encode_text(self.tokenizer, prompt)
         return list(prompt)
 
+    def answer_only_constraint(self, params: SamplingParams) -> SamplingParams:
+        """With a reasoning parser, a chat's output constraint applies to the answer after the think block
+        (engine.structured), as vLLM does; when </think> is not one token it applies to the whole output."""
+        if params.structured is None or self.think_tokens is None:
+            return params
+        return dataclasses.replace(params, structured=dataclasses.replace(params.structured,
+                                                                          think_tokens=self.think_tokens))
+
+    async def compile_constraint(self, body) -> None:
+        """Compiles the body's output constraint in a worker thread (cached; the engine loop then only
+        looks it up); a bad schema, regex or grammar is a 400 naming the field."""
+        found = body.constraint()
+        if found is not None:
+            await self.off_loop(lambda: self.engine.llm.compile_grammar(*found))
+
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
         if text is None:
@@ -267,5 +300,8 @@ def _describe(errors) -> str:
         if e.get("type") == "json_invalid":
             return f"malformed JSON body: {e.get('ctx', {}).get('error', e.get('msg'))}"
         loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+        if e.get("type") == "extra_forbidden":  # every field is honoured or refused, never ignored
+            parts.append(f"{loc}: unknown field, not supported by this server")
+            continue
         parts.append(f"{loc or 'body'}: {e.get('msg')}")
     return "invalid request: " + "; ".join(parts)

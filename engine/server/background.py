@@ -24,10 +24,10 @@ from engine.server.config import ServerConfig
 
 class BackgroundServer:
     def __init__(self, engine: AsyncLLM, model_name: str, host: str = "127.0.0.1", port: int = 0,
-                 log_level: str = "warning", config: ServerConfig | None = None):
+                 log_level: str = "warning", config: ServerConfig | None = None, reasoning_parser: str | None = None):
         self.engine, self.host = engine, host
         self.port = port or _free_port(host)
-        self.app = build_app(engine, model_name, config, bind_host=host)
+        self.app = build_app(engine, model_name, config, bind_host=host, reasoning_parser=reasoning_parser)
         config = uvicorn.Config(self.app, host=host, port=self.port, log_level=log_level, lifespan="off")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="livemoe-http", daemon=True)

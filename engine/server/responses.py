@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from engine.async_llm import EngineError, RequestStream
 from engine.outputs import RequestMetrics
 from engine.sampling import SamplingParams
+from engine.server.chat_output import ChoiceParser
 from engine.server.protocol import error_body
 from engine.streaming import StreamDelta, merge_deltas
 
@@ -44,6 +45,13 @@ class Run:
         self.reasons: dict[int, dict[int, str]] = {k: {} for k in range(len(streams))}
         self.text_offsets: dict[int, int] = {}
         self.closed = False
+        # chat: reasoning content and tool calls split off each choice's text (inactive: plain content)
+        tools = chat and body.tool_mode() != "none"
+        self.parsers = [ChoiceParser(server.reasoning_parser if chat else None, tools)
+                        for _ in range(len(streams) * self.n)]
+        # completions with echo: each choice's text starts with its prompt's
+        self.echo = [p if isinstance(p, str) else server.tokenizer.decode(p) if server.tokenizer is not None else ""
+                     for p in body.prompts()] if getattr(body, "echo", False) else None
 
     async def deltas(self):
         """(prompt index, delta) pairs from all streams as they come; aborts what is left on exit. When
@@ -113,9 +121,15 @@ class Run:
         for i, c in enumerate(choices):
             text = "".join(c.text)
             choice = {"index": i}
-            choice.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
+            parser = self.parsers[i]
+            if parser.active:
+                choice["message"] = parser.message(text)
+            elif self.chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = (self.echo[i // self.n] if self.echo else "") + text
             choice["logprobs"] = _merge_logprobs(c.logprobs, self.chat) if self.params.logprobs is not None else None
-            choice["finish_reason"] = c.finish_reason
+            choice["finish_reason"] = parser.finish_reason(c.finish_reason)
             choice["stop_reason"] = c.stop_reason
             if self.body.return_token_ids:
                 choice["token_ids"] = c.token_ids
@@ -157,13 +171,21 @@ class Run:
                 for i in range(len(self.streams) * self.n):
                     yield self._event([{"index": i, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}])
+            elif self.echo:
+                for i in range(len(self.streams) * self.n):
+                    yield self._event([{"index": i, "text": self.echo[i // self.n], "logprobs": None,
+                                        "finish_reason": None}])
             async for k, d in self.deltas():
                 i = k * self.n + d.index
                 choice = {"index": i}
-                choice.update({"delta": {"content": d.text}} if self.chat else {"text": d.text})
+                parser = self.parsers[i]
+                if parser.active:
+                    choice["delta"] = parser.feed(d.text, last=d.finish_reason is not None)
+                else:
+                    choice.update({"delta": {"content": d.text}} if self.chat else {"text": d.text})
                 choice["logprobs"] = (_merge_logprobs([self._logprobs(i, d)], self.chat)
                                       if d.logprobs is not None else None)
-                choice["finish_reason"] = d.finish_reason
+                choice["finish_reason"] = parser.finish_reason(d.finish_reason)
                 if d.finish_reason is not None:
                     choice["stop_reason"] = d.stop_reason
                 if self.body.return_token_ids:
