@@ -163,8 +163,8 @@ class SMGSPO:
             total = loss + opts.lambda_aux * aux
             total.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), opts.max_grad_norm)
-            self.guard.step(self.optimizer, float(total), grad_norm, f"SM-GSPO step {step + 1}, pass {it + 1}")
-            stats = {"loss": float(loss), "ratio": float(lm["ratio/mean"]), "clip": float(lm["clip_ratio/region_mean"]),
+            self.guard.step(self.optimizer, float(total.detach()), grad_norm, f"SM-GSPO step {step + 1}, pass {it + 1}")
+            stats = {"loss": float(loss.detach()), "ratio": float(lm["ratio/mean"]), "clip": float(lm["clip_ratio/region_mean"]),
                      "grad_norm": float(grad_norm)}
         self.model.eval()
         flat = [r for t in turn_rewards for r in t]
