@@ -34,9 +34,8 @@ GIFTS = ("rose", "rocket", "heart", "star", "cake")
 CHATTER = ("haha", "nice stream", "hello everyone", "so cheap", "i like this one", "wow", "good evening",
            "lol", "me too", "waiting for the next one")
 STOCK = ("in stock", "sold out")
-SYSTEM = ("you are the live assistant of a shopping stream. each interval, reply with one line: OBS to stay "
-          "silent, MEM <note> to remember a changed fact, or ANS @<viewer> <task>: <message> to answer a "
-          "question, correct a wrong claim, thank a gift or welcome a new viewer. products:")
+SYSTEM = ("live assistant of a shopping stream. each interval: OBS (silent), MEM <changed fact>, or "
+          "ANS @<viewer> <answer|correct|thank|welcome>: <message>. products:")
 
 
 @dataclass(kw_only=True)
