@@ -115,16 +115,16 @@ def test_gspo_rewards_and_advantages_on_hand_computed_cases():
          "facts": ["amy"], "questions": []},
         {"decision": {"kind": "OBS", "recipient": None, "task": None, "message": None}, "facts": []}]}
     good = _comp(["ANS @amy welcome: welcome, amy!", "OBS"])
-    wrong_who = _comp(["ANS @bob welcome: welcome, amy!", "OBS"])  # state and grounding right, recipient/task wrong
+    wrong_who = _comp(["ANS @bob welcome: welcome, amy!", "OBS"])  # state, task and grounding right, recipient wrong
     spam = _comp(["OBS", "ANS @amy thank: hi"])  # both turns wrong; the second is spam
     opts = GSPOOptions()
     turns, traj = rewards_of([session], [[good, wrong_who, spam]], opts)
-    assert turns == [pytest.approx([1.0, 1.0]), pytest.approx([0.6, 1.0]), pytest.approx([0.0, 0.0])]
+    assert turns == [pytest.approx([1.0, 1.0]), pytest.approx([0.8, 1.0]), pytest.approx([0.0, 0.0])]
     assert traj == pytest.approx([1.0, 1.0, 0.5])  # no questions: 1, minus spam 1 / 2 intervals
     adv = multi_turn_advantages(turns, 3, 0.5, trajectory_rewards=traj)
-    # turn 1: rewards 1, .6, 0 -> mean .5333, std .5033; turn 2: 1, 1, 0 -> mean .6667, std .5774;
+    # turn 1: rewards 1, .8, 0 -> mean .6, std .5292; turn 2: 1, 1, 0 -> mean .6667, std .5774;
     # trajectory: 1, 1, .5 -> mean .8333, std .2887
-    t1 = [(1 - 0.53333) / 0.50332, (0.6 - 0.53333) / 0.50332, (0 - 0.53333) / 0.50332]
+    t1 = [(1 - 0.6) / 0.52915, (0.8 - 0.6) / 0.52915, (0 - 0.6) / 0.52915]
     t2 = [(1 - 0.66667) / 0.57735] * 2 + [(0 - 0.66667) / 0.57735]
     tr = [(1 - 0.83333) / 0.28868] * 2 + [(0.5 - 0.83333) / 0.28868]
     for i in range(3):

@@ -111,7 +111,7 @@ def test_judge_on_crafted_good_and_bad_decisions():
                                     "link 3 pork zongzi: price is 29 yuan. link 3 pork zongzi: stock is sold out."), iv, state)
     assert extra.grounding is False
     wrong_who = score_interval(Decision("ANS", "amy", "answer", "link 3 pork zongzi: price is 29 yuan."), iv, state)
-    assert (wrong_who.recipient, wrong_who.task) == (False, False)
+    assert (wrong_who.recipient, wrong_who.task) == (False, True)
     wrong_task = score_interval(Decision("ANS", "bob", "thank", "link 3 pork zongzi: price is 29 yuan."), iv, state)
     assert (wrong_task.recipient, wrong_task.task) == (True, False)
     silent = score_interval(Decision("OBS"), iv, state)

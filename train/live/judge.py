@@ -4,7 +4,7 @@ trajectory-level terms SM-GSPO credits (questions answered in time, no spam, no 
 Per interval, against the ground truth (`interval["decision"]`, `interval["facts"]`):
   state      the predicted kind equals the gold kind (OBS / MEM / ANS)
   recipient  gold ANS only: the prediction is an ANS to the gold recipient
-  task       gold ANS only: ... and for the gold task
+  task       gold ANS only: the prediction is an ANS for the gold task (whoever it addresses)
   grounding  gold MEM / ANS only: the prediction has the gold kind, its text holds every gold fact, and
              every "link N name: attribute is value." it states is true in the room at that interval
              (when the session lists its products; changes apply from their interval on)
@@ -68,7 +68,7 @@ def score_interval(pred: Decision | None, interval: dict, state: dict | None = N
     recipient = task = grounding = None
     if kind == "ANS":
         recipient = ok_state and pred.recipient == gold["recipient"]
-        task = recipient and pred.task == gold["task"]
+        task = ok_state and pred.task == gold["task"]
     if kind in ("ANS", "MEM"):
         text = (pred.message or "") if ok_state else ""
         grounding = (ok_state and all(f in text for f in interval.get("facts", []))
