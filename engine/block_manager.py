@@ -20,7 +20,7 @@ each interval of a session prefills only its new tokens. Pins are capped at `max
 Pure bookkeeping: no tensors. The scheduler calls `allocate` (first chunk of a waiting sequence),
 `append_slots` (each later step) and `free`.
 """
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from engine.sequence import Sequence
@@ -76,6 +76,7 @@ class BlockManager:
         self.num_pinned_blocks = 0
         self.pinned_tails: dict = {}  # hash of the full blocks before (None: none) -> [(block_id, tokens)]
         self._pin_on_finish: dict[str, object] = {}  # request_id -> holder (has a `pin` attribute)
+        self._unpin_later: deque = deque()  # pins given back from another thread (appends are atomic)
 
     @property
     def num_blocks(self) -> int:
@@ -149,6 +150,8 @@ class BlockManager:
         token_budget new tokens (fewer if blocks run short). Returns how many new tokens to compute;
         0 means nothing was changed."""
         assert not seq.block_table and seq.num_computed_tokens == 0, seq
+        while self._unpin_later:
+            self.unpin(self._unpin_later.popleft())
         hits = self.match_prefix(seq)
         num_full = len(hits)
         tail = self._match_tail(seq, hits)
@@ -247,6 +250,11 @@ class BlockManager:
         self.num_pinned_blocks -= len(pin.block_ids)
         pin.block_ids = []
 
+    def unpin_later(self, pin: Pin | None) -> None:
+        """unpin from a thread other than the one stepping the engine: done at the next allocation."""
+        if pin is not None:
+            self._unpin_later.append(pin)
+
     def _release(self, block_id: int) -> None:
         block = self.blocks[block_id]
         block.ref_count -= 1
@@ -279,6 +287,8 @@ class BlockManager:
         assert ok, (self.blocks_needed(seq, num_new_tokens), self.num_free_blocks)
 
     def free(self, seq: Sequence) -> None:
+        while self._unpin_later:
+            self.unpin(self._unpin_later.popleft())
         if self._pin_on_finish and seq.finish_reason is not None:
             holder = self._pin_on_finish.pop(seq.request_id, None)
             if holder is not None:

@@ -74,11 +74,32 @@ class LiveSession:
         """Decides one interval. t: its time in seconds (default: the session's clock, interval_s apart)."""
         return step_sessions(self.llm, [(self, events, t)])[0]
 
-    def close(self) -> None:
-        """Gives the session's pinned blocks back to the engine (they stay cached until evicted)."""
+    async def astep(self, engine, events, t: float | None = None) -> Decision:
+        """step() through an AsyncLLM (the server's engine, whose `llm` this session was made on). The
+        caller runs one step of a session at a time."""
+        assert engine.llm is self.llm, "the session belongs to another engine"
+        t0 = time.perf_counter()
+        text, prompt, compacted = self._prepare(events, t)
+        rid = self._request_id()
+        bm = self.llm.block_manager
+        bm.pin_on_finish(rid, self)  # a dict entry the engine thread reads when the request finishes
+        ids, parts, metrics = [], [], None
+        try:
+            async for delta in engine.generate(prompt, self.params, request_id=rid):
+                ids += delta.token_ids
+                parts.append(delta.text)
+                metrics = delta.metrics or metrics
+        except BaseException:
+            bm.cancel_pin_on_finish(rid)
+            raise
+        return self._finish(text, prompt, ids, "".join(parts), metrics, compacted, time.perf_counter() - t0)
+
+    def close(self, from_other_thread: bool = False) -> None:
+        """Gives the session's pinned blocks back to the engine (they stay cached until evicted).
+        from_other_thread: the engine runs in another thread (AsyncLLM): they go back at its next step."""
         bm = self.llm.block_manager
         if bm is not None:
-            bm.unpin(self.pin)
+            (bm.unpin_later if from_other_thread else bm.unpin)(self.pin)
         self.pin = None
         self.closed = True
 
@@ -89,6 +110,9 @@ class LiveSession:
         self.close()
 
     # -- one step, in three parts (step_sessions batches the middle one) -----------------------------
+
+    def _request_id(self) -> str:
+        return f"{self.id}/{len(self.records)}"
 
     def _prepare(self, events, t: float | None = None) -> tuple:
         """(events text, prompt ids, compaction flag) of this interval; validates the events."""
@@ -133,15 +157,17 @@ class LiveSession:
         self.num_compactions += 1
         return head + [t for seg in kept for t in seg], len(kept)
 
-    def _finish(self, text: str, prompt: list, out, compacted: bool, latency: float) -> Decision:
-        c = out.outputs[0]
-        ids = list(c.token_ids)
+    def _finish(self, text: str, prompt: list, token_ids: list, out_text: str, metrics, compacted: bool,
+                latency: float) -> Decision:
+        """Takes the decision in: its tokens join the context, its MEM note the memory."""
+        ids = list(token_ids)
+        completion_tokens = len(ids)
         if not ids or ids[-1] not in self.llm.eos_token_ids:
             ids.append(self.end_id)  # cut by max_tokens (the grammar leaves room, so only without one)
         try:
-            d = parse_decision(c.text, self.tasks)
+            d = parse_decision(out_text, self.tasks)
         except DecisionFormatError as e:
-            raise RuntimeError(f"live session {self.id}: the decoder wrote {c.text!r}, which the decision "
+            raise RuntimeError(f"live session {self.id}: the decoder wrote {out_text!r}, which the decision "
                                f"grammar should have excluded ({e})") from None
         self.ids = prompt + ids
         self.records.append((text, ids))
@@ -149,10 +175,10 @@ class LiveSession:
             self.notes.append(d.message)
         m = d.metrics
         m.prompt_tokens = len(prompt)
-        m.cached_prompt_tokens = out.metrics.num_cached_tokens
-        m.completion_tokens = len(c.token_ids)
+        m.cached_prompt_tokens = metrics.num_cached_tokens
+        m.completion_tokens = completion_tokens
         m.latency_s = latency
-        m.decode_flops = out.metrics.decode_flops
+        m.decode_flops = metrics.decode_flops
         m.compacted = compacted
         if compacted:
             m.compaction_tokens = len(prompt) - m.cached_prompt_tokens
@@ -184,18 +210,19 @@ def step_sessions(llm, pairs) -> list:
     rids = []
     try:
         for s, (_, prompt, _) in zip(sessions, prepared):
-            rid = f"{s.id}/{len(s.records)}"
+            rid = s._request_id()
             llm.block_manager.pin_on_finish(rid, s)
             rids.append(llm.add_request(prompt, s.params, request_id=rid))
         outs = _run(llm, rids)
     except BaseException:
         for s in sessions:
-            rid = f"{s.id}/{len(s.records)}"
+            rid = s._request_id()
             llm.block_manager.cancel_pin_on_finish(rid)
             llm.abort(rid)
         raise
     latency = time.perf_counter() - t0
-    return [s._finish(text, prompt, outs[rid], compacted, latency)
+    return [s._finish(text, prompt, outs[rid].outputs[0].token_ids, outs[rid].outputs[0].text, outs[rid].metrics,
+                      compacted, latency)
             for s, (text, prompt, compacted), rid in zip(sessions, prepared, rids)]
 
 
