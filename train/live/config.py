@@ -25,16 +25,17 @@ class LiveConfig:
     # the synthetic world
     train_sessions: int = 512
     eval_sessions: int = 12
-    num_intervals: int = field(default=8, metadata={"help": "intervals per synthetic session (10 s each)"})
+    num_intervals: int = field(default=6, metadata={"help": "intervals per synthetic session (10 s each)"})
     max_message_chars: int = field(default=96, metadata={"help": "longest MEM note / ANS message the grammar allows"})
     # MA-MSFT
-    sft_steps: int = 150
-    sft_lr: float = 3e-3
+    sft_steps: int = 500
+    sft_lr: float = 5e-3
     sft_batch_size: int = 4
     marker_weight: float = field(default=3.0, metadata={"help": "loss weight of marker/field tokens (1 = plain)"})
     balance: float = field(default=1.0, metadata={"help": "class balancing of decisions by kind, 0 (none) .. 1 (full)"})
-    compare_plain: bool = field(default=True, metadata={"help": "also train plain multi-turn SFT (marker weight 1, "
-                                                                "no balancing) from the same start, as a table row"})
+    compare_plain: bool = field(default=False, metadata={"help": "also train plain multi-turn SFT (marker weight 1, "
+                                                                 "no balancing) from the same start, as a table "
+                                                                 "row (doubles the SFT time)"})
     max_len: int = 1024
     # SM-GSPO
     gspo_steps: int = 24

@@ -33,8 +33,8 @@ from train.rft import collate, make_scheduler, sft_step_loss
 class MSFTOptions:
     marker_weight: float = 3.0
     balance: float = 1.0
-    lr: float = 3e-3
-    steps: int = 120
+    lr: float = 5e-3
+    steps: int = 500
     batch_size: int = 4
     warmup_steps: int = 10
     max_grad_norm: float = 1.0
