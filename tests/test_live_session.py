@@ -208,3 +208,5 @@ def test_bad_events_are_refused_with_the_field_named_and_nothing_changes(ckpt):
         LiveSession(llm, "  ")
     with pytest.raises(RequestError, match="max_context"):
         _session(llm, max_context=10**6)
+    with pytest.raises(RequestError, match="max_context must be a positive integer"):
+        _session(llm, max_context=0)

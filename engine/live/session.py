@@ -47,6 +47,8 @@ class LiveSession:
         self.llm, self.system, self.interval_s = llm, system, interval_s
         self.tasks = tuple(tasks)
         self.id = session_id or f"live-{next(_ids)}"
+        if max_context is not None and (not isinstance(max_context, int) or max_context < 1):
+            raise RequestError(f"max_context must be a positive integer, got {max_context!r}")
         self.max_context = max_context or llm.max_model_len
         if self.max_context > llm.max_model_len:
             raise RequestError(f"max_context {self.max_context} exceeds the engine's max_model_len {llm.max_model_len}")

@@ -104,7 +104,8 @@ def train_msft(model, tokenizer, sessions: list, opts: MSFTOptions, log=print, o
                 if (e := encode_example(s, tokenizer, eos, weights_by_kind, opts.marker_weight, opts.max_len))]
     if not examples:
         raise ValueError(f"no session keeps an interval within max_len {opts.max_len}")
-    log(f"MA-MSFT: {len(examples)} sessions, {len(kinds)} intervals "
+    name = "plain multi-turn SFT" if opts.marker_weight == 1.0 and opts.balance == 0.0 else "MA-MSFT"
+    log(f"{name}: {len(examples)} sessions, {len(kinds)} intervals "
         f"({', '.join(f'{k} {kinds.count(k)}' for k in KINDS)}), class weights "
         f"{ {k: round(v, 3) for k, v in weights_by_kind.items()} }, marker weight {opts.marker_weight}")
     device = next(model.parameters()).device
