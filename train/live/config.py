@@ -39,12 +39,12 @@ class LiveConfig:
     max_len: int = 1024
     # SM-GSPO
     gspo_steps: int = 24
-    gspo_lr: float = 3e-4
+    gspo_lr: float = 1e-4
     sessions_per_step: int = 2
-    num_generations: int = 4
+    num_generations: int = 8
     num_iterations: int = 2
     gspo_temperature: float = 1.0
-    turn_weight: float = field(default=0.5, metadata={"help": "advantage = w * turn + (1 - w) * trajectory credit"})
+    turn_weight: float = field(default=0.7, metadata={"help": "advantage = w * turn + (1 - w) * trajectory credit"})
     lambda_aux: float = 0.01
 
     def validate(self) -> None:

@@ -34,11 +34,11 @@ from train.rollout import Rollouts, collate
 class GSPOOptions:
     steps: int = 20
     sessions_per_step: int = 2
-    num_generations: int = 4
+    num_generations: int = 8
     num_iterations: int = 2  # updates per rollout batch (the ratio moves off 1 from the second)
     temperature: float = 1.0
-    lr: float = 5e-4
-    turn_weight: float = 0.5
+    lr: float = 1e-4
+    turn_weight: float = 0.7
     epsilon_low: float = 3e-4  # GSPO's sequence-level clip range
     epsilon_high: float = 4e-4
     reward_weights: tuple = (0.4, 0.2, 0.2, 0.2)  # state, recipient, task, grounding
