@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test bench gpu-check clean
+.PHONY: setup demo test lint plain-install bench gpu-check clean
 
 setup: $(VENV)/.installed
 
@@ -30,6 +30,29 @@ test: setup
 	@echo "== the whole suite, tests/ and bench/ in quick mode: about 4 minutes on 2 cores"
 	$(PY) -m pytest tests bench -q
 
+lint: setup
+	@echo "== ruff (the rules in pyproject.toml)"
+	$(PY) -m ruff check .
+
+# A user's install: a fresh venv, CPU torch, `pip install .` without extras, then `import engine` and a short
+# generation from outside the source tree (scripts/plain_install_check.py). The C++ extension is not built
+# again (LIVEMOE_NO_EXT=1, 2 minutes saved): `make setup` builds it, and this run covers the PyTorch fallbacks
+# of an install without one. About 3 minutes on 2 cores: unpacking torch, then downloading the rest, most of
+# it the Triton wheel that xgrammar pulls on x86-64 Linux; Triton is then removed, so that the import is
+# checked as on an ARM or macOS machine, which have none. build/lib goes first: a module deleted from the
+# source would be installed from it.
+PLAIN_VENV ?= .venv-plain
+plain-install:
+	@echo "== plain install: fresh venv $(PLAIN_VENV), CPU torch, pip install . (no extras, no C++ build)"
+	@start=$$(date +%s); \
+	rm -rf $(PLAIN_VENV) && $(PYTHON) -m venv $(PLAIN_VENV) && \
+	$(PLAIN_VENV)/bin/python -m pip install -q --upgrade "setuptools>=64" wheel && \
+	bash scripts/install_torch.sh $(PLAIN_VENV)/bin/python && \
+	rm -rf build/lib && LIVEMOE_NO_EXT=1 $(PLAIN_VENV)/bin/python -m pip install -q --no-build-isolation . && \
+	$(PLAIN_VENV)/bin/python -m pip uninstall -q -y triton && \
+	cd $(PLAIN_VENV) && ./bin/python $(CURDIR)/scripts/plain_install_check.py $(CURDIR)/train/assets/student && \
+	echo "== plain install checked in $$(( $$(date +%s) - start )) s"
+
 bench: setup
 	$(PY) -m pytest bench --benchmark
 
@@ -37,4 +60,4 @@ gpu-check:
 	bash bench/gpu_check.sh
 
 clean:
-	rm -rf $(VENV) build *.egg-info kernels/_C*.so
+	rm -rf $(VENV) $(PLAIN_VENV) build *.egg-info kernels/_C*.so

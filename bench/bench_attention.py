@@ -5,7 +5,8 @@ Decode: one query per sequence over its context. CPU: our dispatch is the C++ op
 csrc/paged_attention.cpp (K/V read in place through the block tables), also recorded against the PyTorch
 paged path it replaced (backend="reference": gather the context, SDPA); GPU: the Triton split-KV kernel in
 bf16 at Qwen3-30B-A3B attention shapes (32 query heads, 4 KV heads, head_dim 128), with the memory floor
-(reading the K/V once at the measured copy bandwidth).
+(reading the K/V once at the measured copy bandwidth). GPU rows carry the roofline model's time
+(bench/roofline.py) for their measured / predicted column.
 Prefill: a chunk of new tokens over a cached prefix (Triton on GPU, the C++ op on CPU; there also against
 the PyTorch path: per-sequence SDPA over the gathered context).
 """
@@ -14,6 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import measure, record
+from bench.roofline import paged_decode as decode_cost
+from bench.roofline import paged_prefill as prefill_cost
+from bench.roofline import predict_s
 from kernels.attention import paged_decode_attention, paged_prefill_attention
 
 SUITE = "attention"
@@ -83,8 +87,11 @@ def test_paged_decode(benchmark, bench_mode, device):
             kv_bytes = 2 * batch * context * hkv * d * dtype.itemsize
             floor = kv_bytes / (copy_gbps * 1e9) * 1e3
         case = f"decode b{batch} ctx{context} h{hq}/{hkv} d{d}"
+        model = None
+        if device == "cuda":
+            model = 1e3 * predict_s(decode_cost(batch, context, hq, hkv, d, block_size, dtype.itemsize))
         record(suite=SUITE, case=case, metric="ms", ours=t_ours * 1e3, baseline=t_base * 1e3,
-               baseline_name="SDPA on contiguous KV (GQA repeated)", floor=floor)
+               baseline_name="SDPA on contiguous KV (GQA repeated)", floor=floor, model=model)
         if device == "cpu":
             t_ref = measure(lambda: paged_decode_attention(q, kc, vc, tables, ctx, scale, backend="reference"),
                             device, warmup=2, reps=reps)
@@ -130,8 +137,11 @@ def test_paged_prefill_over_cached_prefix(benchmark, bench_mode, device):
         t_ours = measure(ours, device, warmup=1, reps=reps)
         t_base = measure(baseline, device, warmup=1, reps=reps)
         case = f"prefill b{batch} prefix{prefix} chunk{chunk} h{hq}/{hkv} d{d}"
+        model = None
+        if device == "cuda":
+            model = 1e3 * predict_s(prefill_cost(batch, prefix, chunk, hq, hkv, d, dtype.itemsize))
         record(suite=SUITE, case=case, metric="ms", ours=t_ours * 1e3, baseline=t_base * 1e3,
-               baseline_name="SDPA on contiguous KV (GQA repeated)")
+               baseline_name="SDPA on contiguous KV (GQA repeated)", model=model)
         if device == "cpu":
             t_ref = measure(lambda: paged_prefill_attention(q, kc, vc, cu, ctx, tables, scale, chunk, backend="reference"),
                             device, warmup=1, reps=reps)

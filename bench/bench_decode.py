@@ -150,21 +150,15 @@ def test_decode_moe_cpu(benchmark, bench_mode, tmp_path_factory, one_thread, mod
 
 def decode_floor_s(cfg, batch: int, context: int, bandwidth_Bps: float, dtype_bytes: int = 2) -> float:
     """Bytes a decode step must read (shared weights, the experts its tokens touch, their KV) / bandwidth."""
-    from engine.flops import param_counts
+    from bench.roofline import decode_step
 
-    c = param_counts(cfg)
-    weights = c["active_matmul"] - c["active_experts"]
-    if cfg.num_experts:
-        all_experts_per_expert = c["experts"] / cfg.num_experts
-        touched = cfg.num_experts * (1 - (1 - cfg.num_experts_per_tok / cfg.num_experts) ** batch)  # expected
-        weights += all_experts_per_expert * touched
-    kv = batch * context * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim
-    return (weights + kv) * dtype_bytes / bandwidth_Bps
+    return decode_step(cfg, batch, context, dtype_bytes).bytes / bandwidth_Bps
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_decode_gpu(benchmark, bench_mode):
     from bench.ceilings import measure_ceilings
+    from bench.roofline import decode_step, predict_s
     from engine.flops import resolve_config
     from engine.llm import LLM
     from engine.loader import init_model
@@ -191,6 +185,7 @@ def test_decode_gpu(benchmark, bench_mode):
             ours()
         tpot = sum(o.metrics.tpot for o in box["outs"]) / batch
         floor = decode_floor_s(cfg, batch, context, ceil["copy_GBps"] * 1e9)
+        model = predict_s(decode_step(cfg, batch, context))
         record(suite=SUITE, case=f"Qwen3-30B-A3B shape bf16, batch {batch}, context {context}", metric="ms/step",
-               ours=tpot * 1e3, floor=floor * 1e3,
+               ours=tpot * 1e3, floor=floor * 1e3, model=model * 1e3,
                extra={"eager_fallbacks": llm.stats()["num_eager_fallbacks"], "copy_GBps": ceil["copy_GBps"]})

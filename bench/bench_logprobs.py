@@ -5,13 +5,15 @@ Peak memory is what the step allocates above its inputs (the [V, H] d weight it 
 both): on CUDA the allocator's peak; on the CPU the process's peak resident set, reset before each
 step through /proc/self/clear_refs (Linux). CPU: fp32 through the chunked path; GPU: bf16 through
 Triton at N = 8x1024, H = 2048, V = 151,936. On a shared CPU wall time swings with the neighbours'
-load, so CPU rows also give process CPU time (the work done, both threads summed).
+load, so CPU rows also give process CPU time (the work done, both threads summed). GPU time rows carry
+the roofline model's time (bench/roofline.py) for their measured / predicted column.
 """
 import time
 
 import torch
 
 from bench.common import measure, peak_memory, record
+from bench.roofline import logprobs_pass, predict_s
 from kernels.logprobs import fused_linear_logprobs
 
 SHAPES = {  # (N, H, V)
@@ -77,8 +79,9 @@ def test_fused_linear_logprobs(benchmark, bench_mode, device):
             if device == "cpu":
                 times[name + " cpu"] = (cpu_time(forward, reps), cpu_time(total, reps))
         for i, what in enumerate(("fwd", "bwd", "fwd+bwd")):
+            model = 1e3 * predict_s(logprobs_pass(n, v, h, what, dtype.itemsize)) if device == "cuda" else None
             record(suite="logprobs", case=f"{what} {case}", metric="ms", ours=1e3 * times["ours"][i],
-                   baseline=1e3 * times["eager"][i], baseline_name="eager log_softmax+gather")
+                   baseline=1e3 * times["eager"][i], baseline_name="eager log_softmax+gather", model=model)
         if device == "cpu":
             for i, what in enumerate(("fwd", "fwd+bwd")):
                 record(suite="logprobs", case=f"{what} {case}", metric="cpu ms", ours=1e3 * times["ours cpu"][i],

@@ -4,13 +4,15 @@ Qwen3MoeSparseMoeBlock (its per-expert loop, "eager"), against the same block on
 
 CPU: ratios against the loop (our CPU path is the sorted-segment one). GPU: bf16 at Qwen3-30B-A3B shapes,
 time with achieved TFLOP/s and GB/s, next to the hardware floor from bench/ceilings.py (weights and
-activations at copy bandwidth, FLOPs at dense bf16 GEMM rate), plus a dense cuBLAS GEMM of the same FLOPs.
+activations at copy bandwidth, FLOPs at dense bf16 GEMM rate), the time as a multiple of the roofline
+model's (bench/roofline.py), plus a dense cuBLAS GEMM of the same FLOPs.
 """
 import pytest
 import torch
 import torch.nn.functional as F
 
 from bench.common import measure, record
+from bench.roofline import moe_layer, predict_s
 from kernels.moe import fused_moe
 
 # (T, H, I, E, k) per mode and device
@@ -96,7 +98,7 @@ def flops_and_bytes(x, block, k, backward: bool):
     """Useful FLOPs (2 * pairs * 3 * H * I per pass; backward twice the forward) and the bytes a perfect
     kernel moves (each touched expert's weights once per pass, plus activations in and out)."""
     T, H = x.shape
-    E, I = block.experts.down_proj.shape[0], block.experts.down_proj.shape[2]
+    I = block.experts.down_proj.shape[2]
     with torch.no_grad():
         topk = torch.topk(F.linear(x, block.gate.weight), k, dim=-1).indices
     touched = torch.unique(topk).numel()
@@ -148,8 +150,9 @@ def test_moe_layer(benchmark, bench_mode, device, ceilings, backward):
         t_ours = times.pop("ours")
         case = f"{'fwd+bwd' if backward else 'fwd'} T={T} H={H} I={I} E={E} k={k} {str(dtype)[6:]}"
         extra = {}
-        floor = None
+        floor = model = None
         if device == "cuda":
+            model = 1e3 * predict_s(moe_layer(T, H, I, E, k, backward, x.element_size()))
             flops, nbytes = flops_and_bytes(x.detach(), loop, k, backward)
             extra = {"TFLOPs": flops / t_ours / 1e12, "GBps": nbytes / t_ours / 1e9}
             if ceilings:
@@ -157,7 +160,7 @@ def test_moe_layer(benchmark, bench_mode, device, ceilings, backward):
                 extra["ceilings"] = ceilings
         for name, t in times.items():
             record(suite="moe", case=case, metric="ms", ours=1e3 * t_ours, baseline=1e3 * t, baseline_name=name,
-                   floor=floor, extra=extra)
+                   floor=floor, model=model, extra=extra)
         if device == "cuda" and T * k >= 4096 and not backward:
             # a dense GEMM with the same FLOPs: [T*k, H] x [H, 3I]
             a = torch.randn(T * k, H, dtype=dtype, device=device)

@@ -31,6 +31,7 @@ class Row:
     baseline_name: str = ""
     higher_is_better: bool = False
     floor: float | None = None  # the hardware bound for this case, same unit (GPU only)
+    model: float | None = None  # the roofline model's time for this case (bench/roofline.py), same unit (GPU only)
     extra: dict = field(default_factory=dict)
     # what the baseline comparison means: "speedup" (ours against another implementation), "overhead" (a
     # layer of ours against the same work without it: ours is the cost) or "reproduction" (our figure
@@ -178,12 +179,14 @@ def _write_tables(mode: str) -> list[str]:
     with open(paths[1], "w") as f:
         f.write(f"# livemoe benchmarks ({mode} mode)\n\n")
         f.write(", ".join(f"{k} {v}" for k, v in env.items()) + "\n\n")
-        f.write("| suite | case | metric | ours | baseline | vs | reads as | of floor |\n")
-        f.write("| --- | --- | --- | ---: | ---: | --- | ---: | ---: |\n")
+        f.write("| suite | case | metric | ours | baseline | vs | reads as | of floor | x model |\n")
+        f.write("| --- | --- | --- | ---: | ---: | --- | ---: | ---: | ---: |\n")
         for r in ROWS:
             base = "" if r.baseline is None else f"{r.baseline:.4g}"
             fl = "" if r.floor is None or not r.ours else f"{(r.ours / r.floor if r.higher_is_better else r.floor / r.ours):.0%}"
-            f.write(f"| {r.suite} | {r.case} | {r.metric} | {r.ours:.4g} | {base} | {r.baseline_name} | {r.reading} | {fl} |\n")
+            xm = "" if not r.model else f"{r.ours / r.model:.2f}x"  # measured / predicted
+            f.write(f"| {r.suite} | {r.case} | {r.metric} | {r.ours:.4g} | {base} | {r.baseline_name} | {r.reading} | {fl} "
+                    f"| {xm} |\n")
     return paths
 
 

@@ -1,17 +1,17 @@
 """Attention over already-projected q/k/v. The plain path here is causal SDPA over [B, T] batches
 (training, reference); the decoder's paged path hooks in here too, so the model never sees a request.
 
-Paged path (an engine.context step context is set by the model runner): the step's tokens come as one
-flattened row, q [1, N, Hq, D]; their K/V are written into this layer's `k_cache` / `v_cache`
-([num_blocks, block_size, Hkv, D], assigned by the model runner) at the context's slot_mapping, then
-attention reads the whole context from the cache (decode kernel when every sequence has one new
-token, prefill-over-cached-prefix kernel otherwise).
+Paged path (the forward got the model runner's engine.context.StepContext): the step's tokens come as one
+flattened row, q [1, N, Hq, D]; their K/V are written into this layer's view of the runner's cache
+(`step.kv_caches[layer_idx]`, [num_blocks, block_size, Hkv, D] each) at the step's slot_mapping, then
+attention reads the whole context from the cache (decode kernel when every sequence has one new token,
+prefill-over-cached-prefix kernel otherwise).
 """
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.context import get_context
+from engine.context import StepContext
 from kernels.attention import paged_decode_attention, paged_prefill_attention, store_kvcache
 
 
@@ -22,28 +22,25 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.layer_idx = layer_idx
-        self.k_cache: torch.Tensor | None = None  # set by the decoder's model runner (not state)
-        self.v_cache: torch.Tensor | None = None
 
-    def forward(self, q, k, v, attention_mask=None):
+    def forward(self, q, k, v, attention_mask=None, step: StepContext | None = None):
         """q [B, T, Hq, D], k/v [B, T, Hkv, D] -> [B, T, Hq, D]. attention_mask [B, T]: 1 = real token."""
-        ctx = get_context()
-        if ctx is None:
+        if step is None:
             return causal_attention(q, k, v, self.scale, attention_mask)
-        return self.paged_forward(q, k, v, ctx)
+        return self.paged_forward(q, k, v, step)
 
-    def paged_forward(self, q, k, v, ctx):
+    def paged_forward(self, q, k, v, step: StepContext):
         assert q.shape[0] == 1, f"the paged path takes one flattened row of tokens, got batch {q.shape[0]}"
-        assert self.k_cache is not None, f"layer {self.layer_idx}: no KV cache assigned"
+        k_cache, v_cache = step.kv_caches[self.layer_idx]
         q, k, v = q[0], k[0], v[0]
-        store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping, ctx.backend)
-        if ctx.is_decode:
-            out = paged_decode_attention(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.context_lens,
-                                         self.scale, ctx.num_splits, ctx.backend, scratch=ctx.scratch)
+        store_kvcache(k, v, k_cache, v_cache, step.slot_mapping, step.backend)
+        if step.is_decode:
+            out = paged_decode_attention(q, k_cache, v_cache, step.block_tables, step.context_lens,
+                                         self.scale, step.num_splits, step.backend, scratch=step.scratch)
         else:
-            out = paged_prefill_attention(q, self.k_cache, self.v_cache, ctx.cu_seqlens_q, ctx.context_lens,
-                                          ctx.block_tables, self.scale, ctx.max_seqlen_q, ctx.backend,
-                                          ctx.max_context_len)
+            out = paged_prefill_attention(q, k_cache, v_cache, step.cu_seqlens_q, step.context_lens,
+                                          step.block_tables, self.scale, step.max_seqlen_q, step.backend,
+                                          step.max_context_len)
         return out.unsqueeze(0)
 
 

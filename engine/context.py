@@ -1,12 +1,16 @@
-"""The decoder step's attention metadata, set by the model runner around one forward and read by every
-engine.attention.Attention layer (the model itself never sees a request). No context: plain attention."""
+"""The decoder step's state: attention metadata and the KV cache's per-layer views, made by the model runner
+for one forward and passed down it as an argument (`model.forward_hidden(..., step=ctx)`), so every
+engine.attention.Attention layer reads it without the model ever seeing a request. No step context: plain
+attention (training, reference). Nothing is stored on the modules or in globals, so one module can serve a
+trainer and several engines at once, from any thread."""
 from dataclasses import dataclass, field
 
 import torch
 
 
 @dataclass(slots=True)
-class Context:
+class StepContext:
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # the runner's (K, V) per layer [num_blocks, block_size, Hkv, D]
     slot_mapping: torch.Tensor  # [N] flat cache slot of each new token (-1: padded row, not stored)
     context_lens: torch.Tensor  # [S] tokens in cache per sequence after this step (int32)
     block_tables: torch.Tensor  # [S, max_blocks] (int32; unused entries -1)
@@ -17,20 +21,3 @@ class Context:
     backend: str = "auto"  # kernels.attention backend: auto | triton | reference
     num_splits: int | None = None  # split-KV for decode; fixed for CUDA-graph replay
     scratch: dict = field(default_factory=dict)  # per-step values the kernels compute once for all layers
-
-
-_CONTEXT: Context | None = None
-
-
-def get_context() -> Context | None:
-    return _CONTEXT
-
-
-def set_context(context: Context) -> None:
-    global _CONTEXT
-    _CONTEXT = context
-
-
-def reset_context() -> None:
-    global _CONTEXT
-    _CONTEXT = None

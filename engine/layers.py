@@ -56,12 +56,19 @@ class MLP(nn.Module):
 
 class Experts(nn.Module):
     """Experts held stacked, as the MoE kernels want them: gate_up_proj [E, 2I, H] (gate rows first),
-    down_proj [E, H, I]. The names are transformers-v5's fused keys."""
+    down_proj [E, H, I]. The names are transformers-v5's fused keys. Its own forward (the expert computation,
+    kernels.moe.fused_moe) lets engine.parallel shard it as a unit apart from the router."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        # an engine.parallel.ExpertParallel once parallelize() has kept this rank's experts only
+        self.expert_parallel = None
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
+        moe = fused_moe if self.expert_parallel is None else self.expert_parallel.fused_moe
+        return moe(x, self.gate_up_proj, self.down_proj, router_logits, top_k, renormalize)
 
 
 class SparseMoeBlock(nn.Module):
@@ -78,6 +85,5 @@ class SparseMoeBlock(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         router_logits = self.gate(flat)
-        out = fused_moe(flat, self.experts.gate_up_proj, self.experts.down_proj, router_logits,
-                        self.top_k, self.norm_topk_prob)
+        out = self.experts(flat, router_logits, self.top_k, self.norm_topk_prob)
         return out.reshape(shape), router_logits

@@ -1,6 +1,7 @@
 """ModelRunner: owns the KV cache, turns a scheduled step into tensors (slot_mapping, block tables,
-context lens, cu_seqlens), runs the engine model under a step Context, and returns logits only for
-the rows that sample. Decode steps replay CUDA graphs captured over a ladder of batch sizes; every
+context lens, cu_seqlens), runs the engine model with them and the cache's per-layer views as the step's
+StepContext (an argument of the forward: nothing is attached to the shared module), and returns logits only
+for the rows that sample. Decode steps replay CUDA graphs captured over a ladder of batch sizes; every
 decode step that cannot (batch too large) runs eagerly and is counted and logged.
 """
 import array
@@ -10,9 +11,11 @@ import math
 import torch
 
 from engine.attention import Attention
-from engine.context import Context, reset_context, set_context
+from engine.context import StepContext
 from engine.engine_config import EngineConfig, EngineConfigError
 from engine.scheduler import SchedulerOutput
+from kernels._ext import sm_count
+from kernels.attention import choose_num_splits
 
 log = logging.getLogger(__name__)
 _ARRAY_TYPECODE = {torch.long: "q", torch.int32: "i"}
@@ -32,10 +35,12 @@ class ModelRunner:
             raise EngineConfigError(f"EngineConfig: the Triton attention kernels need block_size >= 16, "
                                     f"got {self.block_size}")
         self.backend = backend
-        self.attn_layers = sorted((m for m in model.modules() if isinstance(m, Attention)), key=lambda m: m.layer_idx)
-        assert self.attn_layers, "the model has no engine.attention.Attention layers"
-        a = self.attn_layers[0]
-        self.num_kv_heads, self.head_dim = a.num_kv_heads, a.head_dim
+        attn_layers = sorted((m for m in model.modules() if isinstance(m, Attention)), key=lambda m: m.layer_idx)
+        assert attn_layers, "the model has no engine.attention.Attention layers"
+        # a layer reads its cache as step.kv_caches[layer_idx]
+        assert [a.layer_idx for a in attn_layers] == list(range(len(attn_layers))), [a.layer_idx for a in attn_layers]
+        self.num_layers = len(attn_layers)
+        self.num_kv_heads, self.head_dim = attn_layers[0].num_kv_heads, attn_layers[0].head_dim
         self.max_blocks_per_seq = math.ceil(max_model_len / self.block_size)
         self.kv_cache: torch.Tensor | None = None
         self.layer_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # per-layer (K, V) views of kv_cache
@@ -52,7 +57,7 @@ class ModelRunner:
     @property
     def block_bytes(self) -> int:
         """K and V of one block across all layers."""
-        return 2 * len(self.attn_layers) * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
     def budget_num_blocks(self) -> int:
         cfg = self.config
@@ -89,26 +94,14 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         assert self.kv_cache is None, "KV cache already allocated"
-        shape = (2, len(self.attn_layers), num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        shape = (2, self.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.num_blocks = num_blocks
-        self.layer_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(len(self.attn_layers))]
-        self.attach_kv_cache()
+        self.layer_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(self.num_layers)]
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.block_size,
                  self.kv_cache.numel() * self.dtype.itemsize / 2**20)
 
-    def attach_kv_cache(self) -> None:
-        """Points the attention layers at this runner's cache. Another engine over the same module (a
-        trainer's rollout and eval engines) points them at its own, so each step re-attaches."""
-        assert self.kv_cache is not None, "no KV cache: reserve_kv_cache() first"
-        for attn, (k, v) in zip(self.attn_layers, self.layer_caches):
-            if attn.k_cache is not k:
-                attn.k_cache, attn.v_cache = k, v
-
     def free_kv_cache(self) -> None:
-        for attn, (k, _) in zip(self.attn_layers, self.layer_caches):
-            if attn.k_cache is k:  # leave another engine's cache attached
-                attn.k_cache = attn.v_cache = None
         self.kv_cache = None
         self.layer_caches = []
         self.num_blocks = 0
@@ -120,8 +113,8 @@ class ModelRunner:
 
     # -- a step -------------------------------------------------------------------------------------
 
-    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, Context, list[int], list[int]]:
-        """(input_ids [N], positions [N], Context, the rows that sample (indices into N), the seqs they belong
+    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, StepContext, list[int], list[int]]:
+        """(input_ids [N], positions [N], StepContext, the rows that sample (indices into N), the seqs they belong
         to (indices into out.seqs), in the same order)."""
         bs = self.block_size
         seqs = out.seqs
@@ -157,9 +150,10 @@ class ModelRunner:
         # one tensor per dtype (a host-to-device copy each); the step's tensors are views of them
         longs = self._to_device(input_ids + positions + slots, torch.long)
         ints = self._to_device(ints, torch.int32)
-        ctx = Context(slot_mapping=longs[2 * N:], context_lens=ints[:S], cu_seqlens_q=ints[S:2 * S + 1],
-                      block_tables=ints[2 * S + 1:].view(S, width), max_seqlen_q=max(out.num_new_tokens),
-                      is_decode=is_decode, backend=self.backend, max_context_len=max(context_lens))
+        ctx = StepContext(kv_caches=self.layer_caches, slot_mapping=longs[2 * N:], context_lens=ints[:S],
+                          cu_seqlens_q=ints[S:2 * S + 1], block_tables=ints[2 * S + 1:].view(S, width),
+                          max_seqlen_q=max(out.num_new_tokens), is_decode=is_decode, backend=self.backend,
+                          max_context_len=max(context_lens))
         return longs[:N], longs[N:2 * N], ctx, sample_rows, sampling_seqs
 
     def _to_device(self, data: list[int], dtype: torch.dtype) -> torch.Tensor:
@@ -171,7 +165,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
         """Runs one step; returns (logits [num_sampling_seqs, V] fp32, indices into out.seqs that sample)."""
-        self.attach_kv_cache()
+        assert self.kv_cache is not None, "no KV cache: reserve_kv_cache() first"
         input_ids, positions, ctx, sample_rows, sampling_seqs = self.prepare(out)
         if ctx.is_decode and self.use_cuda_graphs:
             hidden = self._run_decode_graph(input_ids, positions, ctx)
@@ -182,12 +176,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden).float()
         return logits, sampling_seqs
 
-    def _run_eager(self, input_ids, positions, ctx: Context) -> torch.Tensor:
-        set_context(ctx)
-        try:
-            return self.model.forward_hidden(input_ids[None], positions[None])[0]
-        finally:
-            reset_context()
+    def _run_eager(self, input_ids, positions, ctx: StepContext) -> torch.Tensor:
+        return self.model.forward_hidden(input_ids[None], positions[None], step=ctx)[0]
 
     # -- CUDA graphs (decode) -----------------------------------------------------------------------
 
@@ -210,25 +200,23 @@ class ModelRunner:
             hidden=torch.zeros(top, self.model.config.hidden_size, dtype=self.dtype, device=dev),
         )
 
-    def _graph_context(self, b: int) -> Context:
-        # imported here: the Triton module is only there on CUDA (a CPU install may have no Triton)
-        from kernels.attention.decode import choose_num_splits
-
+    def _graph_context(self, b: int) -> StepContext:
+        """The step a decode graph of batch b captures: the static buffers' first b rows and the cache's
+        layer views (the cache is allocated once and the graphs are dropped when it is freed)."""
         v = self.graph_vars
-        return Context(slot_mapping=v["slot_mapping"][:b], context_lens=v["context_lens"][:b],
-                       block_tables=v["block_tables"][:b], is_decode=True, backend=self.backend,
-                       num_splits=choose_num_splits(b, self.num_kv_heads, self.max_model_len, self.block_size))
+        num_splits = choose_num_splits(b, self.num_kv_heads, self.max_model_len, self.block_size,
+                                       sm_count(self.device))
+        return StepContext(kv_caches=self.layer_caches, slot_mapping=v["slot_mapping"][:b],
+                           context_lens=v["context_lens"][:b], block_tables=v["block_tables"][:b], is_decode=True,
+                           backend=self.backend, num_splits=num_splits)
 
     def _graph_forward(self, b: int) -> None:
         """What a decode graph of batch b holds: the forward over the static buffers' first b rows."""
         v = self.graph_vars
-        set_context(self._graph_context(b))
-        try:
-            v["hidden"][:b] = self.model.forward_hidden(v["input_ids"][:b][None], v["positions"][:b][None])[0]
-        finally:
-            reset_context()
+        step = self._graph_context(b)
+        v["hidden"][:b] = self.model.forward_hidden(v["input_ids"][:b][None], v["positions"][:b][None], step=step)[0]
 
-    def _fill_graph_buffers(self, input_ids, positions, ctx: Context, size: int) -> None:
+    def _fill_graph_buffers(self, input_ids, positions, ctx: StepContext, size: int) -> None:
         """Copies a decode step of B <= size rows in; rows B..size become padding (slot -1: nothing
         stored; context 0: attention output 0)."""
         B = input_ids.shape[0]
@@ -257,7 +245,7 @@ class ModelRunner:
         torch.cuda.synchronize()
         log.info("captured %d decode CUDA graphs for batch sizes %s", len(sizes), sizes)
 
-    def _run_decode_graph(self, input_ids, positions, ctx: Context) -> torch.Tensor:
+    def _run_decode_graph(self, input_ids, positions, ctx: StepContext) -> torch.Tensor:
         B = input_ids.shape[0]
         if not self.graphs:
             self.capture_cuda_graphs()

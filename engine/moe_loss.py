@@ -10,26 +10,36 @@ import torch
 MODES = ("global", "per_layer")
 
 
-def load_balancing_loss(router_logits, num_experts: int, top_k: int, attention_mask=None, mode: str = "global"):
-    """router_logits: a sequence of [N, E] tensors (one per MoE layer, N = B*T); attention_mask [B, T]."""
+def load_balancing_loss(router_logits, num_experts: int, top_k: int, attention_mask=None, mode: str = "global",
+                        group=None):
+    """router_logits: a sequence of [N, E] tensors (one per MoE layer, N = B*T); attention_mask [B, T].
+
+    `group` (a process group of data-parallel ranks, each holding its share of the batch): the expert counts
+    and token counts are summed over its ranks, so the loss counts every token of the global batch; each rank
+    returns its share (its tokens' router probabilities against the global counts), and the shares sum to
+    the loss of the whole batch in one process, as the summed gradients do."""
     if mode not in MODES:
         raise ValueError(f"load-balancing loss mode must be one of {MODES}, got {mode!r}")
     if not router_logits:
         raise ValueError("load_balancing_loss needs router logits from at least one MoE layer")
     weight = None if attention_mask is None else attention_mask.reshape(-1).float()
-    per_layer = []
-    counts_sum = probs_sum = rows_sum = 0.0
+    counts, prob_sums, rows = [], [], []
     for logits in router_logits:
         probs = torch.softmax(logits.float(), dim=-1)
         selected = torch.topk(probs, top_k, dim=-1).indices
         w = torch.ones(probs.shape[0], device=probs.device) if weight is None else weight.to(probs.device)
-        counts = torch.zeros(num_experts, device=probs.device).scatter_add_(
-            0, selected.reshape(-1), w.repeat_interleave(top_k))
-        prob_sum = (probs * w[:, None]).sum(0)
-        rows = w.sum()
-        if mode == "per_layer":
-            per_layer.append(num_experts / (rows * top_k) * (counts * prob_sum / rows).sum())
-        counts_sum, probs_sum, rows_sum = counts_sum + counts, probs_sum + prob_sum, rows_sum + rows
+        counts.append(torch.zeros(num_experts, device=probs.device).scatter_add_(
+            0, selected.reshape(-1), w.repeat_interleave(top_k)))
+        prob_sums.append((probs * w[:, None]).sum(0))
+        rows.append(w.sum())
+    counts, prob_sums, rows = torch.stack(counts), torch.stack(prob_sums), torch.stack(rows)  # [L, E], [L, E], [L]
+    if group is not None:
+        import torch.distributed as dist
+
+        totals = torch.cat([counts, rows[:, None]], dim=1)
+        dist.all_reduce(totals, group=group)  # counts carry no gradient: only the probabilities train
+        counts, rows = totals[:, :-1], totals[:, -1]
     if mode == "per_layer":
-        return torch.stack(per_layer).mean()
-    return num_experts * ((counts_sum / rows_sum) * (probs_sum / rows_sum)).sum()
+        return (num_experts / (rows * top_k) * (counts * prob_sums / rows[:, None]).sum(1)).mean()
+    rows_sum = rows.sum()
+    return num_experts * ((counts.sum(0) / rows_sum) * (prob_sums.sum(0) / rows_sum)).sum()

@@ -14,6 +14,10 @@ logprobs_mode:
 """
 import sys
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # engine.structured imports this module
+    from engine.structured import StructuredOutput
 
 LOGPROBS_MODES = ("raw", "processed")
 MIN_TEMPERATURE = 1e-5  # below it: greedy (vLLM's threshold too); logits / 1e-5 stay far from fp32's max

@@ -3,6 +3,7 @@
 `has_op("moe_align")` tells whether torch.ops.livemoe.moe_align can be called on this install; the
 Python code falls back to PyTorch when the extension was not built.
 """
+import functools
 import logging
 
 import torch
@@ -30,6 +31,20 @@ def has_op(name: str) -> bool:
 def op(name: str):
     assert has_op(name), f"torch.ops.livemoe.{name} is not built ({EXT_ERROR})"
     return getattr(torch.ops.livemoe, name)
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device | str) -> int:
+    """Streaming multiprocessors of a CUDA device, read from it (132 on an H100 SXM, 108 on an A100);
+    1 elsewhere (the CPU, the Triton interpreter), where a grid runs one program at a time anyway."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 1
+    return _cuda_sm_count(torch.cuda.current_device() if device.index is None else device.index)
 
 
 def cpu_inference(*tensors: torch.Tensor) -> bool:

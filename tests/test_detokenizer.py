@@ -52,7 +52,7 @@ def test_random_token_sequences_join_to_decode(tok):
     """Arbitrary ids, invalid UTF-8 included: with or without the final text, the join is exact."""
     rng = random.Random(0)
     vocab = len(tok)
-    for trial in range(60):
+    for _ in range(60):
         ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))]
         expected = tok.decode(ids, skip_special_tokens=True)
         chunk = rng.choice([1, 1, 2, 5])

@@ -224,3 +224,18 @@ def test_flash_attn_prefill_gpu():
     ref = paged_attention_reference(q.float(), kc.float(), vc.float(), cu, ctx_t, tables, d ** -0.5)
     out = paged_prefill_attention(q, kc, vc, cu, ctx_t, tables, d ** -0.5, max(new), max_context_len=max(ctx))
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_decode_splits_follow_the_devices_sm_count():
+    """The split-KV count fills the device it runs on (its SM count is read, not assumed to be an H100's):
+    fewer SMs, fewer splits for the same small batch; a batch that fills the SMs alone is not split."""
+    from kernels._ext import sm_count
+    from kernels.attention import choose_num_splits
+
+    assert sm_count("cpu") == 1
+    if torch.cuda.is_available():
+        assert sm_count("cuda") == torch.cuda.get_device_properties(0).multi_processor_count
+    many, few = (choose_num_splits(1, 8, 8192, 16, num_sms=n) for n in (132, 16))
+    assert many == 16 and few == 4
+    assert choose_num_splits(16, 8, 8192, 16, num_sms=64) == 1  # 128 programs already fill 64 SMs twice
+    assert choose_num_splits(1, 8, 32, 16, num_sms=132) == 1  # 2 blocks of context: too little to split

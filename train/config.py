@@ -148,10 +148,13 @@ class RFTConfig(RunConfig):
     marker_weight: float = opt(1.0, "loss weight of the --markers tokens (1 = plain SFT; LiveAssistant's "
                                     "marker-aware SFT weighs them more)")
     markers: str = opt("<think>,</think>", "comma-separated marker strings, one token each")
+    # parallelism
+    expert_parallel: int = opt(1, "under torchrun: ranks that split each MoE layer's experts (divides the world "
+                                  "size and num_experts)")
 
     def validate(self) -> None:
         super().validate()
-        for name in ("k", "grad_accum", "max_len"):
+        for name in ("k", "grad_accum", "max_len", "expert_parallel"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
         if self.marker_weight <= 0:

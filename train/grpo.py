@@ -33,6 +33,7 @@ import torch
 from engine import flops
 from engine.loader import load_model, load_tokenizer, save_model
 from kernels.logprobs import fused_linear_logprobs
+from train import distributed
 from train.advantages import SCALE_REWARDS, group_advantages, multi_turn_advantages, token_advantages
 from train.checkpoint import latest_checkpoint, load_checkpoint, resolve_resume, save_checkpoint
 from train.config import (ConfigError, RFTConfig, RunConfig, _choice, format_config, parse_config, run_cli,
@@ -530,6 +531,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
 
     def body():
+        distributed.require_one_process("python -m train.grpo")
         cfg = parse_config(GRPOConfig, argv, description=__doc__.split("\n")[0], prog="python -m train.grpo")
         if cfg.progress:
             print("GRPO config:\n" + format_config(cfg), flush=True)

@@ -42,7 +42,7 @@ def init_student(tok, seed: int = 0, **overrides):
 def encode_conversation(msgs, tok) -> tuple:
     """input_ids and a 0/1 mask that is 1 on assistant answer tokens (and their <|im_end|>)."""
     ids, mask = [], []
-    for i, m in enumerate(msgs):
+    for m in msgs:
         text = tok.apply_chat_template([m], tokenize=False)
         piece = tok(text, add_special_tokens=False)["input_ids"]
         if m["role"] == "assistant":

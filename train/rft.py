@@ -22,10 +22,10 @@ import time
 
 import torch
 
+from train import distributed
 from train.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from train.config import RFTConfig, format_config, parse_config, run_cli, save_config
 from train.data import build_prompt, load_jsonl, write_jsonl
-from train.metrics import MetricsLogger
 from train.nonfinite import NonFiniteGuard
 from train.selection import require_nonempty, select
 from train.synthetic import make_rooms
@@ -166,11 +166,12 @@ def collate(examples: list, pad_id: int, device) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ loss
-def sft_step_loss(model, batch: dict, normalizer, lambda_aux: float, grad_accum: int, autocast) -> tuple:
+def sft_step_loss(model, batch: dict, normalizer, lambda_aux: float, grad_accum: int, autocast, group=None) -> tuple:
     """(loss to backward, sft loss value, aux loss value) of one micro-batch.
 
     The completion-only loss is sum(w * -logprob) / normalizer, with normalizer the total weight of the
-    whole accumulated step, so accumulation gives exactly the big-batch loss.
+    whole accumulated step, so accumulation gives exactly the big-batch loss. `group`: the data-parallel
+    ranks whose tokens the load-balancing loss counts (this rank's share is returned).
     """
     from train.losses import sft_loss
 
@@ -181,7 +182,7 @@ def sft_step_loss(model, batch: dict, normalizer, lambda_aux: float, grad_accum:
                     normalizer=normalizer)
     aux = torch.zeros((), device=loss.device)
     if router_logits and lambda_aux > 0:
-        aux = model.load_balancing_loss(router_logits, attention_mask=batch["attention_mask"])
+        aux = model.load_balancing_loss(router_logits, attention_mask=batch["attention_mask"], group=group)
     return loss + lambda_aux * aux / grad_accum, loss.detach(), aux.detach()
 
 
@@ -204,8 +205,10 @@ def resolve_device(cfg) -> torch.device:
     return torch.device(cfg.device)
 
 
-def train(cfg: RFTConfig, model, tokenizer, kept: list, device, resume_from=None) -> dict:
-    """The SFT loop. Returns {"steps", "loss", "examples", "tokens"}."""
+def train(cfg: RFTConfig, model, tokenizer, kept: list, device, resume_from=None, dist=None) -> dict:
+    """The SFT loop. Returns {"steps", "loss", "examples", "tokens"}. `dist` (train.distributed): every rank
+    builds the same global step and computes its share; None in one process."""
+    dist = dist or distributed.single_process()
     marker_ids = set(marker_token_ids(tokenizer, cfg.markers)) if cfg.marker_weight != 1.0 else set()
     examples, dropped = [], 0
     for rec in kept:
@@ -221,12 +224,15 @@ def train(cfg: RFTConfig, model, tokenizer, kept: list, device, resume_from=None
     lengths = [len(e["input_ids"]) for e in examples]
     per_epoch = len(epoch_batches(lengths, cfg.batch_size, cfg.batching, 0))
     total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * per_epoch / cfg.grad_accum))
+    dist.check_batch_sizes(cfg.batch_size, len(examples))
     log(f"SFT: {len(examples)} examples ({sum(lengths)} tokens, {sum(sum(w > 0 for w in e['weights']) for e in examples)}"
         f" target tokens), {per_epoch} micro-batches per epoch, {total_steps} optimizer steps")
 
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing = True
     model.train()
+    use_bf16 = cfg.bf16 == "true" or (cfg.bf16 == "auto" and device.type == "cuda")
+    model = dist.parallelize(model, use_bf16)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = make_scheduler(optimizer, cfg.warmup_steps, total_steps)
     start_step, micro_done = 0, 0
@@ -236,9 +242,9 @@ def train(cfg: RFTConfig, model, tokenizer, kept: list, device, resume_from=None
         start_step, micro_done = state["step"], state["micro_batches_done"]
         guard.skipped = state.get("nonfinite_steps", 0)
         log(f"resumed from {resume_from}: step {start_step}, {micro_done} micro-batches done")
-    use_bf16 = cfg.bf16 == "true" or (cfg.bf16 == "auto" and device.type == "cuda")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
-    metrics = MetricsLogger(cfg.output_dir, cfg.tensorboard, resume_step=start_step if resume_from else None)
+    metrics = distributed.metrics_logger(dist, cfg.output_dir, cfg.tensorboard,
+                                         resume_step=start_step if resume_from else None)
     ckpt_root = os.path.join(cfg.output_dir, "checkpoints")
     epoch_cache = {}
 
@@ -260,18 +266,23 @@ def train(cfg: RFTConfig, model, tokenizer, kept: list, device, resume_from=None
         normalizer = sum(b["weights"][b["targets"] != -100].sum() for b in batches)
         if not normalizer > 0:
             raise ValueError(f"step {step + 1}: the batch has no target token (every completion token is masked)")
+        if dist.mesh.distributed:  # the normalizer above is the global batch's; each rank computes its share
+            batches = [collate(dist.local_share(g), tokenizer.pad_token_id, device) for g in group]
         loss_sum = aux_sum = 0.0
         for b in batches:
-            total, loss, aux = sft_step_loss(model, b, normalizer, cfg.lambda_aux, cfg.grad_accum, autocast)
+            total, loss, aux = sft_step_loss(model, b, normalizer, cfg.lambda_aux, cfg.grad_accum, autocast,
+                                             dist.group)
             total.backward()
             loss_sum, aux_sum = loss_sum + loss.item(), aux_sum + aux.item() / cfg.grad_accum
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm if cfg.max_grad_norm > 0
-                                                   else float("inf"))
+        grad_norm = dist.clip_grad_norm_(model.parameters(), cfg.max_grad_norm if cfg.max_grad_norm > 0
+                                         else float("inf"))
+        tokens = sum(int(b["attention_mask"].sum()) for b in batches)
+        if dist.mesh.distributed:  # the global step's figures (every rank's guard then decides alike)
+            loss_sum, aux_sum, tokens = dist.sum_floats(loss_sum, aux_sum, tokens)
         lr = scheduler.get_last_lr()[0]
         guard.step(optimizer, loss_sum, grad_norm, f"step {step + 1}")
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        tokens = sum(int(b["attention_mask"].sum()) for b in batches)
         dt = time.time() - t0
         last_loss = loss_sum
         if (step + 1) % cfg.log_every == 0 or step + 1 == total_steps:
@@ -279,7 +290,8 @@ def train(cfg: RFTConfig, model, tokenizer, kept: list, device, resume_from=None
                         tokens_per_s=tokens / dt, tokens=tokens, nonfinite_steps=guard.skipped)
         bar.set_postfix(loss=f"{loss_sum:.3f}", aux=f"{aux_sum:.3f}", tok_s=f"{tokens / dt:.0f}")
         bar.update(1)
-        if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == total_steps:
+        if not dist.mesh.distributed and ((cfg.save_every and (step + 1) % cfg.save_every == 0)
+                                          or step + 1 == total_steps):
             save_checkpoint(ckpt_root, step + 1, model, optimizer, scheduler,
                             {"micro_batches_done": micro_done, "total_steps": total_steps,
                              "nonfinite_steps": guard.skipped}, tokenizer=tokenizer,
@@ -308,14 +320,16 @@ def _run(cfg: RFTConfig) -> dict:
     import engine
     from train.evaluate import evaluate, summarize, write_eval
 
+    dist = distributed.setup_trainer(cfg, cfg.output_dir)
     os.makedirs(cfg.output_dir, exist_ok=True)
     print("resolved config:\n" + format_config(cfg), flush=True)
-    save_config(cfg, cfg.output_dir)
+    if dist.is_main:
+        save_config(cfg, cfg.output_dir)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    device = resolve_device(cfg)
+    device = dist.device(resolve_device(cfg))
     resume_from = resolve_resume(cfg.resume, os.path.join(cfg.output_dir, "checkpoints"))
     train_inputs, held_out = load_inputs(cfg)
     judge = make_judge(cfg)
@@ -325,7 +339,7 @@ def _run(cfg: RFTConfig) -> dict:
         kept, _ = load_jsonl(selected_path)  # the data the interrupted run trained on
         log(f"resuming: reusing {len(kept)} selected examples from {selected_path}")
     else:
-        kept = teacher_stage(cfg, train_inputs, judge)
+        kept = dist.from_main(lambda: teacher_stage(cfg, train_inputs, judge))
 
     tokenizer = engine.load_tokenizer(cfg.model)
     if tokenizer is None:
@@ -339,7 +353,7 @@ def _run(cfg: RFTConfig) -> dict:
     eval_kw = dict(max_new_tokens=cfg.eval_max_new_tokens, temperature=cfg.eval_temperature, seed=cfg.seed,
                    progress=cfg.progress, samples=cfg.eval_samples)
     before_path = os.path.join(cfg.output_dir, "eval_before.json")
-    if held_out:
+    if held_out and dist.is_main:  # rank 0 evaluates (the model is not sharded yet)
         if cfg.teacher == "scripted":  # the teacher's own row, as in the seed's Table 3 (no decode cost)
             from train.teachers import make_teacher
 
@@ -357,10 +371,16 @@ def _run(cfg: RFTConfig) -> dict:
             with open(before_path, "w") as f:
                 json.dump(rows[-1], f)
 
-    result = train(cfg, model, tokenizer, kept, device, resume_from)
+    dist.barrier()
+    result = train(cfg, model, tokenizer, kept, device, resume_from, dist)
     final_dir = os.path.join(cfg.output_dir, "final")
-    engine.save_model(model, final_dir, tokenizer=tokenizer)
+    dist.export(model, final_dir, tokenizer)  # parallelize() sharded `model` in place
     log(f"final model (HF safetensors layout): {final_dir}")
+    if dist.mesh.distributed:  # rank 0 evaluates the exported model; the others are done
+        dist.close()
+        if not dist.is_main:
+            return {**result, "rows": [], "final_dir": final_dir}
+        model = engine.load_model(final_dir, dtype=torch.float32, device=device)
 
     if held_out:
         t0 = time.time()

@@ -27,7 +27,7 @@ def _use_cpp(t: torch.Tensor, backend: str) -> bool:
 def store_kvcache(k, v, k_cache, v_cache, slot_mapping, backend: str = "auto") -> None:
     """k/v [N, Hkv, D] into caches [num_blocks, block_size, Hkv, D] at flat slots [N] (-1: skip)."""
     if _use_triton(k, backend):
-        from kernels.attention.store_kvcache import store_kvcache_triton
+        from kernels.attention.store import store_kvcache_triton
 
         store_kvcache_triton(k, v, k_cache, v_cache, slot_mapping)
     elif _use_cpp(k, backend):
@@ -36,16 +36,28 @@ def store_kvcache(k, v, k_cache, v_cache, slot_mapping, backend: str = "auto") -
         store_kvcache_reference(k, v, k_cache, v_cache, slot_mapping)
 
 
+def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int, block_size: int, num_sms: int) -> int:
+    """Split-KV count of the Triton decode kernel: enough programs to fill the device's `num_sms`
+    (`kernels._ext.sm_count`), at least ~4 blocks of work each, at most 16 splits."""
+    programs = max(1, batch * num_kv_heads)
+    if programs >= 2 * num_sms:
+        return 1
+    max_blocks = -(-max_context_len // block_size)
+    want = -(-2 * num_sms // programs)
+    return int(max(1, min(16, want, max_blocks // 4)))
+
+
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits: int | None = None,
                            backend: str = "auto", out=None, scratch: dict | None = None):
     """q [B, Hq, D] (one new token per sequence) -> [B, Hq, D]. `scratch`: a dict shared by the layers of
     one step, where the PyTorch path keeps its gather index (the same for every layer)."""
     if _use_triton(q, backend):
-        from kernels.attention.decode import choose_num_splits, paged_decode_triton
+        from kernels.attention.decode import paged_decode_triton
 
         if num_splits is None:
             max_ctx = k_cache.shape[1] * block_tables.shape[1]
-            num_splits = choose_num_splits(q.shape[0], k_cache.shape[2], max_ctx, k_cache.shape[1])
+            num_splits = choose_num_splits(q.shape[0], k_cache.shape[2], max_ctx, k_cache.shape[1],
+                                           _ext.sm_count(q.device))
         return paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, out)
     if _use_cpp(q, backend):
         result = torch.ops.livemoe.paged_attention(q, k_cache, v_cache, None, context_lens, block_tables, scale)

@@ -83,15 +83,15 @@ def _merge_splits_kernel(Part_out, Part_lse, Out, stride_pb, stride_ph, stride_p
     tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, max_context_len: int, block_size: int,
-                      num_sms: int = 132) -> int:
-    """Enough programs to fill the GPU, at least ~4 blocks of work each, at most 16 splits."""
-    programs = max(1, batch * num_kv_heads)
-    if programs >= 2 * num_sms:
-        return 1
-    max_blocks = -(-max_context_len // block_size)
-    want = -(-2 * num_sms // programs)
-    return int(max(1, min(16, want, max_blocks // 4)))
+def decode_meta(group: int, head_dim: int, block_size: int, num_splits: int, dtype: torch.dtype) -> dict:
+    """The decode kernel's constexprs (also what bench/kernel_launches.py compiles)."""
+    return dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_G=max(16, triton.next_power_of_2(group)),
+                BLOCK_D=max(16, triton.next_power_of_2(head_dim)), NUM_SPLITS=num_splits, IEEE=dtype == torch.float32)
+
+
+def merge_meta(head_dim: int, num_splits: int) -> dict:
+    return dict(HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
+                BLOCK_D=triton.next_power_of_2(head_dim))
 
 
 def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -108,9 +108,7 @@ def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     out = torch.empty_like(q) if out is None else out
     if B == 0:
         return out
-    block_d = max(16, triton.next_power_of_2(d))
-    meta = dict(GROUP=group, HEAD_DIM=d, BLOCK_SIZE=block_size, BLOCK_G=max(16, triton.next_power_of_2(group)),
-                BLOCK_D=block_d, NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32)
+    meta = decode_meta(group, d, block_size, num_splits, q.dtype)
     if num_splits == 1:
         part_out = part_lse = out  # unused
         strides = (0, 0, 0, 0, 0)
@@ -125,6 +123,5 @@ def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         out.stride(0), out.stride(1), *strides, **meta)
     if num_splits > 1:
         _merge_splits_kernel[(B, hq)](part_out, part_lse, out, *strides, out.stride(0), out.stride(1),
-                                      HEAD_DIM=d, NUM_SPLITS=num_splits,
-                                      BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=triton.next_power_of_2(d))
+                                      **merge_meta(d, num_splits))
     return out

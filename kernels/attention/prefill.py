@@ -56,6 +56,14 @@ def _paged_prefill_kernel(Q, K_cache, V_cache, Cu_seqlens_q, Context_lens, Block
              out.to(Out.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
 
+def prefill_meta(group: int, head_dim: int, block_size: int, max_seqlen_q: int, block_m: int,
+                 dtype: torch.dtype) -> dict:
+    """The prefill kernel's constexprs (also what bench/kernel_launches.py compiles)."""
+    return dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+                BLOCK_M=max(16, min(block_m, triton.next_power_of_2(max(1, max_seqlen_q)))),
+                BLOCK_D=max(16, triton.next_power_of_2(head_dim)), IEEE=dtype == torch.float32)
+
+
 def paged_prefill_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
                          context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, max_seqlen_q: int,
                          block_m: int = 64) -> torch.Tensor:
@@ -68,13 +76,12 @@ def paged_prefill_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     S = context_lens.shape[0]
     if N == 0 or S == 0:
         return out
-    block_m = max(16, min(block_m, triton.next_power_of_2(max(1, max_seqlen_q))))
-    grid = (S, hq, triton.cdiv(max_seqlen_q, block_m))
+    meta = prefill_meta(hq // hkv, d, block_size, max_seqlen_q, block_m, q.dtype)
+    grid = (S, hq, triton.cdiv(max_seqlen_q, meta["BLOCK_M"]))
     _paged_prefill_kernel[grid](
         q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, out, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
-        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_SIZE=block_size, BLOCK_M=block_m,
-        BLOCK_D=max(16, triton.next_power_of_2(d)), IEEE=q.dtype == torch.float32)
+        **meta)
     return out

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._ext import sm_count
+
 NEG_INIT = tl.constexpr(-1e30)  # a constexpr object: jit code may read only those globals
 
 
@@ -120,21 +122,26 @@ def _precision(dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _blocks(n: int, h: int):
+def launch_meta(n: int, h: int, dtype: torch.dtype) -> dict:
+    """Tiles and warps of both kernels (also what bench/kernel_launches.py compiles for sm_90a). The 64-row tile
+    runs on 8 warps: on 4 its [64, 128] fp32 logits and their exp/entropy temporaries need 220-255 registers
+    a thread (8 warps per SM); fp32 operands take half the K depth, which keeps them out of local memory."""
     block_n = 16 if n <= 16 else (32 if n <= 32 else 64)
-    block_k = 32 if h <= 32 else 64
-    return block_n, 128, block_k
+    block_k = 32 if h <= 32 or dtype == torch.float32 else 64
+    return dict(BLOCK_N=block_n, BLOCK_V=128, BLOCK_K=block_k, INPUT_PRECISION=_precision(dtype),
+                num_warps=8 if block_n == 64 else 4)
 
 
 def forward(hidden, weight, targets, n_valid, inv_temp: float, with_entropy: bool, vocab_splits: int | None = None):
     """-> (logprobs, lse, entropy or None), each [N] fp32; rows >= n_valid give 0."""
     n, h = hidden.shape
     v = weight.shape[0]
-    block_n, block_v, block_k = _blocks(n, h)
+    meta = launch_meta(n, h, hidden.dtype)
+    block_n, block_v = meta["BLOCK_N"], meta["BLOCK_V"]
     n_blocks = triton.cdiv(n, block_n)
     v_tiles = triton.cdiv(v, block_v)
     if vocab_splits is None:  # enough programs to fill the GPU when N is small
-        sms = torch.cuda.get_device_properties(hidden.device).multi_processor_count if hidden.is_cuda else 1
+        sms = sm_count(hidden.device)
         vocab_splits = max(1, min(v_tiles, triton.cdiv(2 * sms, n_blocks)))
     vocab_per_split = triton.cdiv(v_tiles, vocab_splits) * block_v
     splits = triton.cdiv(v, vocab_per_split)  # every split holds >= 1 real column
@@ -143,8 +150,7 @@ def forward(hidden, weight, targets, n_valid, inv_temp: float, with_entropy: boo
     _logprobs_fwd_kernel[(n_blocks, splits)](
         hidden, weight, targets, n_valid if n_valid is not None else targets, m, l, e, t,
         n, v, h, hidden.stride(0), weight.stride(0), inv_temp, vocab_per_split,
-        HAS_N_VALID=n_valid is not None, WITH_ENTROPY=with_entropy, INPUT_PRECISION=_precision(hidden.dtype),
-        BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_K=block_k)
+        HAS_N_VALID=n_valid is not None, WITH_ENTROPY=with_entropy, **meta)
     big_m = m.amax(0)
     scale = torch.exp(m - big_m)
     big_l = (l * scale).sum(0)
@@ -170,7 +176,8 @@ def backward(hidden, weight, targets, n_valid, inv_temp: float, lse, g_lp, a, b,
     and d hidden ([N, H], small) sums over the chunks, in fp32 when fp32_accumulation."""
     n, h = hidden.shape
     v = weight.shape[0]
-    block_n, block_v, block_k = _blocks(min(n, chunk_tokens), h)
+    meta = launch_meta(min(n, chunk_tokens), h, hidden.dtype)
+    block_n, block_v = meta["BLOCK_N"], meta["BLOCK_V"]
     chunk_vocab = max(block_v, chunk_vocab // block_v * block_v)
     dtype = hidden.dtype
     acc_dtype = torch.float32 if fp32_accumulation else dtype
@@ -190,7 +197,7 @@ def backward(hidden, weight, targets, n_valid, inv_temp: float, lse, g_lp, a, b,
                 hidden, weight, targets, n_valid if n_valid is not None else targets, lse, g_lp, a,
                 b if b is not None else a, dzc, n0, n1 - n0, v0, v1 - v0, h, hidden.stride(0), weight.stride(0),
                 dzc.stride(0), inv_temp, HAS_N_VALID=n_valid is not None, WITH_B=b is not None,
-                INPUT_PRECISION=_precision(dtype), BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_K=block_k)
+                **meta)
             if need_dhidden:
                 _accumulate(dh_acc[n0:n1], dzc, w)
             if need_dweight:

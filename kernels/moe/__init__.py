@@ -1,6 +1,7 @@
 """Mixture-of-Experts ops: routing, routing align, and the fused expert computation.
 
-`fused_moe` is the one entry the model calls; kernels know nothing of models. Backends:
+`fused_moe` is the one entry the model calls (`fused_experts`, its expert half, serves the expert-parallel
+layer, whose tokens arrive routed); kernels know nothing of models. Backends:
   "triton"    the Triton grouped GEMMs (triton_moe.py): the CUDA default; on the CPU only under
               TRITON_INTERPRET=1, for tests
   "sorted"    sort once, per-expert matmuls on contiguous segments (sorted_moe.py): the CPU default; where
@@ -45,6 +46,22 @@ def check_inputs(hidden_states, w_gate_up, w_down, router_logits):
                          f"{w_gate_up.dtype}, {w_down.dtype}")
 
 
+def _autocast_inputs(hidden_states, w_gate_up, w_down):
+    """The expert matmuls cast as F.linear would under autocast."""
+    device_type = hidden_states.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        return tuple(t.to(dtype) for t in (hidden_states, w_gate_up, w_down))
+    return hidden_states, w_gate_up, w_down
+
+
+def _check_backend(backend: str | None, device: torch.device) -> str:
+    backend = backend or default_backend(device)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return backend
+
+
 def fused_moe(hidden_states, w_gate_up, w_down, router_logits, top_k: int, renormalize: bool, *,
               backend: str | None = None, config: MoEConfig | None = None):
     """hidden_states [T, H], w_gate_up [E, 2I, H], w_down [E, H, I], router_logits [T, E] -> [T, H].
@@ -52,18 +69,22 @@ def fused_moe(hidden_states, w_gate_up, w_down, router_logits, top_k: int, renor
     Differentiable in all four tensors (the router trains through the kept routing weights). `backend`
     forces one implementation (tests); `config` forces the Triton block sizes (tests, tuning).
     """
-    device_type = hidden_states.device.type
-    if torch.is_autocast_enabled(device_type):  # the expert matmuls cast as F.linear would under autocast
-        dtype = torch.get_autocast_dtype(device_type)
-        hidden_states, w_gate_up, w_down = (t.to(dtype) for t in (hidden_states, w_gate_up, w_down))
+    hidden_states, w_gate_up, w_down = _autocast_inputs(hidden_states, w_gate_up, w_down)
     check_inputs(hidden_states, w_gate_up, w_down, router_logits)
-    backend = backend or default_backend(hidden_states.device)
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    backend = _check_backend(backend, hidden_states.device)
     if backend == "sorted" and cpu_inference(hidden_states, w_gate_up, w_down, router_logits):
         check_top_k(top_k, router_logits.shape[1])  # the ValueError route() raises
         return torch.ops.livemoe.moe_forward(hidden_states, w_gate_up, w_down, router_logits, top_k, renormalize)
     topk_weights, topk_ids = route(router_logits, top_k, renormalize)
+    return fused_experts(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, backend=backend, config=config)
+
+
+def fused_experts(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, *, backend: str | None = None,
+                  config: MoEConfig | None = None):
+    """The expert half of fused_moe, for tokens already routed (topk_weights [T, k], topk_ids [T, k] into
+    the E experts given): the expert-parallel layer runs its local experts on the tokens it receives."""
+    hidden_states, w_gate_up, w_down = _autocast_inputs(hidden_states, w_gate_up, w_down)
+    backend = _check_backend(backend, hidden_states.device)
     if hidden_states.shape[0] == 0:
         return hidden_states.clone()
     if backend == "reference":
@@ -77,5 +98,5 @@ def fused_moe(hidden_states, w_gate_up, w_down, router_logits, top_k: int, renor
     return experts_triton(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, config)
 
 
-__all__ = ["fused_moe", "route", "moe_align", "moe_align_reference", "num_align_blocks", "experts_reference",
-           "fused_moe_reference", "MoEConfig", "BACKENDS"]
+__all__ = ["fused_moe", "fused_experts", "route", "moe_align", "moe_align_reference", "num_align_blocks",
+           "experts_reference", "fused_moe_reference", "MoEConfig", "BACKENDS"]

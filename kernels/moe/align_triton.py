@@ -82,6 +82,15 @@ def _align_scatter_kernel(ids_ptr, chunk_offsets_ptr, chunk_totals_ptr, sorted_i
         tl.store(total_ptr + experts, tl.sum(padded, axis=0) + experts * 0, mask=experts == 0)
 
 
+def align_meta(num_pairs: int, num_experts: int, chunk: int | None = None) -> dict:
+    """The launch parameters of the align kernels (also what bench/kernel_launches.py compiles)."""
+    e_pad = triton.next_power_of_2(num_experts)
+    if chunk is None:  # the one-hot tile CHUNK x E_PAD (and its scan) stays within 64 KiB
+        chunk = max(16, min(triton.next_power_of_2(max(num_pairs, 1)), 16384 // e_pad))
+    return dict(E_PAD=e_pad, CHUNK=chunk, num_warps=8 if chunk * e_pad >= 8192 else 4,
+                FILL=max(16, min(128, 8192 // e_pad)), EXPERTS=min(e_pad, 32), ROWS=64)
+
+
 def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_size: int, chunk: int | None = None):
     """topk_ids [T, k] -> (sorted_token_ids, expert_ids, tokens_per_expert, num_tokens_post_padded), as in align.py.
 
@@ -91,9 +100,8 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_size: int, 
     if not ids.is_contiguous():
         ids = ids.contiguous()
     n = ids.numel()
-    e_pad = triton.next_power_of_2(num_experts)
-    if chunk is None:  # the one-hot tile CHUNK x E_PAD (and its scan) stays within 64 KiB
-        chunk = max(16, min(triton.next_power_of_2(max(n, 1)), 16384 // e_pad))
+    meta = align_meta(n, num_experts, chunk)
+    e_pad, chunk, warps, fill = meta["E_PAD"], meta["CHUNK"], meta["num_warps"], meta["FILL"]
     num_chunks = max(1, -(-n // chunk))
     num_blocks = num_align_blocks(n, num_experts, block_size)
     dev = ids.device
@@ -105,13 +113,11 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_size: int, 
     chunk_counts = torch.empty(1 if single else num_chunks * e_pad, dtype=torch.int32, device=dev)
     chunk_offsets = torch.empty_like(chunk_counts)
     chunk_totals = torch.empty(1 if single else e_pad, dtype=torch.int32, device=dev)
-    warps = 8 if chunk * e_pad >= 8192 else 4
     if not single:  # counts per chunk, then their prefix over the chunks per expert
         _align_count_kernel[(num_chunks,)](ids, chunk_counts, n, CHUNK=chunk, E_PAD=e_pad, num_warps=warps)
-        experts_per_program = min(e_pad, 32)
+        experts_per_program = meta["EXPERTS"]
         _align_scan_kernel[(e_pad // experts_per_program,)](chunk_counts, chunk_offsets, chunk_totals, num_chunks,
-                                                            E_PAD=e_pad, EXPERTS=experts_per_program, ROWS=64)
-    fill = max(16, min(128, 8192 // e_pad))
+                                                            E_PAD=e_pad, EXPERTS=experts_per_program, ROWS=meta["ROWS"])
     _align_scatter_kernel[(num_chunks,)](ids, chunk_offsets, chunk_totals, sorted_ids, expert_ids, counts, total, n,
                                          num_experts, num_chunks, num_blocks * block_size, BLOCK_SIZE=block_size,
                                          CHUNK=chunk, E_PAD=e_pad, SINGLE=single, FILL=fill, num_warps=warps)

@@ -59,7 +59,9 @@ def heuristic_config(num_tokens: int, num_experts: int, hidden: int, inter: int,
         return MoEConfig(32, 64, 64 // wide, group_m=8, num_warps=4, num_stages=4)
     if per_expert <= 192:
         return MoEConfig(64, 64, 64 // wide, group_m=8, num_warps=4, num_stages=3)
-    return MoEConfig(64, 128, 64 // wide, group_m=8, num_warps=8, num_stages=3, grad_block_m=128, grad_block_n=64)
+    # (fp32's 128-row weight-gradient tile spills 16 bytes on sm_90: half the rows)
+    return MoEConfig(64, 128, 64 // wide, group_m=8, num_warps=8, num_stages=3, grad_block_m=128 // wide,
+                     grad_block_n=64)
 
 
 def cache_path() -> str:
@@ -137,7 +139,7 @@ def tune(run, num_tokens: int, num_experts: int, hidden: int, inter: int, top_k:
 
         timer = lambda fn: triton.testing.do_bench(fn, warmup=5, rep=20)  # noqa: E731
     best, best_t = None, float("inf")
-    for cfg in candidates or candidate_configs(num_tokens, num_experts, top_k):
+    for cfg in candidate_configs(num_tokens, num_experts, top_k) if candidates is None else candidates:
         try:
             t = timer(lambda: run(cfg))
         except Exception as e:  # noqa: BLE001  (a config the GPU cannot run is just not a candidate)

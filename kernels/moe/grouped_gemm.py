@@ -139,18 +139,18 @@ def down_backward_kernel(dy_ptr, w_ptr, preact_ptr, topk_w_ptr, dpre_ptr, act_pt
     mask = valid[:, None] & n_ok[None, :]
     pre_ptrs = preact_ptr + p64[:, None] * stride_pm + offs_n[None, :]
     gate = tl.load(pre_ptrs, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(pre_ptrs + I, mask=mask, other=0.0).to(tl.float32)
     sig = tl.sigmoid(gate)
     silu = gate * sig
+    dsilu = sig * (1.0 + gate * (1.0 - sig))  # d silu / d gate: gate and sig die here
+    up = tl.load(pre_ptrs + I, mask=mask, other=0.0).to(tl.float32)
     out_dtype = act_ptr.dtype.element_ty
     act = (silu * up).to(out_dtype)
     tl.store(act_ptr + p64[:, None] * stride_am + offs_n[None, :], act, mask=mask)
     tl.store(dw_part_ptr + pid_n * num_pairs + pairs, tl.sum(acc * act.to(tl.float32), axis=1), mask=valid)
     dact = acc * tl.load(topk_w_ptr + pairs, mask=valid, other=0.0)[:, None]
-    dgate = dact * up * sig * (1.0 + gate * (1.0 - sig))
     dpre_ptrs = dpre_ptr + p64[:, None] * stride_pm + offs_n[None, :]
-    tl.store(dpre_ptrs, dgate.to(out_dtype), mask=mask)
     tl.store(dpre_ptrs + I, (dact * silu).to(out_dtype), mask=mask)
+    tl.store(dpre_ptrs, (dact * up * dsilu).to(out_dtype), mask=mask)
 
 
 @triton.jit

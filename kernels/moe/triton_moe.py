@@ -69,8 +69,10 @@ def experts_forward(x, w_gate_up, w_down, topk_weights, topk_ids, cfg: MoEConfig
 
 class TritonMoEFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w_gate_up, w_down, topk_weights, topk_ids, cfg):
-        train = any(ctx.needs_input_grad[:4])  # (grad mode is off inside forward; this says what backward needs)
+    def forward(ctx, x, w_gate_up, w_down, topk_weights, topk_ids, cfg, grad_enabled: bool):
+        # needs_input_grad says what backward needs, but it is set under no_grad and inference_mode too
+        # (the decoder's), where saving the [T*k, 2I] pre-activations would only cost bandwidth
+        train = grad_enabled and any(ctx.needs_input_grad[:4])
         out, preact, align = experts_forward(x, w_gate_up, w_down, topk_weights, topk_ids, cfg, save_preact=train)
         if train:
             ctx.save_for_backward(x, w_gate_up, w_down, topk_weights, preact, *align)
@@ -84,7 +86,6 @@ class TritonMoEFunction(torch.autograd.Function):
         cfg, top_k = ctx.cfg, ctx.top_k
         num_tokens, hidden = x.shape
         num_pairs, inter = preact.shape[0], preact.shape[1] // 2
-        num_experts = w_gate_up.shape[0]
         dout = dout.contiguous().to(x.dtype)
         flat_w = topk_weights.reshape(-1)
         dpre = torch.empty_like(preact)
@@ -115,7 +116,7 @@ class TritonMoEFunction(torch.autograd.Function):
             if ctx.needs_input_grad[2]:
                 dw_down = torch.empty(w_down.shape, dtype=w_down.dtype, device=x.device)
                 _expert_grad(dout, act, flat_w, dw_down, sorted_ids, seg_start, counts, top_k, 1, cfg)
-        return dx, dw_gate_up, dw_down, d_topk_w, None, None
+        return dx, dw_gate_up, dw_down, d_topk_w, None, None, None
 
 
 def experts_triton(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, config: MoEConfig | None = None):
@@ -131,7 +132,7 @@ def experts_triton(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, con
         cfg = _autotune(hidden_states, w_gate_up, w_down, topk_weights, topk_ids)
     x = hidden_states if hidden_states.stride(-1) == 1 else hidden_states.contiguous()
     return TritonMoEFunction.apply(x, w_gate_up, w_down, topk_weights.float().contiguous(),
-                                   topk_ids.contiguous(), cfg)
+                                   topk_ids.contiguous(), cfg, torch.is_grad_enabled())
 
 
 def _should_tune(x, num_tokens, num_experts, hidden, inter, top_k) -> bool:
