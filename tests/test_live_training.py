@@ -7,7 +7,6 @@ import torch
 import torch.nn.functional as F
 
 from engine import load_model, load_tokenizer
-from engine.live.decision import Decision
 from train.live.data import encode_session
 from train.live.gspo import GSPOOptions, per_turn_policy_loss, rewards_of, turn_rows
 from train.live.msft import MSFTOptions, class_weights, encode_example, train_msft
