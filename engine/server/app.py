@@ -36,6 +36,7 @@ from engine.prompts import chat_prompt_ids, encode_text
 from engine.sampling import RequestError, SamplingParams
 from engine.server.config import ServerConfig
 from engine.server.guard import RequestGuard
+from engine.server.live import live_router
 from engine.server.metrics import ServerMetrics
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from engine.server.responses import Run
@@ -125,6 +126,7 @@ def build_app(engine: AsyncLLM, model_name: str, config: ServerConfig | None = N
         await server.compile_constraint(body)
         return await server.respond(request, body, [ids], params, chat=True)
 
+    app.include_router(live_router(server))
     return app
 
 

@@ -1,0 +1,44 @@
+"""python -m train.live end to end at toy size on the committed student: the three stages' table,
+the saved checkpoints, --replay, and bad options refused with one line."""
+import json
+import os
+
+import pytest
+
+from train.live.__main__ import main
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+TOY = ["--train_sessions", "4", "--eval_sessions", "1", "--num_intervals", "2", "--sft_steps", "2",
+       "--sft_batch_size", "2", "--gspo_steps", "1", "--sessions_per_step", "1", "--num_generations", "2",
+       "--num_iterations", "1", "--max_message_chars", "24", "--progress", "false"]
+
+
+def test_all_stages_then_replay(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(TOY + ["--output_dir", str(out), "--compare_plain", "true",
+                       "--results", str(tmp_path / "results.json")]) == 0
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert list(res["rows"]) == ["base student", "plain multi-turn SFT", "MA-MSFT", "SM-GSPO"]
+    for row in res["rows"].values():
+        assert row["intervals"] == 2 and 0 <= row["state"] <= 100 and row["latency_ms"] > 0 and row["decode_gflops"] > 0
+    printed = capsys.readouterr().out
+    assert "| SM-GSPO |" in printed and "state acc" in printed
+    for stage in ("msft", "gspo"):
+        assert os.path.isfile(out / stage / "model" / "config.json")
+        assert (out / stage / "metrics.jsonl").read_text().count("\n") >= 1
+    assert main(TOY + ["--replay", str(out / "gspo" / "model")]) == 0
+    replayed = capsys.readouterr().out
+    assert replayed.count("-> ") == 2 and "(gold: " in replayed
+
+
+@pytest.mark.parametrize("argv,why", [
+    (["--stage", "rl"], "--stage must be one of"),
+    (["--num_generations", "1"], "--num_generations must be >= 2"),
+    (["--balance", "2"], "--balance must be in"),
+    (["--replay", "/no/such/dir"], "--replay /no/such/dir: no such checkpoint"),
+    (["--data", "/no/such.jsonl"], "--data /no/such.jsonl: no such file"),
+])
+def test_bad_options_are_one_line_and_exit_2(argv, why, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert why in err and "Traceback" not in err

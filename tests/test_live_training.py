@@ -1,0 +1,175 @@
+"""MA-MSFT weights and class balancing against a plain PyTorch computation; SM-GSPO's rewards,
+advantages and per-turn sequence-level ratios on hand-computed cases; a few steps of each."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import load_model, load_tokenizer
+from train.live.data import encode_session
+from train.live.gspo import GSPOOptions, per_turn_policy_loss, rewards_of, turn_rows
+from train.live.msft import MSFTOptions, class_weights, encode_example, train_msft
+from train.live.world import LiveWorldConfig, decision_text, make_sessions
+from train.rft import collate, sft_step_loss
+from train.rollout import Completion
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from tiny_tokenizer import make_text_checkpoint
+
+    path, _ = make_text_checkpoint(tmp_path_factory.mktemp("livetrain") / "m", moe=True, seed=1,
+                                   max_position_embeddings=2048)
+    return path
+
+
+def test_class_weights_balance_kinds():
+    kinds = ["OBS"] * 6 + ["ANS"] * 3 + ["MEM"]
+    w = class_weights(kinds, 1.0)
+    assert w == pytest.approx({"OBS": 10 / 18, "ANS": 10 / 9, "MEM": 10 / 3})
+    # balanced: each kind's intervals weigh the same in total
+    assert 6 * w["OBS"] == pytest.approx(3 * w["ANS"]) == pytest.approx(1 * w["MEM"])
+    assert class_weights(kinds, 0.0) == {"OBS": 1.0, "ANS": 1.0, "MEM": 1.0}
+    assert class_weights(kinds, 0.5)["MEM"] == pytest.approx(math.sqrt(10 / 3))
+
+
+def _plain_weights(tokenizer, session, by_kind, marker_weight, eos):
+    """Per target position, computed from scratch: each decision token's characters decoded one token
+    at a time; a token starting before the message (or the end token) weighs marker_weight."""
+    enc = encode_session(session, tokenizer, eos)
+    w = torch.zeros(len(enc.input_ids) - 1)
+    for (a, b), iv in zip(enc.decision_spans, session["intervals"]):
+        text = decision_text(iv)
+        d = iv["decision"]
+        message_at = len(text) - len(d["message"]) if d["kind"] != "OBS" else len(text)
+        pos = 0
+        for j, tok in enumerate(enc.input_ids[a:b]):
+            marker = tok == eos or pos < message_at
+            w[a + j - 1] = (marker_weight if marker else 1.0) * by_kind[d["kind"]]
+            pos += len(tokenizer.decode([tok]))
+    return enc.input_ids, w
+
+
+def test_msft_weights_and_loss_match_plain_pytorch(tiny):
+    tok, model = load_tokenizer(tiny), load_model(tiny)
+    sessions = make_sessions(3, seed=4, cfg=LiveWorldConfig(num_intervals=5))
+    kinds = [iv["decision"]["kind"] for s in sessions for iv in s["intervals"]]
+    by_kind = class_weights(kinds, 1.0)
+    examples, expected = [], []
+    for s in sessions:
+        e = encode_example(s, tok, tok.eos_token_id, by_kind, 3.0, max_len=10**6)
+        ids, w = _plain_weights(tok, s, by_kind, 3.0, tok.eos_token_id)
+        assert e["input_ids"] == ids
+        assert torch.tensor(e["weights"]) == pytest.approx(w)
+        assert set(w.unique().tolist()) >= {0.0}
+        examples.append(e)
+        expected.append((ids, w))
+    batch = collate(examples, tok.pad_token_id, torch.device("cpu"))
+    normalizer = batch["weights"][batch["targets"] != -100].sum()
+    _, loss, _ = sft_step_loss(model, batch, normalizer, 0.0, 1, torch.autocast("cpu", enabled=False))
+    num = den = 0.0
+    with torch.no_grad():
+        for ids, w in expected:
+            x = torch.tensor([ids])
+            hidden = model.forward_hidden(x)
+            logits = hidden[0, :-1].float() @ model.lm_head_weight.float().T
+            nll = F.cross_entropy(logits, x[0, 1:], reduction="none")
+            num, den = num + (w * nll).sum(), den + w.sum()
+    assert float(loss) == pytest.approx(float(num / den), rel=1e-4)
+
+
+def test_msft_cuts_sessions_to_whole_intervals_within_max_len(tiny):
+    tok = load_tokenizer(tiny)
+    s = make_sessions(1, seed=0, cfg=LiveWorldConfig(num_intervals=6))[0]
+    enc = encode_session(s, tok, tok.eos_token_id)
+    cut = enc.decision_spans[2][1] + 3  # room for three whole intervals and part of the fourth
+    e = encode_example(s, tok, tok.eos_token_id, {"OBS": 1.0, "MEM": 1.0, "ANS": 1.0}, 1.0, cut)
+    assert e["input_ids"] == enc.input_ids[:enc.decision_spans[2][1]]
+    assert encode_example(s, tok, tok.eos_token_id, {"OBS": 1, "MEM": 1, "ANS": 1}, 1.0, 5) is None
+
+
+def test_a_few_msft_steps_lower_the_loss(tiny):
+    tok, model = load_tokenizer(tiny), load_model(tiny)
+    sessions = make_sessions(4, seed=1, cfg=LiveWorldConfig(num_intervals=3))
+    out = train_msft(model, tok, sessions, MSFTOptions(steps=8, batch_size=2, lr=1e-2, warmup_steps=0),
+                     log=lambda m: None)
+    losses = [h["loss"] for h in out["history"]]
+    assert len(losses) == 8 and all(math.isfinite(x) for x in losses)
+    assert losses[-1] < losses[0]
+
+
+def _comp(turn_texts):
+    return Completion([], [], [], turn_texts[-1], "stop", turn_spans=[(0, 1)] * len(turn_texts),
+                      turn_texts=list(turn_texts))
+
+
+def test_gspo_rewards_and_advantages_on_hand_computed_cases():
+    from train.advantages import multi_turn_advantages
+
+    session = {"intervals": [
+        {"decision": {"kind": "ANS", "recipient": "amy", "task": "welcome", "message": "welcome, amy!"},
+         "facts": ["amy"], "questions": []},
+        {"decision": {"kind": "OBS", "recipient": None, "task": None, "message": None}, "facts": []}]}
+    good = _comp(["ANS @amy welcome: welcome, amy!", "OBS"])
+    wrong_who = _comp(["ANS @bob welcome: welcome, amy!", "OBS"])  # state, task and grounding right, recipient wrong
+    spam = _comp(["OBS", "ANS @amy thank: hi"])  # both turns wrong; the second is spam
+    opts = GSPOOptions()
+    turns, traj = rewards_of([session], [[good, wrong_who, spam]], opts)
+    assert turns == [pytest.approx([1.0, 1.0]), pytest.approx([0.8, 1.0]), pytest.approx([0.0, 0.0])]
+    assert traj == pytest.approx([1.0, 1.0, 0.5])  # no questions: 1, minus spam 1 / 2 intervals
+    adv = multi_turn_advantages(turns, 3, 0.5, trajectory_rewards=traj)
+    # turn 1: rewards 1, .8, 0 -> mean .6, std .5292; turn 2: 1, 1, 0 -> mean .6667, std .5774;
+    # trajectory: 1, 1, .5 -> mean .8333, std .2887
+    t1 = [(1 - 0.6) / 0.52915, (0.8 - 0.6) / 0.52915, (0 - 0.6) / 0.52915]
+    t2 = [(1 - 0.66667) / 0.57735] * 2 + [(0 - 0.66667) / 0.57735]
+    tr = [(1 - 0.83333) / 0.28868] * 2 + [(0.5 - 0.83333) / 0.28868]
+    for i in range(3):
+        assert adv[i] == pytest.approx([0.5 * t1[i] + 0.5 * tr[i], 0.5 * t2[i] + 0.5 * tr[i]], abs=1e-3)
+
+
+def test_per_turn_sequence_ratios_match_plain_pytorch():
+    torch.manual_seed(0)
+    T = 9
+    # two trajectories; trajectory 0 has turns at [1, 4) and [5, 7), trajectory 1 one turn at [2, 8)
+    turn_ids = torch.zeros(2, T, dtype=torch.long)
+    turn_ids[0, 1:4], turn_ids[0, 5:7], turn_ids[1, 2:8] = 1, 2, 1
+    batch = {"completion_mask": (turn_ids > 0).float()}
+    traj, mask = turn_rows(batch, turn_ids, [2, 1])
+    assert traj.tolist() == [0, 0, 1] and mask.sum(1).tolist() == [3.0, 2.0, 6.0]
+    old = torch.randn(2, T)
+    lp = (old + 0.01 * torch.randn(2, T)).requires_grad_()
+    adv = torch.zeros(2, T)
+    adv[0, 1:4], adv[0, 5:7], adv[1, 2:8] = 1.5, -0.5, 0.7
+    opts = GSPOOptions(epsilon_low=0.002, epsilon_high=0.003)
+    loss, _ = per_turn_policy_loss(lp, old, adv, traj, mask, opts)
+    expected = []
+    for i, (a, b), A in ((0, (1, 4), 1.5), (0, (5, 7), -0.5), (1, (2, 8), 0.7)):
+        r = torch.exp((lp[i, a:b] - old[i, a:b]).mean())
+        expected.append(-torch.min(r * A, r.clamp(1 - 0.002, 1 + 0.003) * A))
+    ref = torch.stack(expected).mean()
+    assert float(loss.detach()) == pytest.approx(float(ref.detach()), rel=1e-5)
+    g1, = torch.autograd.grad(loss, lp)
+    g2, = torch.autograd.grad(ref, lp)
+    assert torch.allclose(g1, g2, atol=1e-6)
+
+
+def test_a_few_sm_gspo_steps_play_parse_and_update(tiny):
+    from train.live.gspo import train_gspo
+
+    tok, model = load_tokenizer(tiny), load_model(tiny)
+    sessions = make_sessions(3, seed=2, cfg=LiveWorldConfig(num_intervals=3))
+    before = [p.detach().clone() for p in model.parameters()]
+    opts = GSPOOptions(steps=2, sessions_per_step=1, num_generations=2, num_iterations=2, max_message_chars=24,
+                       lr=1e-3)
+    out = train_gspo(model, tok, sessions, opts, log=lambda m: None, num_kv_blocks=256)
+    rows = out["history"]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["parsed"] == 1.0  # every rolled-out decision held to the grammar
+        assert math.isfinite(r["loss"]) and 0.0 <= r["turn_reward"] <= 1.0 and 0.0 <= r["trajectory_reward"] <= 1.0
+        assert r["ratio"] > 0
+    changed = sum(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert changed > 0

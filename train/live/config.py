@@ -1,0 +1,73 @@
+"""LiveConfig: the options of `python -m train.live`, typed and validated in one place (ConfigError),
+parsed by train.config's machinery (every field a --flag, --config YAML with the same keys)."""
+import os
+from dataclasses import dataclass, field
+
+from train.config import DEFAULT_STUDENT, ConfigError, _choice
+
+
+@dataclass(kw_only=True)
+class LiveConfig:
+    model: str = field(default=DEFAULT_STUDENT, metadata={"help": "checkpoint to start from (default: the "
+                                                                 "committed tiny student)"})
+    stage: str = field(default="all", metadata={"help": "sft (MA-MSFT) | gspo (SM-GSPO from --model) | all"})
+    data: str | None = field(default=None, metadata={"help": "training sessions, JSONL (train/live/data.py); "
+                                                            "none = the synthetic world"})
+    eval_data: str | None = field(default=None, metadata={"help": "held-out sessions, JSONL; none = synthetic"})
+    replay: str | None = field(default=None, metadata={"help": "a checkpoint: play one held-out session through "
+                                                              "a LiveSession, printing each interval, and exit"})
+    output_dir: str = "runs/live"
+    results: str | None = field(default=None, metadata={"help": "also write the results JSON here"})
+    seed: int = 0
+    device: str = field(default="auto", metadata={"help": "auto | cpu | cuda"})
+    threads: int = field(default=1, metadata={"help": "CPU threads for torch (0 = torch's default)"})
+    progress: bool = True
+    # the synthetic world
+    train_sessions: int = 512
+    eval_sessions: int = 12
+    num_intervals: int = field(default=6, metadata={"help": "intervals per synthetic session (10 s each)"})
+    max_message_chars: int = field(default=96, metadata={"help": "longest MEM note / ANS message the grammar allows"})
+    # MA-MSFT
+    sft_steps: int = 500
+    sft_lr: float = 5e-3
+    sft_batch_size: int = 4
+    marker_weight: float = field(default=3.0, metadata={"help": "loss weight of marker/field tokens (1 = plain)"})
+    balance: float = field(default=1.0, metadata={"help": "class balancing of decisions by kind, 0 (none) .. 1 (full)"})
+    compare_plain: bool = field(default=False, metadata={"help": "also train plain multi-turn SFT (marker weight 1, "
+                                                                 "no balancing) from the same start, as a table "
+                                                                 "row (doubles the SFT time)"})
+    max_len: int = 1024
+    # SM-GSPO
+    gspo_steps: int = 24
+    gspo_lr: float = 1e-4
+    sessions_per_step: int = 2
+    num_generations: int = 8
+    num_iterations: int = 2
+    gspo_temperature: float = 1.0
+    turn_weight: float = field(default=0.7, metadata={"help": "advantage = w * turn + (1 - w) * trajectory credit"})
+    lambda_aux: float = 0.01
+
+    def validate(self) -> None:
+        _choice("stage", self.stage, ("sft", "gspo", "all"))
+        _choice("device", self.device, ("auto", "cpu", "cuda"))
+        for name, path in (("model", self.model), ("replay", self.replay)):
+            if path is not None and not os.path.isdir(path):
+                raise ConfigError(f"--{name} {path}: no such checkpoint directory")
+        for name in ("data", "eval_data"):
+            path = getattr(self, name)
+            if path is not None and not os.path.isfile(path):
+                raise ConfigError(f"--{name} {path}: no such file")
+        for name in ("train_sessions", "eval_sessions", "num_intervals", "sft_steps", "sft_batch_size", "max_len",
+                     "gspo_steps", "sessions_per_step", "num_iterations", "max_message_chars"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_generations < 2:
+            raise ConfigError(f"--num_generations must be >= 2 (advantages compare them), got {self.num_generations}")
+        for name in ("sft_lr", "gspo_lr", "gspo_temperature", "marker_weight"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"--{name} must be > 0, got {getattr(self, name)}")
+        for name in ("balance", "turn_weight"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ConfigError(f"--{name} must be in [0, 1], got {getattr(self, name)}")
+        if self.threads < 0 or self.lambda_aux < 0:
+            raise ConfigError("--threads and --lambda_aux must be >= 0")
