@@ -137,6 +137,7 @@ class AsyncLLM:
             if llm is not None:
                 raise ValueError("engine_core='process' loads the checkpoint in its own process; it cannot take "
                                  "an llm (use engine_core='thread' to share a module)")
+            self.llm = None  # it lives in the core process(es)
             self._start_cores(model_path, dtype, device, data_parallel_size, devices, on_core_death, options)
             return
         self.llm = llm if llm is not None else LLM(model_path, dtype=dtype, device=device, **options)
@@ -201,6 +202,10 @@ class AsyncLLM:
 
     def replica_stats(self) -> list[dict]:
         return self._core.stats() if self._core is not None else [self.stats()]
+
+    def core_pids(self) -> list[int]:
+        """The engine-core processes' ids (none with engine_core='thread')."""
+        return [r.process.pid for r in self._core.replicas] if self._core is not None else []
 
     def restart_replica(self, index: int) -> None:
         """Starts a fresh engine core for a dead replica (it serves again once loaded)."""

@@ -75,9 +75,16 @@ class Replica:
         return self.error is None
 
     def send(self, codec: m.Codec, message) -> None:
+        import zmq
+
         data = codec.encode(message)
         with self.send_lock:
-            self.to_core.send(data)
+            try:
+                self.to_core.send(data)
+            except zmq.ZMQError as e:  # closed by a shutdown meanwhile
+                from engine.async_llm import EngineDeadError
+
+                raise EngineDeadError(f"engine core {self.index}: {self.error or e}") from None
 
     def close(self, timeout: float) -> None:
         self.process.join(timeout)
@@ -184,7 +191,7 @@ class CoreClient:
             if request_id in self.tracked:
                 raise RequestError(f"request id {request_id!r} is already in flight")
             alive = self.alive
-            if not any(alive):
+            if not any(alive) or self.stopping:
                 raise EngineDeadError(f"every engine core has stopped: {self.replicas[0].error}")
             r = self.router.pick(prompt_ids, alive)
             output = RequestOutput(request_id, prompt_text, prompt_ids, [CompletionOutput(i, "", [], None, None, None)
@@ -233,9 +240,13 @@ class CoreClient:
                     r.send(self.send_codec, [m.STOP])
                 except Exception:  # noqa: BLE001 (a socket already gone)
                     pass
-        self._close_all(timeout)
+        error = EngineDeadError("the engine was shut down")
+        with self.lock:  # no send after this: the sockets close
+            for r in self.replicas:
+                r.error = r.error or error
         self.reader.join(timeout)
-        self._fail_replicas(range(len(self.replicas)), EngineDeadError("the engine was shut down"))
+        self._close_all(timeout)
+        self._fail_replicas(range(len(self.replicas)), error)
 
     def _close_all(self, timeout: float) -> None:
         for r in self.replicas:

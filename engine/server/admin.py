@@ -107,4 +107,5 @@ def add_admin_routes(app: FastAPI, engine) -> None:
         errors = engine.replica_errors()
         return {"data_parallel_size": engine.data_parallel_size, "max_model_len": engine.max_model_len,
                 "sleep_level": engine.sleep_level, "served_per_replica": engine.served_per_replica(),
-                "dead_replicas": {str(i): str(e) for i, e in enumerate(errors) if e is not None}}
+                "dead_replicas": {str(i): str(e) for i, e in enumerate(errors) if e is not None},
+                "core_pids": engine.core_pids()}
