@@ -202,16 +202,21 @@ def test_server_exits_nonzero_when_its_core_dies(ckpt):
 
 
 def test_server_restarts_a_dead_core(ckpt):
+    """`--data-parallel-size 2 --on-core-death restart`: replica 1's core is killed, /health is 503 until
+    a fresh core is up, then both serve the same answers; the dead core's pid is replaced."""
     openai = pytest.importorskip("openai")
     from engine.server import ServerProcess
 
     server = ServerProcess(ckpt, "tiny", ["--num-kv-blocks", "64", "--block-size", "16", "--threads", "1",
-                                          "--device", "cpu", "--dtype", "float32", "--on-core-death", "restart"]).start()
+                                          "--device", "cpu", "--dtype", "float32", "--on-core-death", "restart",
+                                          "--data-parallel-size", "2"]).start()
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
-        kw = dict(model="tiny", prompt="hi", max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
-        before = client.completions.create(**kw).choices[0].text
-        (pid,) = _get(server.url + "/get_server_info")[1]["core_pids"]
+        kw = dict(model="tiny", prompt=["hi", "hi"], max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+        before = [c.text for c in client.completions.create(**kw).choices]
+        info = _get(server.url + "/get_server_info")[1]
+        assert info["data_parallel_size"] == 2 and info["served_per_replica"] == [1, 1]
+        keep, pid = info["core_pids"]
         os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 120
         saw_503 = False
@@ -222,9 +227,10 @@ def test_server_restarts_a_dead_core(ckpt):
                 break
             assert time.monotonic() < deadline, f"no restart: {body}"
             time.sleep(0.1)
-        assert client.completions.create(**kw).choices[0].text == before
-        (new_pid,) = _get(server.url + "/get_server_info")[1]["core_pids"]
-        assert new_pid != pid and server.proc.poll() is None
+        assert [c.text for c in client.completions.create(**kw).choices] == before and len(before) == 2
+        info = _get(server.url + "/get_server_info")[1]
+        assert info["core_pids"][0] == keep and info["core_pids"][1] != pid and server.proc.poll() is None
+        assert info["served_per_replica"] == [2, 2]  # the restarted replica serves again
     finally:
         server.stop()
-    assert gone(new_pid)
+    assert gone(pid) and gone(keep) and gone(info["core_pids"][1])

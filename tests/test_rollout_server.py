@@ -44,7 +44,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("rollout")
     return (make_text_checkpoint(root / "a", moe=True, seed=0)[0], make_text_checkpoint(root / "b", moe=True, seed=1)[0],
-            make_text_checkpoint(root / "wide", moe=True, seed=2, intermediate_size=128)[0])
+            make_text_checkpoint(root / "wide", moe=True, seed=2, hidden_size=96)[0])
 
 
 @pytest.fixture(scope="module")

@@ -60,7 +60,7 @@ class WeightReceiver:
         out = []
         for name, dtype, shape in zip(names, dtypes, shapes):
             t = torch.empty(tuple(shape), dtype=DTYPES[dtype], device=device)
-            self.group.broadcast([t], 0).wait()
+            self.group.broadcast(t, 0).wait()
             out.append((name, t))
         return out
 
@@ -75,7 +75,7 @@ class WeightSender:
     @torch.no_grad()
     def broadcast(self, named_tensors: list) -> None:
         for _, t in named_tensors:
-            self.group.broadcast([t.detach().contiguous()], 0).wait()
+            self.group.broadcast(t.detach().contiguous(), 0).wait()
 
 
 def weights_metadata(named_tensors: list) -> dict:
