@@ -38,9 +38,7 @@ def run_core(model_path: str, engine_kwargs: dict, in_addr: str, out_addr: str, 
     outbox.setsockopt(zmq.LINGER, 2000)
     codec = m.Codec()
     try:
-        from engine.llm import LLM
-
-        llm = LLM(model_path, **engine_kwargs)
+        llm = CoreLLM(model_path, **engine_kwargs)
     except BaseException as e:  # noqa: BLE001 (reported to the client, which raises it)
         outbox.send(codec.encode([m.FAILED_TO_START, m.as_object(e)]))
         outbox.close()
@@ -54,6 +52,30 @@ def run_core(model_path: str, engine_kwargs: dict, in_addr: str, out_addr: str, 
         inbox.close(0)
         outbox.close()
         ctx.term()
+
+
+def _core_llm_class():
+    from engine.llm import LLM
+    from engine.outputs import CompletionOutput, RequestOutput
+
+    class CoreLLM(LLM):
+        """An LLM whose in-flight outputs carry no text and no metrics: the client detokenizes, and reads
+        metrics at the finish (LLM._output's in-flight text costs a detokenizer push per sequence per step,
+        on the process that steps). Finished outputs are LLM's own (the stop-string cut text)."""
+
+        def _output(self, req):
+            if req.finished:
+                return super()._output(req)
+            logprobs = req.params.logprobs is not None
+            return RequestOutput(req.request_id, req.prompt, req.prompt_ids,
+                                 [CompletionOutput(s.index, "", s.output_token_ids, s.finish_reason, s.stop_reason,
+                                                   s.logprobs if logprobs else None) for s in req.seqs], False)
+
+    return CoreLLM
+
+
+def CoreLLM(*args, **kwargs):
+    return _core_llm_class()(*args, **kwargs)
 
 
 class CoreLoop:
