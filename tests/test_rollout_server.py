@@ -3,17 +3,18 @@
 - 64 greedy requests give one replica's (LLM's) answers, and both replicas served some;
 - checkpoint A's answers (checked against transformers), then after POST /update_weights_from_disk of
   B, B's on every replica; a checkpoint of another shape gets a 400 and B's answers go on;
-- POST /init_weights_update_group + /update_weights_from_distributed from this process as rank 0 of a
-  gloo group (world size 3: the trainer and the two cores) bring A's weights back, with no file;
+- AsyncLLM.update_weights(tensors) brings A's weights back on both cores; POST
+  /init_weights_update_group + /update_weights_from_distributed from this process as rank 0 of a gloo
+  group (world size 3: the trainer and the two cores) B's again, with no file;
 - POST /sleep -> 503 -> POST /wake_up -> the same answers;
 - a replica killed mid-run fails its own requests cleanly, /health says which, the other serves on.
 """
+import asyncio
 import concurrent.futures
 import json
 import os
 import signal
 import socket
-import time
 import urllib.error
 import urllib.request
 
@@ -43,8 +44,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("rollout")
-    return (make_text_checkpoint(root / "a", moe=True, seed=0)[0], make_text_checkpoint(root / "b", moe=True, seed=1)[0],
-            make_text_checkpoint(root / "wide", moe=True, seed=2, hidden_size=96)[0])
+    return tuple(make_text_checkpoint(root / name, moe=True, seed=seed, **shape)[0]
+                 for name, seed, shape in (("a", 0, {}), ("b", 1, {}), ("wide", 2, {"hidden_size": 96})))
 
 
 @pytest.fixture(scope="module")
@@ -167,13 +168,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def test_async_llm_update_weights_sends_tensors_to_every_core(served, ckpts, answers):
+    engine, server = served
+    assert greedy(server)[:4] == answers["b"][:4]  # B's, from the test before
+    model_a = load_model(ckpts[0], dtype=torch.float32, device="cpu")
+    assert asyncio.run(engine.update_weights(model_a.named_parameters())) == len(list(model_a.parameters()))
+    assert greedy(server) == answers["a"]
+
+
 def test_update_weights_from_distributed(served, ckpts, answers):
     _, server = served
-    assert greedy(server)[:4] == answers["b"][:4]  # B's, from the test before
     sender = join_servers([server.url], "127.0.0.1", _free_port(), backend="gloo", timeout_s=60)
-    model_a = load_model(ckpts[0], dtype=torch.float32, device="cpu")
-    push_weights_to_servers([server.url], sender, list(model_a.named_parameters()), timeout_s=60)
-    assert greedy(server) == answers["a"]
+    model_b = load_model(ckpts[1], dtype=torch.float32, device="cpu")
+    before = served_counts(server)
+    push_weights_to_servers([server.url], sender, list(model_b.named_parameters()), timeout_s=60)
+    assert greedy(server) == answers["b"]
+    assert all(a > b for a, b in zip(served_counts(server), before))  # on both replicas
 
 
 def test_sleep_wake_up(served, answers):
@@ -188,7 +198,7 @@ def test_sleep_wake_up(served, answers):
     assert all(s["kv_blocks_total"] == 0 for s in engine.replica_stats())  # the KV cache is freed
     assert post(server.url + "/wake_up")[0] == 200
     assert get(server.url + "/health")[0] == 200
-    assert greedy(server) == answers["a"]
+    assert greedy(server) == answers["b"]
 
 
 def test_killed_replica_fails_its_requests_and_health_says_which(served, answers):
@@ -216,4 +226,4 @@ def test_killed_replica_fails_its_requests_and_health_says_which(served, answers
     status, body = get(server.url + "/health")
     assert status == 503 and list(body["dead_replicas"]) == ["1"]
     # the live replica serves on
-    assert greedy(server, PROMPTS[:4]) == answers["a"][:4]
+    assert greedy(server, PROMPTS[:4]) == answers["b"][:4]

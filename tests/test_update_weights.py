@@ -92,3 +92,34 @@ def test_sleep_and_wake_up(ckpts):
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == answers["a"]
     with pytest.raises(ValueError, match="level"):
         llm.sleep(3)
+
+
+def test_async_llm_in_a_thread_finishes_in_flight_on_old_weights(ckpts):
+    """AsyncLLM(engine_core="thread"): a request in flight when update_weights_from_disk arrives ends with
+    A's tokens (in_flight="finish"), the next gets B's; sleep refuses requests until wake_up."""
+    import asyncio
+
+    from engine.async_llm import AsyncLLM, EngineSleepingError
+
+    a, b, _, answers = ckpts
+    engine = AsyncLLM(a, **OPTIONS)
+
+    async def main():
+        gen = engine.generate(PROMPTS[0], GREEDY)
+        first = await gen.__anext__()
+        update = asyncio.ensure_future(engine.update_weights_from_disk(b))
+        rest = [t for d in [first] + [d async for d in gen] for t in d.token_ids]
+        assert await update > 0
+        after = [t async for d in engine.generate(PROMPTS[0], GREEDY) for t in d.token_ids]
+        await engine.sleep()
+        with pytest.raises(EngineSleepingError):
+            await engine.add_request(PROMPTS[0], GREEDY)
+        await engine.wake_up()
+        again = [t async for d in engine.generate(PROMPTS[0], GREEDY) for t in d.token_ids]
+        return rest, after, again
+
+    try:
+        rest, after, again = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert rest == answers["a"][0] and after == again == answers["b"][0]

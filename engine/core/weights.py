@@ -24,7 +24,8 @@ def _plan(model, shapes: dict[str, tuple], where: str) -> tuple[list[tuple[str, 
         name, index, part = target
         if name not in targets.params:
             raise CheckpointError(f"{where}: unexpected tensor {key!r} (no such parameter in this model)")
-        if part in targets.filled[name] or "whole" in targets.filled[name] or (part == "whole" and targets.filled[name]):
+        filled = targets.filled[name]
+        if part in filled or "whole" in filled or (part == "whole" and filled):
             raise CheckpointError(f"{where}: tensor {key!r} given twice")
         dest = targets.params[name].data[index] if index else targets.params[name].data
         if tuple(shape) != tuple(dest.shape):

@@ -3,9 +3,9 @@ servers can live in one process (the tests).
 
 Per request, observed when it finishes: TTFT, TPOT and end-to-end latency histograms, finished
 requests by finish reason, prompt / generated tokens, decode FLOPs. Engine state, read at each scrape
-from AsyncLLM.replica_stats() and labelled `replica` (data-parallel engine cores): running / waiting requests, KV blocks used and total, prefix-cache hit rate,
-preemptions, eager fallbacks (decode steps that could not replay a CUDA graph), engine steps, requests
-failed alone and steps with non-finite logits.
+from AsyncLLM.replica_stats() and labelled `replica` (data-parallel engine cores): running / waiting
+requests, KV blocks used and total, prefix-cache hit rate, preemptions, eager fallbacks (decode steps
+that could not replay a CUDA graph), engine steps, requests failed alone and steps with non-finite logits.
 Every finished request also gets one log line with its metrics.
 """
 import logging
