@@ -85,9 +85,9 @@ def main(argv: list[str] | None = None) -> None:
     server = None
 
     def on_core_death(index: int, error: BaseException) -> None:  # on the engine client's reader thread
-        if args.on_core_death == "restart":
+        if args.on_core_death == "restart" and index >= 0:  # (-1: the client itself failed: no restart)
             logging.getLogger("engine.serve").error("%s; restarting it", error)
-            threading.Thread(target=engine.restart_replica, args=(index,), daemon=True).start()
+            engine.restart_replica(index)
             return
         logging.getLogger("engine.serve").error("%s; stopping the server (exit code 1)", error)
         died.set()

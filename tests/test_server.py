@@ -257,7 +257,9 @@ def test_32_concurrent_streams_then_drop_half(served):
             assert (ids, _) == expected[i]
         else:
             # three events (more tokens if some were merged while the server lagged), then gone
-            assert 3 <= len(ids) < 200 and ids == expected[i][0][:len(ids)]
+            # (greedy: its first tokens are the 16-token answer's; it may have got more than 16 before leaving)
+            n = min(len(ids), len(expected[i][0]))
+            assert 3 <= len(ids) < 200 and ids[:n] == expected[i][0][:n]
     wait_idle(engine, idle)
     aborts = metric(server.url, 'livemoe_requests_finished_total{finish_reason="abort"}')
     assert aborts - aborts_before == 16  # the dropped streams were aborted, not run to 200 tokens

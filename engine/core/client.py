@@ -198,15 +198,19 @@ class CoreClient:
                                                                         for i in range(params.n)], False)
             self.tracked[request_id] = Tracked(r, stream, params, output, accepted)
             self.router.add(request_id, r, prompt_ids, len(prompt_ids) + params.n * params.max_tokens)
-        self.replicas[r].send(self.send_codec, [m.ADD, request_id, prompt_ids, m.as_object(params)])
+            # sent under the lock, so an abort from another thread cannot overtake it
+            self.replicas[r].send(self.send_codec, [m.ADD, request_id, prompt_ids, m.as_object(params)])
         return accepted
 
     def abort(self, request_id: str) -> None:
         with self.lock:
             t = self.tracked.pop(request_id, None)
             self.router.remove(request_id)
-        if t is not None and self.replicas[t.replica].alive:
-            self.replicas[t.replica].send(self.send_codec, [m.ABORT, [request_id]])
+            if t is not None and self.replicas[t.replica].alive:
+                try:
+                    self.replicas[t.replica].send(self.send_codec, [m.ABORT, [request_id]])
+                except RuntimeError:  # EngineDeadError: a core that is gone has nothing to abort
+                    pass
 
     def call(self, method: str, *args, replicas: list[int] | None = None, **kwargs) -> list[concurrent.futures.Future]:
         """Calls CoreLoop.call_<method> on the replicas (all by default); one future per replica."""
@@ -257,6 +261,20 @@ class CoreClient:
     # -- the reader thread ----------------------------------------------------------------------------
 
     def _read(self) -> None:
+        try:
+            self._read_loop()
+        except BaseException as e:  # noqa: BLE001 (a bug here must not leave callers waiting forever)
+            from engine.async_llm import EngineDeadError
+
+            log.exception("the engine client's reader thread failed")
+            error = EngineDeadError(f"the engine client failed: {e!r}")
+            for r in self.replicas:
+                r.error = r.error or error
+            self._fail_replicas(range(len(self.replicas)), error)
+            if self.on_death is not None:
+                self.on_death(-1, error)
+
+    def _read_loop(self) -> None:
         import zmq
 
         poller = zmq.Poller()
