@@ -6,11 +6,15 @@ through the loader's name mapping (engine.core.weights).
 The group is standalone (a TCPStore and a ProcessGroupGloo / ProcessGroupNCCL of its own), not
 torch.distributed's default group, so it lives beside a trainer's own FSDP group and several can exist
 in one process. gloo on CPUs (the tests), NCCL between GPUs. Every operation has the group's timeout: a
-peer that never comes ends the wait with an error, not a hang.
+peer that never comes ends the wait with an error, not a hang. Tensors travel in buckets (consecutive
+tensors of one dtype, flattened into one buffer of up to BUCKET_BYTES): one broadcast per bucket, not
+per tensor (measured on the CPU: a broadcast per tensor made a 1 MiB model's update 2.5x slower than
+reading it from disk); both sides cut the same buckets from the same (names, dtypes, shapes) list.
 
     sender = WeightSender("127.0.0.1", port, world_size=1 + num_replicas)   # with the servers' join
     push_weights_to_servers(urls, sender, model.named_parameters())
 """
+import math
 import threading
 from datetime import timedelta
 
@@ -19,6 +23,22 @@ import torch.distributed as dist
 
 BACKENDS = ("gloo", "nccl")
 DTYPES = {str(t).removeprefix("torch."): t for t in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
+BUCKET_BYTES = 256 * 2**20
+
+
+def buckets(dtypes: list, shapes: list) -> list[range]:
+    """Index ranges of consecutive tensors of one dtype whose bytes stay within BUCKET_BYTES (a larger
+    tensor is a bucket of its own)."""
+    out, start, size = [], 0, 0
+    for i, (dtype, shape) in enumerate(zip(dtypes, shapes)):
+        nbytes = math.prod(shape) * DTYPES[dtype].itemsize
+        if i > start and (dtype != dtypes[start] or size + nbytes > BUCKET_BYTES):
+            out.append(range(start, i))
+            start, size = i, 0
+        size += nbytes
+    if dtypes:
+        out.append(range(start, len(dtypes)))
+    return out
 
 
 def open_group(master_address: str, master_port: int, rank: int, world_size: int, backend: str = "gloo",
@@ -58,10 +78,14 @@ class WeightReceiver:
         if bad:
             raise ValueError(f"dtypes: {bad[:3]} not one of {sorted(DTYPES)}")
         out = []
-        for name, dtype, shape in zip(names, dtypes, shapes):
-            t = torch.empty(tuple(shape), dtype=DTYPES[dtype], device=device)
-            self.group.broadcast(t, 0).wait()
-            out.append((name, t))
+        for b in buckets(dtypes, shapes):
+            flat = torch.empty(sum(math.prod(shapes[i]) for i in b), dtype=DTYPES[dtypes[b.start]], device=device)
+            self.group.broadcast(flat, 0).wait()
+            offset = 0
+            for i in b:
+                n = math.prod(shapes[i])
+                out.append((names[i], flat[offset:offset + n].view(tuple(shapes[i]))))
+                offset += n
         return out
 
 
@@ -74,8 +98,11 @@ class WeightSender:
 
     @torch.no_grad()
     def broadcast(self, named_tensors: list) -> None:
-        for _, t in named_tensors:
-            self.group.broadcast(t.detach().contiguous(), 0).wait()
+        """Sends the tensors in the order weights_metadata(named_tensors) lists them."""
+        tensors = [t.detach() for _, t in named_tensors]
+        for b in buckets([dtype_name(t.dtype) for t in tensors], [list(t.shape) for t in tensors]):
+            flat = torch.cat([tensors[i].reshape(-1) for i in b]) if len(b) > 1 else tensors[b.start].reshape(-1)
+            self.group.broadcast(flat.contiguous(), 0).wait()
 
 
 def weights_metadata(named_tensors: list) -> dict:
