@@ -18,6 +18,8 @@ import queue
 from concurrent.futures import ThreadPoolExecutor
 
 from engine.core import messages as m
+from engine.llm import LLM, apply_threads
+from engine.outputs import CompletionOutput, RequestOutput
 
 log = logging.getLogger("engine.core")
 
@@ -54,28 +56,18 @@ def run_core(model_path: str, engine_kwargs: dict, in_addr: str, out_addr: str, 
         ctx.term()
 
 
-def _core_llm_class():
-    from engine.llm import LLM
-    from engine.outputs import CompletionOutput, RequestOutput
+class CoreLLM(LLM):
+    """An LLM whose in-flight outputs carry no text and no metrics: the client detokenizes, and reads
+    metrics at the finish (LLM._output's in-flight text costs a detokenizer push per sequence per step,
+    on the process that steps). Finished outputs are LLM's own (the stop-string cut text)."""
 
-    class CoreLLM(LLM):
-        """An LLM whose in-flight outputs carry no text and no metrics: the client detokenizes, and reads
-        metrics at the finish (LLM._output's in-flight text costs a detokenizer push per sequence per step,
-        on the process that steps). Finished outputs are LLM's own (the stop-string cut text)."""
-
-        def _output(self, req):
-            if req.finished:
-                return super()._output(req)
-            logprobs = req.params.logprobs is not None
-            return RequestOutput(req.request_id, req.prompt, req.prompt_ids,
-                                 [CompletionOutput(s.index, "", s.output_token_ids, s.finish_reason, s.stop_reason,
-                                                   s.logprobs if logprobs else None) for s in req.seqs], False)
-
-    return CoreLLM
-
-
-def CoreLLM(*args, **kwargs):
-    return _core_llm_class()(*args, **kwargs)
+    def _output(self, req):
+        if req.finished:
+            return super()._output(req)
+        logprobs = req.params.logprobs is not None
+        return RequestOutput(req.request_id, req.prompt, req.prompt_ids,
+                             [CompletionOutput(s.index, "", s.output_token_ids, s.finish_reason, s.stop_reason,
+                                               s.logprobs if logprobs else None) for s in req.seqs], False)
 
 
 class CoreLoop:
@@ -94,8 +86,6 @@ class CoreLoop:
 
     def run(self) -> None:
         import zmq
-
-        from engine.llm import apply_threads
 
         apply_threads(self.llm.threads)
         poller = zmq.Poller()
