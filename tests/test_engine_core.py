@@ -234,3 +234,26 @@ def test_server_restarts_a_dead_core(ckpt):
     finally:
         server.stop()
     assert gone(pid) and gone(keep) and gone(info["core_pids"][1])
+
+
+def test_core_exits_when_its_client_process_is_killed(ckpt, tmp_path):
+    """A client killed with SIGKILL runs no clean-up: its core notices (its parent changed) and exits."""
+    import subprocess
+    import sys
+
+    code = (f"import torch\nfrom engine.async_llm import AsyncLLM\nif __name__ == '__main__':\n"
+            f"    e = AsyncLLM({ckpt!r}, engine_core='process', dtype=torch.float32, device='cpu', threads=1)\n"
+            f"    print(e.core_pids()[0], flush=True)\n    import time\n    time.sleep(600)\n")
+    script = tmp_path / "client.py"
+    script.write_text(code)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    client = subprocess.Popen([sys.executable, str(script)], cwd=root, stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": root})
+    try:
+        pid = int(client.stdout.readline())
+        client.kill()
+        client.wait(WAIT_S)
+        assert gone(pid, within_s=WAIT_S), f"engine core {pid} outlived its killed client"
+    finally:
+        client.kill()
+        client.wait(WAIT_S)

@@ -186,6 +186,22 @@ def test_update_weights_from_distributed(served, ckpts, answers):
     assert all(a > b for a, b in zip(served_counts(server), before))  # on both replicas
 
 
+def test_abort_in_flight_fails_only_the_requests_in_flight(served, ckpts, answers):
+    """in_flight="abort": the stream running when the update arrives ends with an error naming why (at its
+    own client), and the engine serves on, with the new weights."""
+    engine, server = served
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    stream = client.completions.create(model=MODEL, prompt=PROMPTS[5], max_tokens=200, stream=True,
+                                       extra_body={"ignore_eos": True})
+    next(iter(stream))
+    status, _ = post(server.url + "/update_weights_from_disk", {"model_path": ckpts[1], "in_flight": "abort"})
+    assert status == 200
+    with pytest.raises(openai.APIError, match="aborted: the weights were updated"):
+        for _ in stream:
+            pass
+    assert greedy(server, PROMPTS[:4]) == answers["b"][:4]
+
+
 def test_sleep_wake_up(served, answers):
     engine, server = served
     assert post(server.url + "/sleep", {"level": 2})[0] == 200
