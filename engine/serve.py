@@ -46,7 +46,7 @@ def parser() -> argparse.ArgumentParser:
                    help="where the engine runs: its own process(es) (default) or a thread of the server")
     p.add_argument("--data-parallel-size", type=int, default=1, help="engine cores (replicas) behind this server; "
                    "on GPUs one per device of CUDA_VISIBLE_DEVICES (default: 1)")
-    p.add_argument("--on-core-death", default="exit", choices=["exit", "restart"],
+    p.add_argument("--on-core-death", default=None, choices=["exit", "restart"],
                    help="when an engine core dies: stop the server with exit code 1 (default), or restart the core")
     _add_flags(p.add_argument_group("engine options (EngineConfig)"), EngineConfig)
     _add_flags(p.add_argument_group("server options (ServerConfig)"), ServerConfig)
@@ -102,8 +102,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.engine_core == "process":
             core = dict(engine_core="process", data_parallel_size=args.data_parallel_size,
                         devices=_devices(args.device, args.data_parallel_size), on_core_death=on_core_death)
-        elif args.data_parallel_size != 1:
-            raise ValueError("--data-parallel-size needs --engine-core process")
+        elif args.data_parallel_size != 1 or args.on_core_death is not None:
+            raise ValueError("--data-parallel-size and --on-core-death need --engine-core process")
         engine = AsyncLLM(args.model, dtype=args.dtype, device=args.device, **core, **options)
     except ValueError as e:  # EngineConfigError, CheckpointError, RequestError: the message says what
         sys.exit(f"engine.serve: {e}")
