@@ -120,8 +120,9 @@ def test_bad_request_and_leaving_early(engine):
     assert len(ids) == 5 and stats["num_steps"] < 400
 
 
-def test_shutdown_ends_requests_and_leaves_no_process(ckpt):
-    eng = AsyncLLM(ckpt, engine_core="process", **OPTIONS)
+def test_shutdown_ends_requests_and_leaves_no_process(engine):
+    """(the module's engine, after the tests that use it: this one shuts it down)"""
+    eng = engine
     (pid,) = eng.core_pids()
 
     async def main():
