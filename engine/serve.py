@@ -17,6 +17,7 @@ process (one interpreter lock for both: slower under load).
 import argparse
 import logging
 import os
+import signal
 import sys
 import threading
 from dataclasses import MISSING, fields
@@ -113,6 +114,9 @@ def main(argv: list[str] | None = None) -> None:
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower()))
         if died.is_set():
             server.should_exit = True
+        # uvicorn stops on SIGTERM, then raises it again: as SystemExit here, so the engine cores are
+        # stopped (and their sockets removed) below rather than left to notice that we are gone
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
         server.run()
     finally:
         engine.shutdown()

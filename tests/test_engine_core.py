@@ -213,10 +213,12 @@ def test_server_restarts_a_dead_core(ckpt):
                                           "--data-parallel-size", "2"]).start()
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
-        kw = dict(model="tiny", prompt=["hi", "hi"], max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+        # 4 prompts in one request, each long enough to be in flight when the next is routed
+        kw = dict(model="tiny", prompt=["hi"] * 4, max_tokens=48, temperature=0, extra_body={"ignore_eos": True})
         before = [c.text for c in client.completions.create(**kw).choices]
         info = _get(server.url + "/get_server_info")[1]
-        assert info["data_parallel_size"] == 2 and info["served_per_replica"] == [1, 1]
+        assert info["data_parallel_size"] == 2 and min(info["served_per_replica"]) >= 1
+        served = info["served_per_replica"]
         keep, pid = info["core_pids"]
         os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 120
@@ -228,10 +230,10 @@ def test_server_restarts_a_dead_core(ckpt):
                 break
             assert time.monotonic() < deadline, f"no restart: {body}"
             time.sleep(0.1)
-        assert [c.text for c in client.completions.create(**kw).choices] == before and len(before) == 2
+        assert [c.text for c in client.completions.create(**kw).choices] == before and len(before) == 4
         info = _get(server.url + "/get_server_info")[1]
         assert info["core_pids"][0] == keep and info["core_pids"][1] != pid and server.proc.poll() is None
-        assert info["served_per_replica"] == [2, 2]  # the restarted replica serves again
+        assert info["served_per_replica"][1] > served[1]  # the restarted replica serves again
     finally:
         server.stop()
     assert gone(pid) and gone(keep) and gone(info["core_pids"][1])
