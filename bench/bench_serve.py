@@ -2,7 +2,8 @@
 the OpenAI-compatible HTTP server (`python -m engine.serve` in a child process, as deployed; the
 official `openai` AsyncOpenAI client here, over loopback) against the same workload on
 `AsyncLLM.generate` called directly in this process. The ratio is the server's overhead: HTTP, JSON,
-SSE, and the GIL its event loop shares with the engine thread.
+SSE, and (with `--engine-core thread`) the GIL its event loop shares with the engine thread; the
+default server runs the engine in its own process (engine/core), and the full mode measures both.
 
 TTFT: request sent -> first token received by the client. TPOT: (last token - first token) / (tokens - 1)
 per stream. Greedy, EOS ignored, so every stream produces exactly max_tokens tokens.
@@ -31,6 +32,7 @@ CASES = {  # (concurrent streams, max_tokens)
     "quick": [(8, 16)],
     "full": [(1, 64), (8, 64), (32, 64)],
 }
+ENGINE_CORES = {"quick": ["process"], "full": ["process", "thread"]}  # the server's --engine-core
 MODEL = "bench"
 
 
@@ -91,26 +93,28 @@ def test_serve_latency(benchmark, bench_mode, device, tmp_path):
     try:
         path, _ = make_text_checkpoint(tmp_path / "ckpt", moe=bench_mode == "full")
         engine = AsyncLLM(path, dtype=torch.float32, device=device, use_tqdm=False, **options)
-        with ServerProcess(path, MODEL, flags, env=env) as server:
-            asyncio.run(direct(engine, 2, 4))  # warm up both paths (first-call costs)
-            asyncio.run(via_server(server.url, 2, 4))
-            rounds = 1 if bench_mode == "quick" else 3
-            for n, max_tokens in CASES[bench_mode]:
-                samples = {"direct": [], "server": []}
-                for _ in range(rounds):  # alternate, so drift on a shared machine hits both
-                    samples["direct"] += asyncio.run(direct(engine, n, max_tokens))
-                    samples["server"] += asyncio.run(via_server(server.url, n, max_tokens))
-                report(n, max_tokens, samples)
-            last = CASES[bench_mode][-1]
-            benchmark.pedantic(lambda: asyncio.run(via_server(server.url, *last)), rounds=1, iterations=1)
+        for core in ENGINE_CORES[bench_mode]:
+            with ServerProcess(path, MODEL, flags + ["--engine-core", core], env=env) as server:
+                asyncio.run(direct(engine, 2, 4))  # warm up both paths (first-call costs)
+                asyncio.run(via_server(server.url, 2, 4))
+                rounds = 1 if bench_mode == "quick" else 3
+                for n, max_tokens in CASES[bench_mode]:
+                    samples = {"direct": [], "server": []}
+                    for _ in range(rounds):  # alternate, so drift on a shared machine hits both
+                        samples["direct"] += asyncio.run(direct(engine, n, max_tokens))
+                        samples["server"] += asyncio.run(via_server(server.url, n, max_tokens))
+                    report(n, max_tokens, samples, core)
+                if core == ENGINE_CORES[bench_mode][0]:
+                    last = CASES[bench_mode][-1]
+                    benchmark.pedantic(lambda: asyncio.run(via_server(server.url, *last)), rounds=1, iterations=1)
         engine.shutdown()
         assert engine.stats()["kv_blocks_used"] == 0
     finally:
         torch.set_num_threads(threads)
 
 
-def report(n: int, max_tokens: int, samples: dict) -> None:
-    case = f"{n} streams x {max_tokens} tok"
+def report(n: int, max_tokens: int, samples: dict, core: str) -> None:
+    case = f"{n} streams x {max_tokens} tok" + ("" if core == "process" else f", --engine-core {core}")
     for what, idx in (("TTFT", 0), ("TPOT", 1)):
         vals = {k: [s[idx] for s in v if s[idx] is not None] for k, v in samples.items()}
         for q in (0.5, 0.9, 0.99):

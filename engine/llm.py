@@ -38,6 +38,7 @@ from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
+IN_FLIGHT_MODES = ("finish", "abort")  # update_weights / sleep: what happens to requests in flight
 DEFAULT_THREADS = 1  # CPU decode of small models: 0.8-1.2 ms/step with 1 thread, 7-30 with 2 (shared 2-core host)
 
 
@@ -516,6 +517,72 @@ class LLM:
                 for c in out.outputs:
                     c.tool_calls = parse_tool_calls(c.text)[1]
         return outputs
+
+    # -- weights and memory (rollout servers for RL: engine/core) ----------------------------------
+
+    def _settle_in_flight(self, in_flight: str, why: str) -> None:
+        """Requests in flight before the weights change: "finish" runs them to the end on the old weights
+        (their outputs are kept for the next step()), "abort" ends each (take_failed() says why)."""
+        if in_flight not in IN_FLIGHT_MODES:
+            raise ValueError(f"in_flight must be one of {IN_FLIGHT_MODES}, got {in_flight!r}")
+        if in_flight == "abort":
+            for rid in list(self.requests):
+                self._fail(rid, f"aborted: {why}")
+            return
+        finished = []
+        while self.requests:
+            finished += [o for o in self.step() if o.finished]
+        self._pending += finished
+
+    def update_weights(self, named_tensors, in_flight: str = "finish") -> int:
+        """Copies (name, tensor) pairs into the loaded parameters in place (hub or engine names, any
+        subset; checked whole before the first copy: CheckpointError and the old weights stay), then
+        drops the cached prefixes. Returns the number of tensors copied."""
+        from engine.core.weights import copy_weights
+
+        named_tensors = list(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
+        self._settle_in_flight(in_flight, "the weights were updated")
+        return self._weights_changed(copy_weights(self.model, named_tensors))
+
+    def update_weights_from_disk(self, model_path: str, in_flight: str = "finish") -> int:
+        """update_weights with every tensor of a checkpoint of the same architecture."""
+        from engine.core.weights import copy_weights_from_disk
+
+        self._settle_in_flight(in_flight, "the weights were updated")
+        return self._weights_changed(copy_weights_from_disk(self.model, model_path))
+
+    def _weights_changed(self, count: int) -> int:
+        self.reset_prefix_cache()
+        self._weights_version = self._param_version()
+        return count
+
+    @property
+    def sleep_level(self) -> int:
+        """0 awake; 1 the KV cache is freed; 2 also the weights moved to the host (sleep())."""
+        return getattr(self, "_sleep_level", 0)
+
+    def sleep(self, level: int = 1, in_flight: str = "abort") -> None:
+        """Frees the KV cache (level 1) and moves the weights to host memory (level 2; on a CPU device they
+        are there already); wake_up() brings them back. Requests in flight end as `in_flight` says."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        if self.sleep_level:
+            raise RuntimeError(f"the engine is asleep already (level {self.sleep_level})")
+        self._settle_in_flight(in_flight, "the engine was put to sleep")
+        self.release_kv_cache()
+        if level == 2 and self.runner.device.type != "cpu":
+            with torch.no_grad():
+                for p in self._params:
+                    p.data = p.data.to("cpu", non_blocking=True).pin_memory()
+        self._sleep_level = level
+
+    def wake_up(self) -> None:
+        if self.sleep_level == 2 and self.runner.device.type != "cpu":
+            with torch.no_grad():
+                for p in self._params:
+                    p.data = p.data.to(self.runner.device, non_blocking=True)
+        self._sleep_level = 0
+        self.reserve_kv_cache()
 
     # -- introspection ------------------------------------------------------------------------------
 

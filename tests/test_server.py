@@ -35,7 +35,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def start(path, **options):
-    engine = AsyncLLM(path, dtype=torch.float32, device="cpu", use_tqdm=False, **options)
+    """An engine in its own process (engine/core), as `python -m engine.serve` runs it, and a server."""
+    engine = AsyncLLM(path, dtype=torch.float32, device="cpu", use_tqdm=False, engine_core="process", threads=1,
+                      **options)
     return engine, BackgroundServer(engine, MODEL).start()
 
 
@@ -54,10 +56,14 @@ def client(served):
 
 
 def metric(url: str, name: str) -> float:
+    """A metric's value, summed over the engine replicas' samples (labelled `replica`)."""
     text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
-    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
-    assert m, f"{name} not in /metrics"
-    return float(m.group(1))
+    if name.endswith("}"):
+        found = re.findall(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    else:
+        found = re.findall(rf"^{re.escape(name)}(?:{{replica=\"\d+\"}})? (\S+)$", text, re.M)
+    assert found, f"{name} not in /metrics"
+    return sum(map(float, found))
 
 
 def token_ids(choice) -> list[int]:
@@ -251,7 +257,9 @@ def test_32_concurrent_streams_then_drop_half(served):
             assert (ids, _) == expected[i]
         else:
             # three events (more tokens if some were merged while the server lagged), then gone
-            assert 3 <= len(ids) < 200 and ids == expected[i][0][:len(ids)]
+            # (greedy: its first tokens are the 16-token answer's; it may have got more than 16 before leaving)
+            n = min(len(ids), len(expected[i][0]))
+            assert 3 <= len(ids) < 200 and ids[:n] == expected[i][0][:n]
     wait_idle(engine, idle)
     aborts = metric(server.url, 'livemoe_requests_finished_total{finish_reason="abort"}')
     assert aborts - aborts_before == 16  # the dropped streams were aborted, not run to 200 tokens

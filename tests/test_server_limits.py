@@ -284,7 +284,8 @@ def test_nan_logits_show_in_health(tmp_path):
         status, body = get(server.url + "/health")
         assert status == 503 and body["status"] == "unhealthy" and "non-finite" in body["error"]
         text = urllib.request.urlopen(server.url + "/metrics", timeout=10).read().decode()
-        assert "livemoe_nonfinite_logits_steps_total 1.0" in text and "livemoe_failed_requests_total 1.0" in text
+        assert ('livemoe_nonfinite_logits_steps_total{replica="0"} 1.0' in text
+                and 'livemoe_failed_requests_total{replica="0"} 1.0' in text)
     finally:
         server.stop()
         engine.shutdown()

@@ -68,8 +68,9 @@ def served(tmp_path_factory):
     tok.chat_template = TOOLS_TEMPLATE
     hf_model(True, 0, vocab_size=len(tok), max_position_embeddings=1024).save_pretrained(path)
     tok.save_pretrained(path)
+    # the engine in its own process (engine/core), as `python -m engine.serve` runs it
     engine = AsyncLLM(str(path), dtype=torch.float32, device="cpu", use_tqdm=False, block_size=16,
-                      num_kv_blocks=800, max_model_len=1024)
+                      num_kv_blocks=800, max_model_len=1024, engine_core="process", threads=1)
     plain = BackgroundServer(engine, MODEL).start()
     thinking = BackgroundServer(engine, MODEL, reasoning_parser="qwen3").start()
     yield engine, plain, thinking, tok

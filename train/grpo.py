@@ -76,6 +76,10 @@ class GRPOConfig(RunConfig):
                                                           "starting checkpoint per prompt; 0 = its greedy response"})
     rollout_kv_bytes: int = field(default=256 * 2**20, metadata={"help": "decoder KV-cache budget (CPU)"})
     rollout_max_num_seqs: int = field(default=512, metadata={"help": "sequences the rollout decoder runs at once"})
+    rollout_url: str = field(default="", metadata={"help": "rollout servers (python -m engine.serve), comma-separated; "
+                                                           "empty = the in-process decoder (train/remote_rollout.py)"})
+    weight_sync: str = field(default="distributed", metadata={"help": "with --rollout_url: how new weights reach "
+                                                                      "the servers, distributed (broadcast) | disk"})
     # loss
     beta: float = field(default=0.01, metadata={"help": "k3 KL weight to the starting checkpoint, as in the seed (0 = no reference model)"})
     epsilon: float = field(default=0.2, metadata={"help": "clip ε of the ratio, the low side (and the high side without --epsilon_high), as in the seed"})
@@ -127,6 +131,9 @@ class GRPOConfig(RunConfig):
             raise ConfigError(f"--top_p must be in (0, 1], got {self.top_p}")
         _choice("scale_rewards", self.scale_rewards, SCALE_REWARDS)
         _choice("old_logprobs", self.old_logprobs, ("decoder", "trainer"))
+        _choice("weight_sync", self.weight_sync, ("distributed", "disk"))
+        if self.rollout_url and self.multi_turn:
+            raise ConfigError("--multi_turn runs its rollouts in-process; leave out --rollout_url")
         if not 0 <= self.turn_weight <= 1:
             raise ConfigError(f"--turn_weight must be in [0, 1], got {self.turn_weight}")
         if self.advantage_eps <= 0:
@@ -227,6 +234,9 @@ class GRPOTrainer:
                               "is made by one process: run train.rft first)")
         if distributed.world_size() > 1 and cfg.multi_turn:
             raise ConfigError("--multi_turn does not run under torchrun yet: run it as one process")
+        if distributed.world_size() > 1 and cfg.rollout_url:
+            raise ConfigError("--rollout_url does not run under torchrun yet (each rank would push its shards): run "
+                              "it as one process, or leave it out to roll out in-process on every rank")
         self.dist = distributed.setup_trainer(cfg, cfg.output_dir, "" if cfg.model == "auto" else cfg.model)
         self.device = self.dist.device(self.device)
         self.resume_from = self.dist.resolve_resume(cfg.resume, self.ckpt_root)
@@ -258,8 +268,17 @@ class GRPOTrainer:
         self.judge = make_judge(cfg)
         self.reward = CompositeReward(self.judge, cfg.reward_config())
         self.loss_cfg = cfg.loss_config()
-        self.rollouts = Rollouts(self.infer or self.model, self.tokenizer, num_generations=cfg.num_generations,
-                                 max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, **self._sampling())
+        if cfg.rollout_url:  # servers decode; the weights are pushed to them after each step
+            from train.remote_rollout import RemoteRollouts
+
+            s = self._sampling()
+            self.rollouts = RemoteRollouts(cfg.rollout_url.split(","), self.tokenizer, self.model,
+                                           num_generations=cfg.num_generations, max_new_tokens=cfg.max_new_tokens,
+                                           seed=cfg.seed, weight_sync=cfg.weight_sync, temperature=s["temperature"],
+                                           top_p=s["top_p"], top_k=s["top_k"])
+        else:
+            self.rollouts = Rollouts(self.infer or self.model, self.tokenizer, num_generations=cfg.num_generations,
+                                     max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, **self._sampling())
         n = len(self.train_records)
         self.total_steps = cfg.max_steps or math.ceil(cfg.epochs * n / cfg.batch_size)
         # what the optimizer updates and clipping reads: the fp32 masters under bf16
@@ -555,6 +574,7 @@ class GRPOTrainer:
             m.update({"skipped_update": 1})
         else:
             m.update(self.update_phase(batch))
+            self.rollouts.weights_updated(self.model)
         tokens = self.dist.sum_floats(0.0 if batch is None else float(batch["completion_mask"].sum()))[0]
         m["tokens_per_s"] = tokens / max(m["time/rollout_s"] + m.get("time/update_s", 0.0), 1e-9)
         return m

@@ -71,6 +71,9 @@ class Rollouts:
         """Frees the decoder's KV cache for the update (it comes back at the next generation)."""
         self.llm.release_kv_cache()
 
+    def weights_updated(self, model) -> None:
+        """Nothing to push: the decoder runs the trained module itself (train/remote_rollout.py pushes)."""
+
     def _params(self, seed, n, max_tokens, greedy=False):
         if greedy:
             return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0)

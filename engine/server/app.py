@@ -9,6 +9,11 @@ while waiting for a JSON answer — gets its requests aborted, which frees their
 engine fails alone (engine.llm) ends with an error; the others go on. /health is 503 when the engine
 loop died or its last step produced non-finite logits.
 
+The engine may run in engine-core processes (AsyncLLM(engine_core="process"), several with data
+parallelism): /health then says which replica died, and /metrics labels the engine's state per replica.
+Requests while the engine sleeps, or when every core is dead, get a 503. The weight and memory routes
+of rollout servers for RL (/update_weights_from_disk, /sleep, ...) are in admin.py.
+
 Templates and tokenizers run on a small thread pool, off the event loop, so a long prompt does not
 stall other streams or /health; a text that cannot fit the context is refused from its length alone.
 
@@ -31,9 +36,10 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import StreamingResponse
 
-from engine.async_llm import AsyncLLM, RequestStream
+from engine.async_llm import AsyncLLM, EngineDeadError, EngineSleepingError, RequestStream
 from engine.prompts import chat_prompt_ids, encode_text
 from engine.sampling import RequestError, SamplingParams
+from engine.server.admin import add_admin_routes
 from engine.server.config import ServerConfig
 from engine.server.guard import RequestGuard
 from engine.server.live import live_router
@@ -70,6 +76,11 @@ def build_app(engine: AsyncLLM, model_name: str, config: ServerConfig | None = N
             return JSONResponse(error_body(str(exc), "model_not_found"), status_code=404)
         return JSONResponse(error_body(str(exc)), status_code=400)
 
+    @app.exception_handler(EngineSleepingError)
+    @app.exception_handler(EngineDeadError)
+    async def unavailable(request: Request, exc: Exception):
+        return JSONResponse(error_body(str(exc), kind="service_unavailable"), status_code=503)
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         return JSONResponse(error_body(str(exc.detail), kind="not_found_error" if exc.status_code == 404 else
@@ -82,11 +93,17 @@ def build_app(engine: AsyncLLM, model_name: str, config: ServerConfig | None = N
 
     @app.get("/health")
     async def health():
-        if engine.error is not None:
-            return JSONResponse({"status": "dead", "error": str(engine.error)}, status_code=503)
-        if not engine.stats().get("last_logits_finite", True):
+        errors = engine.replica_errors()
+        if any(e is not None for e in errors):
+            dead = {str(i): str(e) for i, e in enumerate(errors) if e is not None}
+            return JSONResponse({"status": "dead", "error": "; ".join(dead.values()), "dead_replicas": dead},
+                                status_code=503)
+        if not all(s.get("last_logits_finite", True) for s in engine.replica_stats()):
             return JSONResponse({"status": "unhealthy", "error": "the model produced non-finite logits (NaN or "
                                  "inf) at its last step; its weights are likely broken"}, status_code=503)
+        if engine.sleep_level:
+            return JSONResponse({"status": "sleeping", "error": "the engine is asleep (POST /wake_up)"},
+                                status_code=503)
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -101,6 +118,7 @@ def build_app(engine: AsyncLLM, model_name: str, config: ServerConfig | None = N
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         server.check_model(body.model)
+        server.check_available()
         texts = body.prompts()
         server.check_count("prompts", len(texts), config.max_prompts, "--max-prompts")
         for p in texts:
@@ -114,6 +132,7 @@ def build_app(engine: AsyncLLM, model_name: str, config: ServerConfig | None = N
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         server.check_model(body.model)
+        server.check_available()
         messages = [m.as_template_input() for m in body.messages]
         server.check_text_fits(sum(len(m["content"]) for m in messages))
         # the template renders the tools (Qwen3's lists them in the system turn)
@@ -127,6 +146,7 @@ def build_app(engine: AsyncLLM, model_name: str, config: ServerConfig | None = N
         return await server.respond(request, body, [ids], params, chat=True)
 
     app.include_router(live_router(server))
+    add_admin_routes(app, engine)
     return app
 
 
@@ -169,7 +189,7 @@ class OpenAIServer:
             from engine.reasoning import think_token_ids
 
             self.think_tokens = think_token_ids(self.tokenizer)
-        self.metrics = ServerMetrics(engine.stats)
+        self.metrics = ServerMetrics(engine.replica_stats)
         self.created = int(time.time())
         self._token_text: dict[int, str] = {}
         # templates and tokenizers: off the event loop, on few threads (tokenizing is CPU work)
@@ -182,6 +202,14 @@ class OpenAIServer:
     def check_model(self, name: str) -> None:
         if name != self.model_name:
             raise ModelNotFound(f"the model {name!r} does not exist; this server serves {self.model_name!r}")
+
+    def check_available(self) -> None:
+        """Asleep, or no engine core alive: 503 (EngineSleepingError / EngineDeadError)."""
+        if self.engine.sleep_level:
+            raise EngineSleepingError("the engine is asleep (POST /wake_up to wake it)")
+        errors = self.engine.replica_errors()
+        if all(e is not None for e in errors):
+            raise EngineDeadError(f"the engine has stopped: {errors[0]}")
 
     @staticmethod
     def check_count(what: str, count: int, limit: int, flag: str) -> None:
@@ -217,8 +245,7 @@ class OpenAIServer:
     @property
     def context_limit(self) -> int:
         """Tokens one sequence may hold: the context, or the whole KV cache if smaller."""
-        stats = self.engine.stats()
-        return min(self.engine.max_model_len, stats["kv_blocks_total"] * self.engine.llm.config.block_size)
+        return self.engine.max_sequence_tokens()
 
     def room(self, ids: list[int]) -> int:
         """Tokens left to generate after this prompt (the default max_tokens; a prompt that leaves none is
@@ -253,7 +280,7 @@ class OpenAIServer:
         looks it up); a bad schema, regex or grammar is a 400 naming the field."""
         found = body.constraint()
         if found is not None:
-            await self.off_loop(lambda: self.engine.llm.compile_grammar(*found))
+            await self.off_loop(lambda: self.engine.compile_grammar(*found))
 
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)

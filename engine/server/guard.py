@@ -1,7 +1,7 @@
 """The checks every HTTP request passes before the app sees it (an ASGI middleware), in this order:
 
 - Host header: one of the accepted names (ServerConfig.host_names), else 400;
-- API key: on /v1 routes when one is set, `Authorization: Bearer KEY`, else 401;
+- API key: on /v1 routes and the weight/sleep routes (admin.py) when one is set, `Authorization: Bearer KEY`, else 401;
 - body: a declared Content-Length over max_body_bytes gets a 413 before a byte is read; a body read in
   full must stay under it (413 as soon as it passes) and arrive within body_timeout_s (else 408), so a
   huge or trickled body cannot hold memory or a connection. The app then reads the buffered body.
@@ -12,6 +12,7 @@ import hmac
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 
+from engine.server.admin import ADMIN_PATHS
 from engine.server.config import ServerConfig
 from engine.server.protocol import error_body
 
@@ -52,7 +53,8 @@ class RequestGuard:
         if self.host_names is not None and _host_name(headers.get("host", "")) not in self.host_names:
             return 400, error_body(f"Host header {headers.get('host', '')!r} is not one this server answers to "
                                    f"({sorted(self.host_names)}; see --allowed-hosts)")
-        if self.expected_auth is not None and (scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
+        path = scope["path"]
+        if self.expected_auth is not None and (path == "/v1" or path.startswith("/v1/") or path in ADMIN_PATHS):
             given = headers.get("authorization", "").encode()
             if not hmac.compare_digest(given, self.expected_auth):
                 return 401, error_body("missing or wrong API key (send `Authorization: Bearer KEY`)",

@@ -3,9 +3,9 @@ servers can live in one process (the tests).
 
 Per request, observed when it finishes: TTFT, TPOT and end-to-end latency histograms, finished
 requests by finish reason, prompt / generated tokens, decode FLOPs. Engine state, read at each scrape
-from AsyncLLM.stats(): running / waiting requests, KV blocks used and total, prefix-cache hit rate,
-preemptions, eager fallbacks (decode steps that could not replay a CUDA graph), engine steps, requests
-failed alone and steps with non-finite logits.
+from AsyncLLM.replica_stats() and labelled `replica` (data-parallel engine cores): running / waiting
+requests, KV blocks used and total, prefix-cache hit rate, preemptions, eager fallbacks (decode steps
+that could not replay a CUDA graph), engine steps, requests failed alone and steps with non-finite logits.
 Every finished request also gets one log line with its metrics.
 """
 import logging
@@ -42,19 +42,21 @@ class EngineCollector:
         "num_steps": ("livemoe_engine_steps", "Engine steps run"),
     }
 
-    def __init__(self, stats):
-        self.stats = stats
+    def __init__(self, replica_stats):
+        self.replica_stats = replica_stats
 
     def collect(self):
-        s = self.stats()
-        for key, (name, doc) in self.GAUGES.items():
-            yield GaugeMetricFamily(name, doc, value=s.get(key, 0))
-        for key, (name, doc) in self.COUNTERS.items():
-            yield CounterMetricFamily(name, doc, value=s.get(key, 0))
+        per_replica = self.replica_stats()
+        for table, family in ((self.GAUGES, GaugeMetricFamily), (self.COUNTERS, CounterMetricFamily)):
+            for key, (name, doc) in table.items():
+                metric = family(name, doc, labels=["replica"])
+                for i, s in enumerate(per_replica):
+                    metric.add_metric([str(i)], s.get(key, 0))
+                yield metric
 
 
 class ServerMetrics:
-    def __init__(self, stats):
+    def __init__(self, replica_stats):
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram("livemoe_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS,
@@ -71,7 +73,7 @@ class ServerMetrics:
                                          registry=r)
         self.decode_flops = Counter("livemoe_decode_flops", "Decode FLOPs (2 x active parameters x output tokens)",
                                     registry=r)
-        r.register(EngineCollector(stats))
+        r.register(EngineCollector(replica_stats))
 
     def request_finished(self, request_id: str, finish_reasons: list[str], m: RequestMetrics) -> None:
         for reason in finish_reasons:

@@ -1,0 +1,262 @@
+"""The engine core in its own process (engine/core): AsyncLLM(engine_core="process") gives exactly what
+LLM.generate gives; a bad request raises and the core goes on; leaving early frees the KV blocks;
+shutdown leaves no process behind; a core that dies (SIGKILL) ends every open request with
+EngineDeadError at once, the server's /health turns 503 and `python -m engine.serve` exits non-zero
+(or restarts the core with --on-core-death restart)."""
+import asyncio
+import json
+import os
+import signal
+import time
+import urllib.request
+
+import pytest
+import torch
+
+from engine.async_llm import AsyncLLM, EngineDeadError
+from engine.llm import LLM
+from engine.sampling import RequestError, SamplingParams
+from tiny_tokenizer import make_text_checkpoint
+
+OPTIONS = dict(dtype=torch.float32, device="cpu", block_size=4, num_kv_blocks=256, use_tqdm=False, threads=1)
+WAIT_S = 30.0
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_text_checkpoint(tmp_path_factory.mktemp("core") / "ckpt", moe=True)[0]
+
+
+@pytest.fixture(scope="module")
+def engine(ckpt):
+    eng = AsyncLLM(ckpt, engine_core="process", **OPTIONS)
+    yield eng
+    eng.shutdown()
+
+
+async def collect(gen):
+    deltas = [d async for d in gen]
+    return [t for d in deltas for t in d.token_ids], "".join(d.text for d in deltas), deltas
+
+
+def gone(pid: int, within_s: float = 10.0) -> bool:
+    """Whether process pid has exited (and been reaped) within the time."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        try:  # a zombie of ours counts as gone once reaped
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                return True
+        except ChildProcessError:
+            pass
+        time.sleep(0.05)
+    return False
+
+
+async def wait_idle(engine):
+    for _ in range(int(WAIT_S / 0.01)):
+        s = engine.stats()
+        if s["num_requests"] == 0 and s["kv_blocks_used"] == 0:
+            return s
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"engine not idle after {WAIT_S}s: {engine.stats()}")
+
+
+def test_process_core_matches_llm(ckpt, engine):
+    prompts = [f"viewer {i} asks 你好?" for i in range(8)]
+    params = [SamplingParams(temperature=0, max_tokens=6 + i, ignore_eos=True, logprobs=1) if i % 2 else
+              SamplingParams(temperature=1.0, seed=i, top_k=50, max_tokens=6 + i, ignore_eos=True, n=2)
+              for i in range(8)]
+    llm = LLM(ckpt, **OPTIONS)
+    free = llm.generate(prompts[2], SamplingParams(temperature=0, max_tokens=30))[0].text
+    stop = next(free[i:i + 2] for i in range(4, len(free) - 2) if "\ufffd" not in free[i:i + 2])
+    params[2] = SamplingParams(temperature=0, max_tokens=30, stop=[stop])  # a stop string cuts the text
+    expected = llm.generate(prompts, params)
+
+    async def main():
+        return await asyncio.gather(*(collect(engine.generate(p, sp)) for p, sp in zip(prompts, params)))
+
+    results = asyncio.run(main())
+    assert len(results) == len(expected) == 8
+    for (_ids, _text, deltas), ref, p in zip(results, expected, params):
+        for c in ref.outputs:
+            mine = [d for d in deltas if d.index == c.index]
+            assert [t for d in mine for t in d.token_ids] == c.token_ids
+            assert "".join(d.text for d in mine) == c.text
+            assert mine[-1].finish_reason == c.finish_reason and mine[-1].stop_reason == c.stop_reason
+            if p.logprobs is not None:
+                got = [lp for d in mine for lp in d.logprobs]
+                assert len(got) == len(c.logprobs) > 0  # batches differ from LLM.generate's: fp32 sums reorder
+                for a, b in zip(got, c.logprobs):
+                    assert a.keys() == b.keys() and all(abs(a[k] - b[k]) < 1e-5 for k in a)
+        assert deltas[-1].metrics.ttft > 0 and deltas[-1].metrics.num_output_tokens == sum(
+            len(c.token_ids) for c in ref.outputs)
+    assert expected[2].outputs[0].stop_reason == stop  # the stop-string path was taken
+    assert engine.stats()["kv_blocks_used"] == 0 and engine.llm is None  # nothing of the engine in this process
+
+
+def test_bad_request_and_leaving_early(engine):
+    async def main():
+        with pytest.raises(RequestError, match="context"):
+            await collect(engine.generate([5] * 600, SamplingParams(max_tokens=4)))
+        with pytest.raises(RequestError, match="already in flight"):
+            stream = await engine.add_request("x", SamplingParams(max_tokens=50, ignore_eos=True), request_id="dup")
+            await engine.add_request("y", SamplingParams(max_tokens=4), request_id="dup")
+        stream.abort()
+        gen = engine.generate("a long answer", SamplingParams(max_tokens=400, ignore_eos=True))
+        async for _ in gen:
+            break
+        await gen.aclose()
+        stats = await wait_idle(engine)
+        ids, _, _ = await collect(engine.generate("still here", SamplingParams(max_tokens=5, ignore_eos=True)))
+        return stats, ids
+
+    stats, ids = asyncio.run(main())
+    assert len(ids) == 5 and stats["num_steps"] < 400
+
+
+def test_shutdown_ends_requests_and_leaves_no_process(engine):
+    """(the module's engine, after the tests that use it: this one shuts it down)"""
+    eng = engine
+    (pid,) = eng.core_pids()
+
+    async def main():
+        gen = eng.generate("hello", SamplingParams(max_tokens=400, ignore_eos=True))
+        await gen.__anext__()
+        await asyncio.get_running_loop().run_in_executor(None, eng.shutdown)
+        with pytest.raises(EngineDeadError):
+            async for _ in gen:
+                pass
+        with pytest.raises(EngineDeadError):
+            await eng.add_request("again")
+
+    asyncio.run(main())
+    assert gone(pid), f"engine core {pid} still running after shutdown"
+
+
+def test_killed_core_ends_open_requests_at_once(ckpt):
+    eng = AsyncLLM(ckpt, engine_core="process", **OPTIONS)
+    (pid,) = eng.core_pids()
+    try:
+        async def main():
+            gens = [eng.generate(f"stream {i}", SamplingParams(max_tokens=5000, ignore_eos=True)) for i in range(4)]
+            for g in gens:
+                await g.__anext__()
+            os.kill(pid, signal.SIGKILL)
+            t0 = time.monotonic()
+
+            async def drain(g):
+                with pytest.raises(EngineDeadError, match="died"):
+                    async for _ in g:
+                        pass
+
+            await asyncio.wait_for(asyncio.gather(*map(drain, gens)), WAIT_S)
+            took = time.monotonic() - t0
+            with pytest.raises(EngineDeadError):
+                await eng.add_request("after")
+            return took
+
+        took = asyncio.run(main())
+        assert took < 5.0  # noticed within POLL_MS, not at some timeout
+        assert isinstance(eng.error, EngineDeadError)
+    finally:
+        eng.shutdown()
+    assert gone(pid)
+
+
+def _get(url):
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_server_exits_nonzero_when_its_core_dies(ckpt):
+    """`python -m engine.serve` as deployed: the core is killed mid-stream; the stream ends with an error
+    event, /health is 503 until the server stops, and it exits with code 1, its core gone."""
+    openai = pytest.importorskip("openai")
+    from engine.server import ServerProcess
+
+    server = ServerProcess(ckpt, "tiny", ["--num-kv-blocks", "64", "--block-size", "16", "--threads", "1",
+                                          "--device", "cpu", "--dtype", "float32"]).start()
+    try:
+        status, info = _get(server.url + "/get_server_info")
+        (pid,) = info["core_pids"]
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        stream = client.completions.create(model="tiny", prompt="hi", max_tokens=500, stream=True,
+                                           extra_body={"ignore_eos": True})
+        next(iter(stream))
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(openai.APIError, match="died"):
+            for _ in stream:
+                pass
+        assert server.proc.wait(WAIT_S) == 1
+    finally:
+        server.stop()
+    assert gone(pid)
+
+
+def test_server_restarts_a_dead_core(ckpt):
+    """`--data-parallel-size 2 --on-core-death restart`: replica 1's core is killed, /health is 503 until
+    a fresh core is up, then both serve the same answers; the dead core's pid is replaced."""
+    openai = pytest.importorskip("openai")
+    from engine.server import ServerProcess
+
+    server = ServerProcess(ckpt, "tiny", ["--num-kv-blocks", "64", "--block-size", "16", "--threads", "1",
+                                          "--device", "cpu", "--dtype", "float32", "--on-core-death", "restart",
+                                          "--data-parallel-size", "2"]).start()
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        # 4 prompts in one request, each long enough to be in flight when the next is routed
+        kw = dict(model="tiny", prompt=["hi"] * 4, max_tokens=48, temperature=0, extra_body={"ignore_eos": True})
+        before = [c.text for c in client.completions.create(**kw).choices]
+        info = _get(server.url + "/get_server_info")[1]
+        assert info["data_parallel_size"] == 2 and min(info["served_per_replica"]) >= 1
+        served = info["served_per_replica"]
+        keep, pid = info["core_pids"]
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        saw_503 = False
+        while True:
+            status, body = _get(server.url + "/health")
+            saw_503 |= status == 503
+            if status == 200 and saw_503:
+                break
+            assert time.monotonic() < deadline, f"no restart: {body}"
+            time.sleep(0.1)
+        assert [c.text for c in client.completions.create(**kw).choices] == before and len(before) == 4
+        info = _get(server.url + "/get_server_info")[1]
+        assert info["core_pids"][0] == keep and info["core_pids"][1] != pid and server.proc.poll() is None
+        assert info["served_per_replica"][1] > served[1]  # the restarted replica serves again
+    finally:
+        server.stop()
+    assert gone(pid) and gone(keep) and gone(info["core_pids"][1])
+
+
+def test_core_exits_when_its_client_process_is_killed(ckpt, tmp_path):
+    """A client killed with SIGKILL runs no clean-up: its core notices (its parent changed) and exits."""
+    import subprocess
+    import sys
+
+    code = (f"import torch\nfrom engine.async_llm import AsyncLLM\nif __name__ == '__main__':\n"
+            f"    e = AsyncLLM({ckpt!r}, engine_core='process', dtype=torch.float32, device='cpu', threads=1)\n"
+            f"    print(e.core_pids()[0], flush=True)\n    import time\n    time.sleep(600)\n")
+    script = tmp_path / "client.py"
+    script.write_text(code)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    client = subprocess.Popen([sys.executable, str(script)], cwd=root, stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": root})
+    try:
+        pid = int(client.stdout.readline())
+        client.kill()
+        client.wait(WAIT_S)
+        assert gone(pid, within_s=WAIT_S), f"engine core {pid} outlived its killed client"
+    finally:
+        client.kill()
+        client.wait(WAIT_S)
