@@ -41,6 +41,8 @@ def test_saved_config_reads_back(tmp_path):
     (["--data", "/no/such.jsonl"], "--data /no/such.jsonl: no such file"),
     (["--judge", "llm"], "--judge llm needs --judge_url"),
     (["--resume", "/no/ckpt"], "--resume '/no/ckpt'"),
+    (["--eval_every", "-1"], "--eval_every must be >= 0"),
+    (["--eval_every", "5", "--eval_rooms", "0"], "--eval_every needs held-out inputs"),
     (["--tensorboard", "perhaps"], None),  # argparse's own error: exits
 ])
 def test_bad_values_name_the_option(argv, msg):

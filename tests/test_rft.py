@@ -163,6 +163,26 @@ def test_end_to_end_tiny_run_checkpoint_loads_in_transformers(student, tmp_path,
     assert sum(changed) >= len(changed) - 1  # every tensor but perhaps an unused expert moved
 
 
+def test_eval_every_logs_the_heldout_loss_of_the_selected_teacher_answers(student, tmp_path):
+    import engine
+
+    out = tmp_path / "run"
+    run(tiny_cfg(student, out, max_steps=5, eval_every=2, eval_rooms=6, eval_samples=1, eval_temperature=0,
+                 wrong_link_rate=0, deflect_rate=0))
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+    assert [s for s, _ in evals] == [0, 2, 4, 5]  # step 0, every 2 steps, and the last step
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 5]  # training rows unchanged
+    held = [json.loads(x) for x in (out / "heldout_selected.jsonl").read_text().splitlines()]
+    assert 0 < len(held) <= 6 and all(h["id"].startswith("eval") for h in held)
+    # step 0's value is the plain fp32 completion loss of the starting model on those answers
+    model, tok = engine.load_model(student, dtype=torch.float32, device="cpu"), engine.load_tokenizer(student)
+    batch = collate([encode_example(h, tok, 1024) for h in held], tok.pad_token_id, "cpu")
+    with torch.no_grad():
+        assert evals[0][1] == pytest.approx(reference_loss(model, batch).item(), rel=1e-4)
+    assert evals[-1][1] < evals[0][1]  # lr 1e-2 on a random model: the held-out loss falls too
+
+
 def test_resume_gives_the_same_losses_as_an_uninterrupted_run(student, tmp_path):
     import engine
 

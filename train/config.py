@@ -148,6 +148,8 @@ class RFTConfig(RunConfig):
     marker_weight: float = opt(1.0, "loss weight of the --markers tokens (1 = plain SFT; LiveAssistant's "
                                     "marker-aware SFT weighs them more)")
     markers: str = opt("<think>,</think>", "comma-separated marker strings, one token each")
+    eval_every: int = opt(0, "every N optimizer steps (and at step 0) log eval_loss: the SFT loss on the "
+                             "judge-selected teacher answers to the held-out inputs (0 = never)")
     # parallelism
     expert_parallel: int = opt(1, "under torchrun: ranks that split each MoE layer's experts (divides the world "
                                   "size and num_experts)")
@@ -157,6 +159,10 @@ class RFTConfig(RunConfig):
         for name in ("k", "grad_accum", "max_len", "expert_parallel"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        if self.eval_every < 0:
+            raise ConfigError(f"--eval_every must be >= 0, got {self.eval_every}")
+        if self.eval_every and not self.eval_data and (self.data or self.eval_rooms == 0):
+            raise ConfigError("--eval_every needs held-out inputs: --eval_data with --data, or --eval_rooms > 0")
         if self.marker_weight <= 0:
             raise ConfigError(f"--marker_weight must be > 0, got {self.marker_weight}")
         _choice("batching", self.batching, ("bucket", "pad"))

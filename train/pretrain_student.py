@@ -8,6 +8,12 @@
    ~3,500 steps of batch 32), and masking the unpredictable product lists spends every step on it.
 Writes the checkpoint (config.json, model.safetensors, tokenizer) and pretrain_report.json with the
 figures reached (lookup exact-match on held-out rooms, loss, steps, minutes).
+
+`--init_from DIR` continues from an earlier checkpoint of this command (its model and tokenizer) with a
+fresh warm-up and schedule; the report keeps the earlier run's report under "init_report", so the
+chain of commands that made a checkpoint stays on record. The learning rate decays (cosine, to a tenth)
+over whichever budget ends first, --steps or --max_minutes, so a run stopped by the clock still ends
+at the low learning rate that the last points of a run gain most from.
 """
 import argparse
 import json
@@ -86,9 +92,35 @@ def lookup_accuracy(model, rooms, tok, seed=0):
     return acc.item()
 
 
+def lr_factor(step: int, minutes: float, args) -> float:
+    """Linear warm-up, then cosine from 1 to 0.1 over whichever of --steps and --max_minutes ends first."""
+    progress = min(1.0, max(step / args.steps, minutes / args.max_minutes))
+    return min(1.0, (step + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def load_start(args):
+    """(tokenizer, model, earlier report or None): a fresh tokenizer and random init, or --init_from's."""
+    if not args.init_from:
+        tok = train_tokenizer(tokenizer_corpus(), vocab_size=args.vocab_size)
+        return tok, init_student(tok, seed=args.seed), None
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not os.path.isfile(os.path.join(args.init_from, "config.json")):
+        raise SystemExit(f"--init_from {args.init_from}: no checkpoint there (config.json is missing)")
+    report_path = os.path.join(args.init_from, "pretrain_report.json")
+    earlier = None
+    if os.path.isfile(report_path):
+        with open(report_path) as f:
+            earlier = json.load(f)
+    tok = AutoTokenizer.from_pretrained(args.init_from)
+    return tok, AutoModelForCausalLM.from_pretrained(args.init_from, dtype=torch.float32), earlier
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--output_dir", default="train/assets/student")
+    ap.add_argument("--init_from", default=None, help="continue from this checkpoint of this command "
+                                                      "(default: a new tokenizer and a random init)")
     ap.add_argument("--steps", type=int, default=3600)
     ap.add_argument("--batch_size", type=int, default=8)
     ap.add_argument("--turns", type=int, default=8, help="questions per pre-training conversation")
@@ -97,49 +129,59 @@ def main(argv=None):
     ap.add_argument("--vocab_size", type=int, default=1024)
     ap.add_argument("--max_minutes", type=float, default=40.0, help="stop early (and save) after this long")
     ap.add_argument("--eval_every", type=int, default=250)
+    ap.add_argument("--heldout_rooms", type=int, default=256, help="held-out rooms of the lookup exact-match")
     ap.add_argument("--seed", type=int, default=0)
     # one thread: on a shared 2-core machine two threads per process oversubscribe and run ~5x slower
     ap.add_argument("--threads", type=int, default=1)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
+    for name in ("steps", "batch_size", "turns", "warmup", "eval_every", "heldout_rooms", "threads"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.lr <= 0 or args.max_minutes <= 0:
+        ap.error("--lr and --max_minutes must be > 0")
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     t0 = time.time()
-    tok = train_tokenizer(tokenizer_corpus(), vocab_size=args.vocab_size)
-    model = init_student(tok)
+    tok, model, earlier = load_start(args)
     cfg = model.config
     n_params = sum(p.numel() for p in model.parameters())
     print(f"tokenizer {len(tok)} tokens; model {n_params / 1e6:.2f}M parameters", flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / args.warmup) * 0.5 * (
-        1 + math.cos(math.pi * min(1.0, s / args.steps))) * 0.9 + 0.1)
     rng = random.Random(args.seed)
     wcfg = WorldConfig()
-    held_out = make_rooms(256, seed=10_000 + args.seed, cfg=wcfg, prefix="heldout")
+    held_out = make_rooms(args.heldout_rooms, seed=10_000 + args.seed, cfg=wcfg, prefix="heldout")
     history, step, loss_ema = [], 0, None
+    if earlier is not None:  # where the earlier run left off, on this run's held-out rooms
+        history.append({"step": 0, "heldout_lookup_exact": round(lookup_accuracy(model, held_out, tok), 3),
+                        "minutes": 0.0})
+        print(json.dumps(history[-1]), flush=True)
     model.train()
     for step in range(1, args.steps + 1):
+        for group in opt.param_groups:
+            group["lr"] = args.lr * lr_factor(step - 1, (time.time() - t0) / 60, args)
         rooms = make_rooms(args.batch_size, seed=rng.randrange(1 << 30), cfg=wcfg)
         ids, mask = batch(rooms, rng, tok, args.turns)
         loss, aux, acc = answer_loss(model, ids, mask, aux_coef=cfg.router_aux_loss_coef)
         (loss + cfg.router_aux_loss_coef * aux).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step(), sched.step(), opt.zero_grad(set_to_none=True)
+        opt.step(), opt.zero_grad(set_to_none=True)
         loss_ema = loss.item() if loss_ema is None else 0.98 * loss_ema + 0.02 * loss.item()
         minutes = (time.time() - t0) / 60
         if step % args.eval_every == 0 or step == args.steps or minutes > args.max_minutes:
             acc_h = lookup_accuracy(model, held_out, tok)
             history.append({"step": step, "loss": round(loss_ema, 4), "train_exact": round(acc.item(), 3),
-                            "heldout_lookup_exact": round(acc_h, 3), "minutes": round(minutes, 2)})
+                            "heldout_lookup_exact": round(acc_h, 3), "minutes": round(minutes, 2),
+                            "lr": round(opt.param_groups[0]["lr"], 6)})
             print(json.dumps(history[-1]), flush=True)
-            save(model, tok, args, argv, n_params, step, t0, history)  # usable at any time, even if stopped
+            save(model, tok, args, argv, n_params, step, t0, history, earlier)  # usable at any time, even if stopped
         if minutes > args.max_minutes:
             break
-    save(model, tok, args, argv, n_params, step, t0, history)
+    save(model, tok, args, argv, n_params, step, t0, history, earlier)
     print(f"saved {args.output_dir}: held-out lookup exact {history[-1]['heldout_lookup_exact'] if history else None}")
 
 
-def save(model, tok, args, argv, n_params, step, t0, history):
+def save(model, tok, args, argv, n_params, step, t0, history, earlier=None):
     os.makedirs(args.output_dir, exist_ok=True)
     model.save_pretrained(args.output_dir)
     tok.save_pretrained(args.output_dir)
@@ -147,6 +189,8 @@ def save(model, tok, args, argv, n_params, step, t0, history):
               "parameters": n_params, "steps": step, "minutes": round((time.time() - t0) / 60, 2),
               "final_heldout_lookup_exact": history[-1]["heldout_lookup_exact"] if history else None,
               "history": history}
+    if earlier is not None:
+        report["init_report"] = earlier
     with open(os.path.join(args.output_dir, "pretrain_report.json"), "w") as f:
         json.dump(report, f, indent=1)
 

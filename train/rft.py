@@ -10,7 +10,9 @@
 With no arguments it runs the embedded default (synthetic rooms, the scripted teacher, the rule-based
 judge, the committed tiny student in train/assets/student) in a few minutes on a laptop CPU.
 Output dir: config.yaml, candidates.jsonl, selected.jsonl, selection.json, metrics.jsonl, curves.png,
-curves_more.png, checkpoints/step-*/ (resume with --resume auto), final/ (HF layout), eval_table.md, eval.json.
+curves_more.png, checkpoints/step-*/ (resume with --resume auto), final/ (HF layout), eval_table.md, eval.json;
+with --eval_every N also heldout_candidates.jsonl, heldout_selected.jsonl, heldout_selection.json and an
+eval_loss in metrics.jsonl every N steps (the seed's Figure 5 curves).
 """
 import contextlib
 import json
@@ -73,8 +75,9 @@ def make_judge(cfg):
     return load_judge(cfg.judge)
 
 
-def teacher_stage(cfg: RFTConfig, records: list, judge) -> list:
-    """Sample, judge, select; writes candidates.jsonl, selected.jsonl, selection.json. -> kept examples."""
+def teacher_stage(cfg: RFTConfig, records: list, judge, prefix: str = "") -> list:
+    """Sample, judge, select; writes candidates.jsonl, selected.jsonl, selection.json (each name after
+    `prefix`: heldout_ for the --eval_every set). -> kept examples."""
     from train.teachers import make_teacher
 
     teacher = make_teacher(cfg)
@@ -93,14 +96,14 @@ def teacher_stage(cfg: RFTConfig, records: list, judge) -> list:
         bar.update(1)
     bar.close()
     kept, stats = select(records, candidates, verdicts, cfg.selection, cfg.seed)
-    write_jsonl(os.path.join(cfg.output_dir, "candidates.jsonl"), [
+    write_jsonl(os.path.join(cfg.output_dir, prefix + "candidates.jsonl"), [
         {"id": r["id"], "candidates": [{"completion": c, "correct": v.correct, "helpful": v.helpful,
                                         "reason": v.reason, "unparseable": v.unparseable} for c, v in zip(cs, vs)]}
         for r, cs, vs in zip(records, candidates, verdicts)])
-    write_jsonl(os.path.join(cfg.output_dir, "selected.jsonl"), kept)
-    with open(os.path.join(cfg.output_dir, "selection.json"), "w") as f:
+    write_jsonl(os.path.join(cfg.output_dir, prefix + "selected.jsonl"), kept)
+    with open(os.path.join(cfg.output_dir, prefix + "selection.json"), "w") as f:
         json.dump(stats.as_dict(), f, indent=1)
-    log(f"teacher + judge: {stats.inputs} inputs x {cfg.k} = {stats.candidates} candidates in "
+    log(f"teacher + judge{' (held-out)' if prefix else ''}: {stats.inputs} inputs x {cfg.k} = {stats.candidates} candidates in "
         f"{time.time() - t0:.1f}s; correct {stats.correct}, helpful {stats.helpful}, both {stats.both}; "
         f"kept {stats.kept}, dropped {stats.dropped}, unparseable verdicts {stats.unparseable}")
     require_nonempty(kept, stats)
@@ -205,22 +208,37 @@ def resolve_device(cfg) -> torch.device:
     return torch.device(cfg.device)
 
 
-def train(cfg: RFTConfig, model, tokenizer, kept: list, device, resume_from=None, dist=None) -> dict:
-    """The SFT loop. Returns {"steps", "loss", "examples", "tokens"}. `dist` (train.distributed): every rank
-    builds the same global step and computes its share; None in one process."""
-    dist = dist or distributed.single_process()
+def encode_examples(cfg: RFTConfig, tokenizer, kept: list, what: str) -> list:
+    """The SFT examples of `kept` (those with a completion token within --max_len)."""
     marker_ids = set(marker_token_ids(tokenizer, cfg.markers)) if cfg.marker_weight != 1.0 else set()
-    examples, dropped = [], 0
-    for rec in kept:
-        e = encode_example(rec, tokenizer, cfg.max_len, marker_ids, cfg.marker_weight)
-        if e is None:
-            dropped += 1
-        else:
-            examples.append(e)
-    if dropped:
-        log(f"{dropped} selected example(s) have no completion token within --max_len {cfg.max_len}: left out")
+    examples = [e for e in (encode_example(rec, tokenizer, cfg.max_len, marker_ids, cfg.marker_weight)
+                            for rec in kept) if e is not None]
+    if len(examples) < len(kept):
+        log(f"{len(kept) - len(examples)} selected {what} example(s) have no completion token within "
+            f"--max_len {cfg.max_len}: left out")
     if not examples:
-        raise ValueError(f"no training example keeps a completion token within --max_len {cfg.max_len}")
+        raise ValueError(f"no {what} example keeps a completion token within --max_len {cfg.max_len}")
+    return examples
+
+
+@torch.no_grad()
+def heldout_loss(model, examples: list, pad_id: int, batch_size: int, device, autocast) -> float:
+    """The SFT loss (weighted mean over every completion token, no aux term) of `examples`."""
+    model.eval()
+    batches = [collate(examples[i:i + batch_size], pad_id, device) for i in range(0, len(examples), batch_size)]
+    normalizer = sum(b["weights"][b["targets"] != -100].sum() for b in batches)
+    loss = sum(sft_step_loss(model, b, normalizer, 0.0, 1, autocast)[1] for b in batches)
+    model.train()
+    return float(loss)
+
+
+def train(cfg: RFTConfig, model, tokenizer, kept: list, device, resume_from=None, dist=None, eval_kept=()) -> dict:
+    """The SFT loop; with cfg.eval_every, logs eval_loss on `eval_kept`. Returns {"steps", "loss", "examples",
+    "tokens"}. `dist` (train.distributed): every rank builds the same global step and computes its share (and
+    the whole held-out loss, every rank alike); None in one process."""
+    dist = dist or distributed.single_process()
+    examples = encode_examples(cfg, tokenizer, kept, "training")
+    eval_examples = encode_examples(cfg, tokenizer, eval_kept, "held-out") if cfg.eval_every else []
     lengths = [len(e["input_ids"]) for e in examples]
     per_epoch = len(epoch_batches(lengths, cfg.batch_size, cfg.batching, 0))
     total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * per_epoch / cfg.grad_accum))
@@ -255,6 +273,9 @@ def train(cfg: RFTConfig, model, tokenizer, kept: list, device, resume_from=None
             epoch_cache[epoch] = epoch_batches(lengths, cfg.batch_size, cfg.batching, cfg.seed * 1000 + epoch)
         return [examples[i] for i in epoch_cache[epoch][index]]
 
+    if eval_examples and start_step == 0:
+        metrics.log(0, eval_loss=heldout_loss(model, eval_examples, tokenizer.pad_token_id, cfg.batch_size, device,
+                                              autocast))
     bar = _bar(total_steps, "sft", cfg.progress, "step")
     bar.update(start_step)
     last_loss = None
@@ -285,9 +306,13 @@ def train(cfg: RFTConfig, model, tokenizer, kept: list, device, resume_from=None
         optimizer.zero_grad(set_to_none=True)
         dt = time.time() - t0
         last_loss = loss_sum
-        if (step + 1) % cfg.log_every == 0 or step + 1 == total_steps:
+        extra = {}
+        if eval_examples and ((step + 1) % cfg.eval_every == 0 or step + 1 == total_steps):
+            extra["eval_loss"] = heldout_loss(model, eval_examples, tokenizer.pad_token_id, cfg.batch_size, device,
+                                              autocast)
+        if (step + 1) % cfg.log_every == 0 or step + 1 == total_steps or extra:
             metrics.log(step + 1, loss=loss_sum, aux_loss=aux_sum, lr=lr, grad_norm=float(grad_norm),
-                        tokens_per_s=tokens / dt, tokens=tokens, nonfinite_steps=guard.skipped)
+                        tokens_per_s=tokens / dt, tokens=tokens, nonfinite_steps=guard.skipped, **extra)
         bar.set_postfix(loss=f"{loss_sum:.3f}", aux=f"{aux_sum:.3f}", tok_s=f"{tokens / dt:.0f}")
         bar.update(1)
         if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == total_steps:
@@ -339,6 +364,13 @@ def _run(cfg: RFTConfig) -> dict:
         log(f"resuming: reusing {len(kept)} selected examples from {selected_path}")
     else:
         kept = dist.from_main(lambda: teacher_stage(cfg, train_inputs, judge))
+    eval_kept = []
+    if cfg.eval_every:  # held-out answers of the same teacher and judge, so eval_loss measures the SFT target
+        heldout_path = os.path.join(cfg.output_dir, "heldout_selected.jsonl")
+        if resume_from and os.path.exists(heldout_path):
+            eval_kept, _ = load_jsonl(heldout_path)
+        else:
+            eval_kept = dist.from_main(lambda: teacher_stage(cfg, held_out, judge, prefix="heldout_"))
 
     tokenizer = engine.load_tokenizer(cfg.model)
     if tokenizer is None:
@@ -371,7 +403,7 @@ def _run(cfg: RFTConfig) -> dict:
                 json.dump(rows[-1], f)
 
     dist.barrier()
-    result = train(cfg, model, tokenizer, kept, device, resume_from, dist)
+    result = train(cfg, model, tokenizer, kept, device, resume_from, dist, eval_kept)
     final_dir = os.path.join(cfg.output_dir, "final")
     dist.export(model, final_dir, tokenizer)  # parallelize() sharded `model` in place
     log(f"final model (HF safetensors layout): {final_dir}")
