@@ -47,3 +47,21 @@ def poisoned_sampler(llm):
         yield
     finally:
         llm.sampler = real
+
+
+async def collect_deltas(gen):
+    """An async generator of StreamDeltas drained: (token ids, text, the deltas)."""
+    deltas = [d async for d in gen]
+    return [t for d in deltas for t in d.token_ids], "".join(d.text for d in deltas), deltas
+
+
+async def wait_idle(engine, wait_s: float = 30.0):
+    """Waits until an AsyncLLM has no request and no KV block in use -> its stats; fails after wait_s."""
+    import asyncio
+
+    for _ in range(int(wait_s / 0.01)):
+        s = engine.stats()
+        if s["num_requests"] == 0 and s["kv_blocks_used"] == 0:
+            return s
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"engine not idle after {wait_s}s: {engine.stats()}")

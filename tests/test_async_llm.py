@@ -10,6 +10,7 @@ import torch
 from engine.async_llm import AsyncLLM, EngineDeadError, EngineError
 from engine.llm import LLM
 from engine.sampling import RequestError, SamplingParams
+from fixtures import collect_deltas as collect, wait_idle
 from tiny_tokenizer import make_text_checkpoint
 
 OPTIONS = dict(dtype=torch.float32, device="cpu", block_size=4, num_kv_blocks=256, use_tqdm=False)
@@ -29,20 +30,6 @@ def engine(ckpt):
     eng = AsyncLLM(ckpt, **OPTIONS)
     yield eng
     eng.shutdown()
-
-
-async def collect(gen):
-    deltas = [d async for d in gen]
-    return [t for d in deltas for t in d.token_ids], "".join(d.text for d in deltas), deltas
-
-
-async def wait_idle(engine):
-    for _ in range(int(WAIT_S / 0.01)):
-        s = engine.stats()
-        if s["num_requests"] == 0 and s["kv_blocks_used"] == 0:
-            return s
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"engine not idle after {WAIT_S}s: {engine.stats()}")
 
 
 def test_concurrent_generate_matches_llm(ckpt, engine):

@@ -16,6 +16,7 @@ import torch
 from engine.async_llm import AsyncLLM, EngineDeadError
 from engine.llm import LLM
 from engine.sampling import RequestError, SamplingParams
+from fixtures import collect_deltas as collect, wait_idle
 from tiny_tokenizer import make_text_checkpoint
 
 OPTIONS = dict(dtype=torch.float32, device="cpu", block_size=4, num_kv_blocks=256, use_tqdm=False, threads=1)
@@ -36,11 +37,6 @@ def engine(ckpt):
     eng.shutdown()
 
 
-async def collect(gen):
-    deltas = [d async for d in gen]
-    return [t for d in deltas for t in d.token_ids], "".join(d.text for d in deltas), deltas
-
-
 def gone(pid: int, within_s: float = 10.0) -> bool:
     """Whether process pid has exited (and been reaped) within the time."""
     deadline = time.monotonic() + within_s
@@ -56,15 +52,6 @@ def gone(pid: int, within_s: float = 10.0) -> bool:
             pass
         time.sleep(0.05)
     return False
-
-
-async def wait_idle(engine):
-    for _ in range(int(WAIT_S / 0.01)):
-        s = engine.stats()
-        if s["num_requests"] == 0 and s["kv_blocks_used"] == 0:
-            return s
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"engine not idle after {WAIT_S}s: {engine.stats()}")
 
 
 def test_process_core_matches_llm(ckpt, engine):
