@@ -20,6 +20,8 @@ import threading
 import time
 from itertools import count
 
+# engine.async_llm imports this module lazily (inside AsyncLLM), so importing it here makes no cycle
+from engine.async_llm import EngineDeadError, EngineError, _put_all, _settle
 from engine.core import messages as m
 from engine.core.router import Router
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -82,8 +84,6 @@ class Replica:
             try:
                 self.to_core.send(data)
             except zmq.ZMQError as e:  # closed by a shutdown meanwhile
-                from engine.async_llm import EngineDeadError
-
                 raise EngineDeadError(f"engine core {self.index}: {self.error or e}") from None
 
     def close(self, timeout: float) -> None:
@@ -183,7 +183,6 @@ class CoreClient:
 
     def add(self, request_id: str, prompt_text, prompt_ids: list[int], params, stream) -> concurrent.futures.Future:
         """Sends a request to a replica; the future settles when the core accepted or refused it."""
-        from engine.async_llm import EngineDeadError
         from engine.sampling import RequestError
 
         accepted: concurrent.futures.Future = concurrent.futures.Future()
@@ -214,8 +213,6 @@ class CoreClient:
 
     def call(self, method: str, *args, replicas: list[int] | None = None, **kwargs) -> list[concurrent.futures.Future]:
         """Calls CoreLoop.call_<method> on the replicas (all by default); one future per replica."""
-        from engine.async_llm import EngineDeadError
-
         futures = []
         for i in range(len(self.replicas)) if replicas is None else replicas:
             r, future = self.replicas[i], concurrent.futures.Future()
@@ -233,8 +230,6 @@ class CoreClient:
         return [dict(r.stats) for r in self.replicas]
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        from engine.async_llm import EngineDeadError
-
         if self.stopping:
             return
         self.stopping = True
@@ -264,7 +259,6 @@ class CoreClient:
         try:
             self._read_loop()
         except BaseException as e:  # noqa: BLE001 (a bug here must not leave callers waiting forever)
-            from engine.async_llm import EngineDeadError
 
             log.exception("the engine client's reader thread failed")
             error = EngineDeadError(f"the engine client failed: {e!r}")
@@ -310,8 +304,6 @@ class CoreClient:
                 self._check_processes()
 
     def _check_processes(self) -> None:
-        from engine.async_llm import EngineDeadError
-
         for r in self.replicas:
             if not r.process.is_alive() and not self.stopping and not r.reported:
                 r.reported = True
@@ -327,8 +319,6 @@ class CoreClient:
         self.restarts.put(index)
 
     def _restart_now(self, index: int, poller, sockets) -> None:
-        from engine.async_llm import EngineDeadError
-
         old = self.replicas[index]
         if old.alive:
             return
@@ -378,8 +368,6 @@ class CoreClient:
             raise AssertionError(f"unknown engine-core message {kind!r}")
 
     def _on_outputs(self, deltas, accepted, rejected, failed) -> None:
-        from engine.async_llm import EngineError
-
         with self.lock:
             for rid in accepted:
                 t = self.tracked.get(rid)
@@ -447,15 +435,3 @@ def _snapshot(out: RequestOutput) -> RequestOutput:
                          [CompletionOutput(c.index, c.text, c.token_ids[:], c.finish_reason, c.stop_reason,
                                            None if c.logprobs is None else c.logprobs[:]) for c in out.outputs],
                          out.finished, out.metrics)
-
-
-def _settle(future: concurrent.futures.Future, error: BaseException) -> None:
-    try:
-        future.set_exception(error)
-    except concurrent.futures.InvalidStateError:
-        pass
-
-
-def _put_all(items) -> None:
-    for stream, item in items:
-        stream._put(item)
