@@ -443,41 +443,31 @@ class AsyncLLM:
                 return True
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        by_loop: dict = {}
+        items = []
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue  # aborted meanwhile
             if out.finished:
                 del self._streams[out.request_id]
-            by_loop.setdefault(stream.loop, []).append((stream, out))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # the caller's loop is closed: nobody will read these
-                for stream, out in items:
-                    if not out.finished:
-                        self._streams.pop(stream.request_id, None)
-                        self.llm.abort(stream.request_id)
+            items.append((stream, out))
+        deliver(items, self._unread)
+
+    def _unread(self, stream: RequestStream, out) -> None:
+        if not out.finished:  # nobody will read it: stop computing it
+            self._streams.pop(stream.request_id, None)
+            self.llm.abort(stream.request_id)
 
     def _fail_some(self, failed: dict[str, str]) -> None:
         """Ends the streams of requests the engine failed alone (after their earlier outputs)."""
-        for rid, why in failed.items():
-            stream = self._streams.pop(rid, None)
-            if stream is not None:
-                try:
-                    stream.loop.call_soon_threadsafe(stream._put, EngineError(f"request {rid} failed: {why}"))
-                except RuntimeError:
-                    pass
+        deliver([(stream, EngineError(f"request {rid} failed: {why}")) for rid, why in failed.items()
+                 if (stream := self._streams.pop(rid, None)) is not None])
 
     def _fail_all(self, error: BaseException) -> None:
         streams, self._streams = self._streams, {}
-        for rid, stream in streams.items():
+        for rid in streams:
             self.llm.abort(rid)
-            try:
-                stream.loop.call_soon_threadsafe(stream._put, error)
-            except RuntimeError:
-                pass
+        deliver([(stream, error) for stream in streams.values()])
 
 
 def _settle(future: concurrent.futures.Future, error: BaseException) -> None:
@@ -487,9 +477,25 @@ def _settle(future: concurrent.futures.Future, error: BaseException) -> None:
         pass  # the engine settled it first
 
 
+def deliver(items: list[tuple[RequestStream, RequestOutput | BaseException]], on_closed_loop=None) -> None:
+    """Hands each (stream, output or error) to its stream, from the engine's thread: one
+    call_soon_threadsafe per caller event loop for all its items (each wakes that loop once), in order.
+    on_closed_loop(stream, item) is called for the items whose loop is closed (nobody will read them)."""
+    by_loop: dict = {}
+    for stream, item in items:
+        by_loop.setdefault(stream.loop, []).append((stream, item))
+    for loop, batch in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, batch)
+        except RuntimeError:  # the caller's loop is closed
+            if on_closed_loop is not None:
+                for stream, item in batch:
+                    on_closed_loop(stream, item)
+
+
 def _put_all(items) -> None:
-    for stream, out in items:
-        stream._put(out)
+    for stream, item in items:
+        stream._put(item)
 
 
 def merge_stats(stats: list[dict]) -> dict:

@@ -23,6 +23,7 @@ pytest.importorskip("uvicorn", reason=_EXTRAS)
 
 from engine.async_llm import AsyncLLM  # noqa: E402
 from engine.server import BackgroundServer, ServerConfig, build_app  # noqa: E402
+from engine.server.app import INLINE_TOKENIZE_CHARS  # noqa: E402
 from fixtures import POISON_SEED, poisoned_sampler  # noqa: E402
 from tiny_tokenizer import make_text_checkpoint  # noqa: E402
 
@@ -173,6 +174,8 @@ def test_tokenizing_runs_off_the_event_loop(served, client):
     engine, server, _ = served
     tok = server.app.state.server.tokenizer
     real = tok.encode
+    huge = "word " * (INLINE_TOKENIZE_CHARS // 5 + 1)  # over the length tokenized on the loop
+    assert len(huge) <= server.app.state.server.context_limit * server.app.state.server.max_token_chars
 
     def slow_encode(*a, **kw):
         time.sleep(2.0)
@@ -180,7 +183,8 @@ def test_tokenizing_runs_off_the_event_loop(served, client):
 
     tok.encode = slow_encode
     try:
-        slow = threading.Thread(target=lambda: client.completions.create(model=MODEL, prompt="slow", max_tokens=2))
+        slow = threading.Thread(target=lambda: _ignore_400(lambda: client.completions.create(model=MODEL, prompt=huge,
+                                                                                           max_tokens=2)))
         slow.start()
         time.sleep(0.3)
         t0 = time.monotonic()
@@ -189,6 +193,36 @@ def test_tokenizing_runs_off_the_event_loop(served, client):
         slow.join(30)
     finally:
         del tok.encode
+
+
+def _ignore_400(call) -> None:
+    try:
+        call()
+    except openai.BadRequestError:  # longer than the context once tokenized: what is timed is the tokenizing
+        pass
+
+
+def test_short_prompts_are_tokenized_on_the_event_loop(served, client):
+    """A short prompt skips the tokenizer pool: under a burst of requests the hop there and back queued
+    behind the others and delayed every request's add (issue 15, TTFT at 32 streams)."""
+    _, server, _ = served
+    openai_server = server.app.state.server
+    hops = []
+    real = openai_server.off_loop
+
+    async def counted(fn):
+        hops.append(fn)
+        return await real(fn)
+
+    openai_server.off_loop = counted
+    try:
+        out = client.completions.create(model=MODEL, prompt=["short", "prompts"], max_tokens=2)
+        assert len(out.choices) == 2 and hops == []
+        _ignore_400(lambda: client.completions.create(model=MODEL, prompt="x" * (INLINE_TOKENIZE_CHARS + 1),
+                                                      max_tokens=2))
+        assert len(hops) == 1  # a long one still goes to the pool
+    finally:
+        del openai_server.off_loop
 
 
 def test_text_too_long_for_the_context_is_refused_before_tokenizing(served, client):

@@ -21,7 +21,7 @@ import time
 from itertools import count
 
 # engine.async_llm imports this module lazily (inside AsyncLLM), so importing it here makes no cycle
-from engine.async_llm import EngineDeadError, EngineError, _put_all, _settle
+from engine.async_llm import EngineDeadError, EngineError, _settle, deliver
 from engine.core import messages as m
 from engine.core.router import Router
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -346,10 +346,7 @@ class CoreClient:
             self.router.forget(i)
         for _, t in doomed:
             _settle(t.accepted, error)
-            try:
-                t.stream.loop.call_soon_threadsafe(t.stream._put, error)
-            except RuntimeError:  # its loop is closed
-                pass
+        deliver([(t.stream, error) for _, t in doomed])
         for _, f in calls:
             _settle(f, error)
 
@@ -395,15 +392,7 @@ class CoreClient:
                 if t is not None:
                     ended.append((t.stream, EngineError(f"request {rid} failed: {why}")))
                     _settle(t.accepted, EngineError(f"request {rid} failed: {why}"))
-        by_loop: dict = {}
-        for stream, item in updates + ended:
-            by_loop.setdefault(stream.loop, []).append((stream, item))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # the caller's loop is closed: nobody will read these
-                for stream, _ in items:
-                    self.abort(stream.request_id)
+        deliver(updates + ended, lambda stream, _: self.abort(stream.request_id))  # a closed loop: nobody reads
 
     def _apply_delta(self, t: Tracked, completions, metrics) -> int:
         out, new_tokens = t.output, 0

@@ -50,6 +50,9 @@ from engine.server.responses import Run
 log = logging.getLogger("engine.serve")
 
 
+INLINE_TOKENIZE_CHARS = 1024  # prompts (or token-id lists) up to this many items in all: tokenized on the loop
+
+
 class ModelNotFound(RequestError):
     pass
 
@@ -123,7 +126,7 @@ def build_app(engine: AsyncLLM, model_name: str, config: ServerConfig | None = N
         server.check_count("prompts", len(texts), config.max_prompts, "--max-prompts")
         for p in texts:
             server.check_text_fits(len(p) if isinstance(p, str) else 0)
-        prompts = await server.off_loop(lambda: [server.encode(p) for p in texts])
+        prompts = await server.tokenize(texts)
         params = body.sampling_params(room=min(server.room(ids) for ids in prompts))
         server.check_limits(params, prompts)
         await server.compile_constraint(body)
@@ -258,6 +261,14 @@ class OpenAIServer:
 
     async def off_loop(self, fn):
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn)
+
+    async def tokenize(self, prompts: list) -> list[list[int]]:
+        """The prompts' token ids: on the event loop when they are short (a tokenizer call on a few hundred
+        characters costs less than the hop to a pool thread and back, which under a burst of requests
+        queues behind the others and delays every add), else on the pool."""
+        if sum(len(p) for p in prompts) <= INLINE_TOKENIZE_CHARS:
+            return [self.encode(p) for p in prompts]
+        return await self.off_loop(lambda: [self.encode(p) for p in prompts])
 
     def encode(self, prompt) -> list[int]:
         """Token ids as LLM.generate makes them (a text prompt with the tokenizer's special tokens added)."""

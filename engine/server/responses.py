@@ -3,9 +3,10 @@ server-sent events of a stream (`Run.events`), with usage, logprobs in each endp
 per-request metrics (the server's Prometheus metrics and log line) as each engine request finishes.
 """
 import asyncio
-import json
 import time
 from typing import TYPE_CHECKING
+
+import msgspec
 
 from engine.async_llm import EngineError, RequestStream
 from engine.outputs import RequestMetrics
@@ -158,12 +159,12 @@ class Run:
 
     # -- event stream ---------------------------------------------------------------------------
 
-    def _event(self, choices: list[dict], usage="absent") -> str:
+    def _event(self, choices: list[dict], usage="absent") -> bytes:
         chunk = {"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
                  "created": self.created, "model": self.server.model_name, "choices": choices}
         if self.body.include_usage:
             chunk["usage"] = None if usage == "absent" else usage
-        return f"data: {json.dumps(chunk, separators=(',', ':'), ensure_ascii=False)}\n\n"
+        return _sse(chunk)
 
     async def events(self):
         try:
@@ -194,8 +195,8 @@ class Run:
             if self.body.include_usage:
                 yield self._event([], self._usage())
         except EngineError as e:
-            yield f"data: {json.dumps(error_body(str(e), kind='internal_error'))}\n\n"
-        yield "data: [DONE]\n\n"
+            yield _sse(error_body(str(e), kind="internal_error"))
+        yield b"data: [DONE]\n\n"
 
     # -- logprobs -------------------------------------------------------------------------------
 
@@ -222,6 +223,13 @@ class Run:
         self.text_offsets[i] = offset
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
                 "text_offset": offsets}
+
+
+_json = msgspec.json.Encoder()  # compact UTF-8 JSON, several times faster than the stdlib's per chunk
+
+
+def _sse(obj) -> bytes:
+    return b"data: " + _json.encode(obj) + b"\n\n"
 
 
 def _top(lp: dict[int, float], k: int) -> list[tuple[int, float]]:
