@@ -19,6 +19,8 @@ missing from it, so the deltas joined equal that text.
 """
 import logging
 
+from engine.prompts import fast_backend
+
 log = logging.getLogger(__name__)
 
 REPLACEMENT = "\ufffd"
@@ -29,6 +31,9 @@ class IncrementalDetokenizer:
                  max_held_tokens: int = 4):
         assert max_held_tokens >= 1, max_held_tokens
         self.tokenizer = tokenizer
+        # two decodes per push, per stream: a fast tokenizer's Rust decode is called directly (transformers'
+        # decode adds only its Python overhead when it cleans up no spaces)
+        self.backend = None if getattr(tokenizer, "clean_up_tokenization_spaces", True) else fast_backend(tokenizer)
         self.skip_special_tokens = skip_special_tokens
         self.stop_holdback = max((len(s) for s in stop), default=1) - 1
         self.max_held_tokens = max_held_tokens
@@ -43,6 +48,8 @@ class IncrementalDetokenizer:
         self.finished = False
 
     def _decode(self, ids: list[int]) -> str:
+        if self.backend is not None:
+            return self.backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def push(self, token_ids: list[int]) -> str:

@@ -12,9 +12,19 @@ from engine.sampling import RequestError
 
 def encode_text(tokenizer, text: str, what: str = "the prompt", **kw) -> list[int]:
     """tokenizer.encode(text, **kw), refusing text that is not valid Unicode first (a RequestError, not a
-    tokenizer's panic)."""
+    tokenizer's panic). A fast tokenizer's Rust backend is called directly when nothing but special
+    tokens is asked for: the same ids, without transformers' per-call padding and truncation set-up (on
+    a short prompt that was over half the call, on the server's event loop for every request)."""
     check_unicode(text, what)
+    backend = fast_backend(tokenizer)
+    if backend is not None and set(kw) <= {"add_special_tokens"}:
+        return backend.encode(text, add_special_tokens=kw.get("add_special_tokens", True)).ids
     return tokenizer.encode(text, **kw)
+
+
+def fast_backend(tokenizer):
+    """The Rust tokenizer (`tokenizers.Tokenizer`) behind a transformers fast tokenizer; None for another kind."""
+    return getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
 
 
 def check_unicode(text: str, what: str) -> None:
