@@ -107,6 +107,92 @@ def test_bad_request_and_leaving_early(engine):
     assert len(ids) == 5 and stats["num_steps"] < 400
 
 
+def test_idle_core_takes_a_burst_in_before_stepping(engine):
+    """Requests that reach an idle core 0.5 ms apart (as an API server admits a burst) are prefilled in one
+    step, as a direct caller's burst is; the core used to step on the first alone, and the others waited
+    for that step. One pass of the host's scheduler between two sends can split a burst: up to 2 bursts
+    (CoreLoop._rest_of_burst's own timing is tested without the host's noise below)."""
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+
+    async def burst(k: int) -> int:
+        before = (await wait_idle(engine))["num_steps"]
+        adds = []
+        for i in range(6):
+            adds.append(asyncio.ensure_future(engine.add_request(f"burst {k} request {i}", params)))
+            await asyncio.sleep(0)  # the add runs up to its send
+            spin = time.perf_counter()
+            while time.perf_counter() - spin < 5e-4:
+                pass
+        for stream in await asyncio.gather(*adds):
+            assert len((await collect(stream))[0]) == 1
+        return (await wait_idle(engine))["num_steps"] - before
+
+    steps = []
+    for k in range(2):
+        steps.append(asyncio.run(burst(k)))
+        if steps[-1] == 1:
+            break
+    assert steps[-1] == 1, f"steps per burst of 6: {steps}"
+
+
+def test_rest_of_burst_waits_for_arrivals_within_the_gap(monkeypatch):
+    """An idle core's gathering, on its own socket, with gaps 5x the sender's spacing: the commands that
+    keep coming within BURST_GAP_MS are taken; a late one, or those past BURST_MAX_MS, are left for the
+    next turn; a command other than an add ends the wait at once."""
+    import threading
+
+    import zmq
+
+    from engine.core import messages as m
+    from engine.core import proc
+
+    ctx = zmq.Context()
+    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    push.bind("inproc://burst")
+    pull.connect("inproc://burst")
+    codec = m.Codec()
+    loop = proc.CoreLoop(None, pull, None, codec, os.getppid())
+    poller = zmq.Poller()
+    poller.register(pull, zmq.POLLIN)
+
+    def send(commands, every_s):
+        def run():
+            for c in commands:
+                time.sleep(every_s)
+                push.send(codec.encode(c))
+        thread = threading.Thread(target=run)
+        thread.start()
+        return thread
+
+    def add(i):
+        return [m.ADD, f"r{i}", [1, 2], None]
+
+    try:
+        monkeypatch.setattr(proc, "BURST_GAP_MS", 50)
+        monkeypatch.setattr(proc, "BURST_MAX_MS", 5000)
+        t0 = time.monotonic()
+        sender = send([add(i) for i in range(4)], 0.01)  # the first comes while it waits, the others follow
+        assert [c[1] for c in loop._rest_of_burst(poller)] == ["r0", "r1", "r2", "r3"]
+        assert time.monotonic() - t0 < 1.0  # it returned after one quiet gap, not at BURST_MAX_MS
+        sender.join()
+        sender = send([add(4), [m.ABORT, ["r4"]], add(5)], 0.01)
+        got = loop._rest_of_burst(poller)  # the abort ends the wait; r5 may have come with it or not
+        assert [c[0] for c in got][:2] == [m.ADD, m.ABORT] and len(got) <= 3
+        sender.join()
+        loop._drain()
+        monkeypatch.setattr(proc, "BURST_MAX_MS", 60)
+        sender = send([add(i) for i in range(6, 40)], 0.01)  # 340 ms of adds 10 ms apart
+        t0 = time.monotonic()
+        got = loop._rest_of_burst(poller)
+        assert 0 < len(got) < 20 and time.monotonic() - t0 < 0.3  # cut at BURST_MAX_MS
+        sender.join()
+    finally:
+        loop.worker.shutdown()
+        push.close(0)
+        pull.close(0)
+        ctx.term()
+
+
 def test_shutdown_ends_requests_and_leaves_no_process(engine):
     """(the module's engine, after the tests that use it: this one shuts it down)"""
     eng = engine
