@@ -21,6 +21,7 @@ from engine.config import ModelConfig, load_config
 from engine.errors import CheckpointError
 from engine.layers import RotaryEmbedding
 from engine.model import Qwen3ForCausalLM
+from engine.parallel.tensor_parallel import TensorParallel, check_tensor_parallel
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -51,10 +52,17 @@ def resolve_device(device) -> torch.device:
     return torch.device(device)
 
 
-def empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> Qwen3ForCausalLM:
-    """The model with uninitialised storage on the device (allocated once, no init pass)."""
+def meta_model(cfg: ModelConfig, tp: TensorParallel | None = None) -> Qwen3ForCausalLM:
+    """The model's (or a tensor-parallel rank's) modules with no storage: shapes only."""
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(cfg)
+        return Qwen3ForCausalLM(cfg, tp)
+
+
+def empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                tp: TensorParallel | None = None) -> Qwen3ForCausalLM:
+    """The model (or a tensor-parallel rank's shard) with uninitialised storage on the device (allocated once,
+    no init pass)."""
+    model = meta_model(cfg, tp)
     model.to(dtype)  # on meta: free; storage is allocated once, in the final dtype
     model.to_empty(device=device)
     model.model.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta).to(device)  # buffers were meta
@@ -128,10 +136,15 @@ def _weight_files(path: str) -> list[str]:
 
 
 class _Targets:
-    """Maps checkpoint keys to (parameter, slice) and tracks that each part is written exactly once."""
+    """Maps checkpoint keys to the parts of the model's parameters they fill, and tracks that each part is
+    written exactly once. A tensor-parallel shard model's layers name the slices they hold (`shards`,
+    engine.parallel.tensor_parallel); `full` is the whole model's parameter shapes, what the checkpoint holds."""
 
-    def __init__(self, model: Qwen3ForCausalLM):
+    def __init__(self, model: Qwen3ForCausalLM, full: dict[str, tuple[int, ...]]):
         self.params = dict(model.named_parameters())
+        self.full = full
+        self.shards = {f"{prefix}.{name}" if prefix else name: shard for prefix, module in model.named_modules()
+                       for name, shard in getattr(module, "shards", {}).items()}
         self.tied = model.config.tie_word_embeddings
         self.needed = {n: (2 * p.shape[0] if n.endswith("gate_up_proj") else p.shape[0])
                        if n.endswith(("experts.gate_up_proj", "experts.down_proj")) else 1
@@ -139,7 +152,8 @@ class _Targets:
         self.filled: dict[str, set] = {n: set() for n in self.params}
 
     def resolve(self, key: str):
-        """-> (param name, index into the parameter, part id) or None for keys to ignore."""
+        """-> (param name, the key's region of the full parameter, part id) or None for keys to ignore. The region
+        is (start, length, kept) per dim of the full parameter; kept=False: the key has no such dim (one expert)."""
         if _IGNORED.search(key) or (self.tied and key == "lm_head.weight"):
             return None
         m = _PER_EXPERT.match(key)
@@ -148,15 +162,41 @@ class _Targets:
             name = f"{prefix}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"
             if name not in self.params:
                 return name, None, None
-            num_experts = self.params[name].shape[0]
+            num_experts, rows, cols = self.full[name]
             if j >= num_experts:
                 raise CheckpointError(f"tensor {key!r}: expert {j} but the config has num_experts={num_experts}")
             if proj == "down_proj":
-                return name, (j,), (j,)
-            half = self.params[name].shape[1] // 2
-            rows = slice(0, half) if proj == "gate_proj" else slice(half, 2 * half)
-            return name, (j, rows), (j, proj)
-        return key, (), "whole"
+                return name, ((j, 1, False), (0, rows, True), (0, cols, True)), (j,)
+            half = rows // 2
+            return name, ((j, 1, False), (0 if proj == "gate_proj" else half, half, True), (0, cols, True)), (j, proj)
+        if key not in self.params:
+            return key, None, None
+        return key, tuple((0, n, True) for n in self.full[key]), "whole"
+
+    def copies(self, name: str, region) -> list[tuple[tuple, tuple | None]]:
+        """[(index into this rank's parameter, index into the key's tensor or None for all of it)] for the part of
+        `region` this rank holds; [] when it holds none of it (the key is then never read)."""
+        shard = self.shards.get(name)
+        if shard is None:  # whole: one process reads the tensor as before, a rank through the same slice reads
+            whole = tuple(slice(None) for _, _, kept in region if kept) if self.shards else None
+            return [(tuple(slice(s, s + n) if kept else s for s, n, kept in region), whole)]
+        out, offset = [], 0
+        for first, end in shard.ranges:
+            start, length, kept = region[shard.dim]
+            lo, hi = max(first, start), min(end, start + length)
+            if lo < hi:
+                dest, src = [], []
+                for dim, (s, n, k) in enumerate(region):
+                    if dim == shard.dim:
+                        s, n = offset + lo - first, hi - lo
+                        if k:
+                            src.append(slice(lo - start, hi - start))
+                    elif k:
+                        src.append(slice(None))
+                    dest.append(slice(s, s + n) if k else s)
+                out.append((tuple(dest), tuple(src)))
+            offset += end - first
+        return out
 
     def missing(self) -> list[str]:
         out = []
@@ -166,13 +206,20 @@ class _Targets:
         return out
 
 
-def load_model(path: str, dtype=None, device=None) -> Qwen3ForCausalLM:
-    """Loads a Qwen3 / Qwen3-MoE checkpoint directory; returns the model in eval mode."""
+def load_model(path: str, dtype=None, device=None, tp: TensorParallel | None = None) -> Qwen3ForCausalLM:
+    """Loads a Qwen3 / Qwen3-MoE checkpoint directory; returns the model in eval mode. With `tp`, this rank's
+    shard of it (engine.parallel.tensor_parallel), reading only the slices it holds from the files."""
     cfg = load_config(path)
     dtype, device = resolve_dtype(dtype, cfg), resolve_device(device)
+    if tp is not None:
+        check_tensor_parallel(cfg, tp.size, tp.expert_parallel)
     files = _weight_files(path)
-    model = empty_model(cfg, dtype, device)
-    targets = _Targets(model)
+    model = empty_model(cfg, dtype, device, tp)
+    full = model if tp is None else meta_model(cfg)
+    targets = _Targets(model, {n: tuple(p.shape) for n, p in full.named_parameters()})
+    for name, shard in targets.shards.items():
+        if shard.size < targets.params[name].shape[shard.dim]:
+            targets.params[name].data.zero_()  # vocab padding rows: no checkpoint row fills them
     loaded = []  # (file, key, the part of the parameter it filled)
     for file in files:
         try:
@@ -184,25 +231,31 @@ def load_model(path: str, dtype=None, device=None) -> Qwen3ForCausalLM:
                 target = targets.resolve(key)
                 if target is None:
                     continue
-                name, index, part = target
+                name, region, part = target
                 if name not in targets.params:
                     raise CheckpointError(f"{file}: unexpected tensor {key!r} (no such parameter in a "
                                           f"{cfg.model_type} model with this config)")
+                copies = targets.copies(name, region)
+                if not copies:
+                    continue  # another rank's experts
                 if part in targets.filled[name] or "whole" in targets.filled[name] or (
                         part == "whole" and targets.filled[name]):
                     raise CheckpointError(f"{file}: tensor {key!r} given twice")
-                dest = targets.params[name].data[index] if index else targets.params[name].data
+                expected = tuple(n for _, n, kept in region if kept)
                 try:
-                    shape = tuple(f.get_slice(key).get_shape())
-                    if shape != tuple(dest.shape):
+                    tensor = f.get_slice(key)
+                    shape = tuple(tensor.get_shape())
+                    if shape != expected:
                         raise CheckpointError(f"{file}: tensor {key!r} has shape {shape}, expected "
-                                              f"{tuple(dest.shape)} from config.json")
-                    dest.copy_(f.get_tensor(key))
+                                              f"{expected} from config.json")
+                    for index, src in copies:
+                        dest = targets.params[name].data[index]
+                        dest.copy_(f.get_tensor(key) if src is None else tensor[src])
+                        loaded.append((file, key, dest))
                 except CheckpointError:
                     raise
                 except Exception as e:
                     raise CheckpointError(f"{file}: cannot read tensor {key!r} ({e})") from None
-                loaded.append((file, key, dest))
                 targets.filled[name].add(part)
     missing = targets.missing()
     if missing:
