@@ -3,7 +3,8 @@
 Loading streams tensor by tensor into a model allocated once on the target device and dtype (no second
 full copy in memory). Experts are accepted in the hub's per-expert layout
 (mlp.experts.{j}.gate_proj.weight, ...) and in transformers-v5's fused layout (mlp.experts.gate_up_proj,
-mlp.experts.down_proj). Every problem raises one CheckpointError naming the file, tensor or field; the
+mlp.experts.down_proj). A tensor-parallel rank (load_model's `tp`) reads only the slices of each tensor its
+shard holds (safetensors get_slice), never a whole checkpoint. Every problem raises one CheckpointError naming the file, tensor or field; the
 half-built model is dropped, never returned. A tensor holding NaN or Inf is refused (a diverged run's
 weights decode only garbage), and so are shard paths that leave the checkpoint directory.
 """
@@ -271,8 +272,15 @@ def load_model(path: str, dtype=None, device=None, tp: TensorParallel | None = N
     return model.eval()
 
 
+def _check_whole(model: Qwen3ForCausalLM) -> None:
+    if getattr(model, "tensor_parallel", None) is not None:
+        raise ValueError(f"this model is one rank's shard ({model.tensor_parallel.to_dict()}), not the whole "
+                         "model: its tensors are not the checkpoint's; save the model from one process")
+
+
 def hub_state_dict(model: Qwen3ForCausalLM, layout: str = "per_expert") -> dict[str, torch.Tensor]:
     """The model's tensors under hub keys; per_expert splits the stacked experts (views, no copies)."""
+    _check_whole(model)
     if layout not in ("per_expert", "fused"):
         raise ValueError(f"layout must be 'per_expert' or 'fused', got {layout!r}")
     out = {}
@@ -313,6 +321,7 @@ def save_model(model: Qwen3ForCausalLM, path: str, *, max_shard_size: int = 5 * 
     AutoModelForCausalLM.from_pretrained loads the result. The directory appears whole or not at all,
     with the umask's usual permissions. Weights holding NaN or Inf are refused (CheckpointError)."""
     path = os.path.abspath(path)
+    _check_whole(model)
     bad = first_nonfinite(model.named_parameters())
     if bad is not None:
         raise CheckpointError(f"not saving {path}: parameter {bad!r} holds NaN or Inf values")

@@ -18,9 +18,11 @@ import torch
 from spawn_ranks import spawn_ranks
 
 from engine.config import load_config
+from engine.layers import SparseMoeBlock
 from engine.llm import LLM
 from engine.loader import load_model
 from engine.parallel import TensorParallel, check_tensor_parallel
+from engine.parallel.tensor_parallel import ReplicatedExpertParallel
 from engine.sampling import SamplingParams
 from tiny_models import make_checkpoint
 
@@ -29,12 +31,14 @@ GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, logprobs
 ENGINE = dict(block_size=4, num_kv_blocks=24, max_num_batched_tokens=24)  # 96 KV slots: preempts, chunks
 LOGITS_TOL = dict(rtol=1e-4, atol=1e-5)
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 # name: (moe, tensor_parallel_size, expert_parallel, checkpoint layout, config overrides)
 CASES_2 = {
     "dense": (False, 2, False, "per_expert", {}),
     "dense_1kv_bias_tied": (False, 2, False, "per_expert",
                             dict(num_key_value_heads=1, attention_bias=True, tie_word_embeddings=True)),
-    "moe_tp": (True, 2, False, "per_expert", {}),
+    "moe_tp_sharded_files": (True, 2, False, "per_expert", dict(max_shard_size="60KB")),
     "moe_ep_fused": (True, 2, True, "fused", {}),
     "moe_ep_1kv_dense_layer": (True, 2, True, "per_expert", dict(num_key_value_heads=1, mlp_only_layers=[1])),
 }
@@ -114,6 +118,22 @@ class CountingReads:
         return Slice()
 
 
+def moe_layer_input(hidden_size: int) -> torch.Tensor:
+    return torch.randn(9, hidden_size, generator=torch.Generator().manual_seed(0))
+
+
+def moe_layer_outputs(block) -> list[torch.Tensor]:
+    """A MoE layer's experts on 9 tokens: as the decoder runs them; with expert parallel, also in the fixed-shape
+    form a CUDA graph captures (pairs routed elsewhere through local expert 0 with weight 0)."""
+    x = moe_layer_input(block.gate.in_features)
+    experts, logits = block.experts, block.gate(x)
+    args = (x, experts.gate_up_proj, experts.down_proj, logits, block.top_k, block.norm_topk_prob)
+    outs = [experts.expert_parallel.fused_moe(*args)]
+    if isinstance(experts.expert_parallel, ReplicatedExpertParallel):
+        outs.append(experts.expert_parallel.fused_moe(*args, fixed_shapes=True))
+    return outs
+
+
 def run_rank(cases: dict, paths: dict) -> dict:
     """On one gloo rank: each case's shard model -> its logits, greedy outputs, parameter count, bytes read."""
     import torch.distributed as dist
@@ -135,7 +155,9 @@ def run_rank(cases: dict, paths: dict) -> dict:
             logits = model(torch.tensor([prompts()[0], prompts()[1][:23]]))
         llm = LLM.from_model(model, None, **ENGINE)
         outs = llm.generate(prompts(), GREEDY)
-        out[name] = dict(logits=logits, tokens=[o.token_ids for o in outs],
+        moe_layer = next((m for m in model.modules() if isinstance(m, SparseMoeBlock)), None)
+        out[name] = dict(moe_layer=moe_layer and moe_layer_outputs(moe_layer), tokens=[o.token_ids for o in outs],
+                         logits=logits,
                          logprobs=[o.outputs[0].token_logprobs for o in outs], stats=llm.stats(),
                          numel=sum(p.numel() for p in model.parameters()), bytes_read=bytes_read,
                          kv_heads=llm.runner.num_kv_heads, layout=model.tensor_parallel.to_dict())
@@ -162,6 +184,9 @@ def check_case(name, case, path, hf_tokens, ranks):
     with torch.inference_mode():
         expect_logits = single(torch.tensor([prompts()[0], prompts()[1][:23]]))
     engine_outs = LLM.from_model(single, None, **ENGINE).generate(prompts(), GREEDY)
+    block = next((m for m in single.modules() if isinstance(m, SparseMoeBlock)), None)
+    with torch.inference_mode():
+        expect_moe = block and block(moe_layer_input(cfg.hidden_size)[None])[0][0]
     assert len(ranks) == n
     for rank, res in enumerate(ranks):
         r = res[name]
@@ -169,6 +194,10 @@ def check_case(name, case, path, hf_tokens, ranks):
         torch.testing.assert_close(r["logits"], expect_logits, **LOGITS_TOL)
         assert len(r["tokens"]) == len(hf_tokens) == 4
         assert r["tokens"] == hf_tokens, f"{name} rank {rank}"
+        if moe:
+            assert len(r["moe_layer"]) == (2 if ep else 1)
+            for got in r["moe_layer"]:
+                torch.testing.assert_close(got, expect_moe, **LOGITS_TOL)
         for got, single_out in zip(r["logprobs"], engine_outs):
             torch.testing.assert_close(torch.tensor(got), torch.tensor(single_out.outputs[0].token_logprobs),
                                        atol=1e-5, rtol=0)
@@ -216,6 +245,16 @@ def test_check_tensor_parallel_names_the_values(overrides, size, ep, message):
         check_tensor_parallel(cfg, size, ep)
     assert message in str(err.value)
     check_tensor_parallel(cfg, 1, False)  # one rank always fits
+
+
+def test_a_shard_model_is_not_saved(tmp_path):
+    from engine.loader import empty_model, save_model
+
+    path, _ = make_checkpoint(tmp_path / "m", moe=True)
+    shard = empty_model(load_config(path), torch.float32, torch.device("cpu"), TensorParallel(1, 2, None, True))
+    with pytest.raises(ValueError, match="one rank's shard"):
+        save_model(shard, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_expert_parallel_refused_for_a_dense_model():

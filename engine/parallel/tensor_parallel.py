@@ -200,9 +200,8 @@ class TensorParallelExperts:
 class ReplicatedExpertParallel:
     """Expert parallel over replicated tokens (decode: every rank has every token): rank r holds experts
     [r * E/N, (r + 1) * E/N) whole; every rank routes all tokens (same logits, same top-k), runs its experts on
-    the pairs routed to them and the all-reduce sums the N partial outputs. Pairs routed elsewhere go through
-    local expert 0 with weight 0 (fixed shapes, no host sync: a CUDA graph captures it); at decode batch sizes
-    this beats an all-to-all dispatch/combine (engine.parallel.expert_parallel), see the report in bench."""
+    the (token, slot) pairs routed to them and the all-reduce sums the N partial outputs. At decode batch sizes
+    this beats an all-to-all dispatch/combine of 1/N of the tokens per rank (bench/bench_ep_decode.py)."""
 
     def __init__(self, tp: TensorParallel, num_experts: int, intermediate_size: int):
         per = num_experts // tp.size
@@ -212,12 +211,24 @@ class ReplicatedExpertParallel:
         self.local_shape = (per, intermediate_size)
         self.tp = tp
 
-    def fused_moe(self, hidden_states, w_gate_up, w_down, router_logits, top_k: int, renormalize: bool):
+    def fused_moe(self, hidden_states, w_gate_up, w_down, router_logits, top_k: int, renormalize: bool,
+                  fixed_shapes: bool | None = None):
+        """kernels.moe.fused_moe's signature. fixed_shapes (default: while a CUDA graph is captured): no host
+        sync, the pairs routed elsewhere go through local expert 0 with weight 0; otherwise only this rank's
+        pairs are gathered and computed (a prefill of T tokens does 1/N of the expert work, not all of it)."""
         topk_weights, topk_ids = route(router_logits, top_k, renormalize)
         local_ids = topk_ids - self.first
         mine = (local_ids >= 0) & (local_ids < self.num_local)
-        out = fused_experts(hidden_states, w_gate_up, w_down, topk_weights.masked_fill(~mine, 0),
-                            local_ids.masked_fill(~mine, 0))
+        if fixed_shapes is None:
+            fixed_shapes = hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()
+        if fixed_shapes:
+            out = fused_experts(hidden_states, w_gate_up, w_down, topk_weights.masked_fill(~mine, 0),
+                                local_ids.masked_fill(~mine, 0))
+        else:
+            tokens, slots = mine.nonzero(as_tuple=True)
+            pairs = fused_experts(hidden_states[tokens], w_gate_up, w_down, topk_weights[tokens, slots, None],
+                                  local_ids[tokens, slots, None])
+            out = torch.zeros_like(hidden_states).index_add_(0, tokens, pairs)
         return self.tp.all_reduce(out)
 
 
