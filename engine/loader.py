@@ -4,9 +4,10 @@ Loading streams tensor by tensor into a model allocated once on the target devic
 full copy in memory). Experts are accepted in the hub's per-expert layout
 (mlp.experts.{j}.gate_proj.weight, ...) and in transformers-v5's fused layout (mlp.experts.gate_up_proj,
 mlp.experts.down_proj). A tensor-parallel rank (load_model's `tp`) reads only the slices of each tensor its
-shard holds (safetensors get_slice), never a whole checkpoint. Every problem raises one CheckpointError naming the file, tensor or field; the
-half-built model is dropped, never returned. A tensor holding NaN or Inf is refused (a diverged run's
-weights decode only garbage), and so are shard paths that leave the checkpoint directory.
+shard holds (safetensors get_slice), never a whole checkpoint. Every problem raises one CheckpointError naming
+the file, tensor or field; the half-built model is dropped, never returned. A tensor holding NaN or Inf is
+refused (a diverged run's weights decode only garbage), and so are shard paths that leave the checkpoint
+directory.
 """
 import json
 import os
