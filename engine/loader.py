@@ -137,14 +137,19 @@ def _weight_files(path: str) -> list[str]:
     return [single]
 
 
+def _index(region) -> tuple:
+    """The index of a region ((start, length, kept) per dim) into its tensor."""
+    return tuple(slice(s, s + n) if kept else s for s, n, kept in region)
+
+
 class _Targets:
     """Maps checkpoint keys to the parts of the model's parameters they fill, and tracks that each part is
     written exactly once. A tensor-parallel shard model's layers name the slices they hold (`shards`,
     engine.parallel.tensor_parallel); `full` is the whole model's parameter shapes, what the checkpoint holds."""
 
-    def __init__(self, model: Qwen3ForCausalLM, full: dict[str, tuple[int, ...]]):
+    def __init__(self, model: Qwen3ForCausalLM, full: dict[str, tuple[int, ...]] | None = None):
         self.params = dict(model.named_parameters())
-        self.full = full
+        self.full = full or {n: tuple(p.shape) for n, p in self.params.items()}
         self.shards = {f"{prefix}.{name}" if prefix else name: shard for prefix, module in model.named_modules()
                        for name, shard in getattr(module, "shards", {}).items()}
         self.tied = model.config.tie_word_embeddings
@@ -154,6 +159,14 @@ class _Targets:
         self.filled: dict[str, set] = {n: set() for n in self.params}
 
     def resolve(self, key: str):
+        """-> (param name, index into the whole parameter, part id) or None for keys to ignore."""
+        target = self.locate(key)
+        if target is None or target[1] is None:
+            return target
+        name, region, part = target
+        return name, () if part == "whole" else _index(region), part
+
+    def locate(self, key: str):
         """-> (param name, the key's region of the full parameter, part id) or None for keys to ignore. The region
         is (start, length, kept) per dim of the full parameter; kept=False: the key has no such dim (one expert)."""
         if _IGNORED.search(key) or (self.tied and key == "lm_head.weight"):
@@ -181,7 +194,7 @@ class _Targets:
         shard = self.shards.get(name)
         if shard is None:  # whole: one process reads the tensor as before, a rank through the same slice reads
             whole = tuple(slice(None) for _, _, kept in region if kept) if self.shards else None
-            return [(tuple(slice(s, s + n) if kept else s for s, n, kept in region), whole)]
+            return [(_index(region), whole)]
         out, offset = [], 0
         for first, end in shard.ranges:
             start, length, kept = region[shard.dim]
@@ -230,7 +243,7 @@ def load_model(path: str, dtype=None, device=None, tp: TensorParallel | None = N
             raise CheckpointError(f"{file}: unreadable safetensors file ({e})") from None
         with handle as f:
             for key in f.keys():
-                target = targets.resolve(key)
+                target = targets.locate(key)
                 if target is None:
                     continue
                 name, region, part = target
