@@ -3,6 +3,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.parallel.tensor_parallel import TensorParallel, column_linear, parallel_experts, row_linear
 from kernels.moe import fused_moe
 from kernels.norm import qk_norm_rope, rms_norm
 
@@ -42,13 +43,14 @@ def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, q_norm: RMSNorm, k_norm: RM
 
 
 class MLP(nn.Module):
-    """Dense SwiGLU MLP (hub keys gate_proj / up_proj / down_proj)."""
+    """Dense SwiGLU MLP (hub keys gate_proj / up_proj / down_proj); with `tp`, this rank's intermediate slice
+    (gate/up column-parallel, down row-parallel: one all-reduce)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TensorParallel | None = None):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = column_linear(hidden_size, intermediate_size, False, tp)
+        self.up_proj = column_linear(hidden_size, intermediate_size, False, tp)
+        self.down_proj = row_linear(intermediate_size, hidden_size, False, tp)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)), None
@@ -63,7 +65,8 @@ class Experts(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
-        # an engine.parallel.ExpertParallel once parallelize() has kept this rank's experts only
+        # how the experts are spread over ranks, if they are: an object whose fused_moe replaces kernels.moe's
+        # (training: engine.parallel.ExpertParallel, set by parallelize(); decoding: engine.parallel.tensor_parallel)
         self.expert_parallel = None
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
@@ -72,12 +75,19 @@ class Experts(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    """Router (hub key mlp.gate.weight) + experts; the expert computation is kernels.moe.fused_moe."""
+    """Router (hub key mlp.gate.weight) + experts; the expert computation is kernels.moe.fused_moe. With `tp`,
+    the router is replicated and the experts are this rank's (engine.parallel.tensor_parallel)."""
 
-    def __init__(self, hidden_size: int, num_experts: int, intermediate_size: int, top_k: int, norm_topk_prob: bool):
+    def __init__(self, hidden_size: int, num_experts: int, intermediate_size: int, top_k: int, norm_topk_prob: bool,
+                 tp: TensorParallel | None = None):
         super().__init__()
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
-        self.experts = Experts(num_experts, hidden_size, intermediate_size)
+        if tp is None:
+            self.experts = Experts(num_experts, hidden_size, intermediate_size)
+        else:
+            layout = parallel_experts(tp, num_experts, intermediate_size)
+            self.experts = Experts(layout.local_shape[0], hidden_size, layout.local_shape[1])
+            self.experts.expert_parallel, self.experts.shards = layout, layout.shards
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
 

@@ -3,9 +3,11 @@
 Loading streams tensor by tensor into a model allocated once on the target device and dtype (no second
 full copy in memory). Experts are accepted in the hub's per-expert layout
 (mlp.experts.{j}.gate_proj.weight, ...) and in transformers-v5's fused layout (mlp.experts.gate_up_proj,
-mlp.experts.down_proj). Every problem raises one CheckpointError naming the file, tensor or field; the
-half-built model is dropped, never returned. A tensor holding NaN or Inf is refused (a diverged run's
-weights decode only garbage), and so are shard paths that leave the checkpoint directory.
+mlp.experts.down_proj). A tensor-parallel rank (load_model's `tp`) reads only the slices of each tensor its
+shard holds (safetensors get_slice), never a whole checkpoint. Every problem raises one CheckpointError naming
+the file, tensor or field; the half-built model is dropped, never returned. A tensor holding NaN or Inf is
+refused (a diverged run's weights decode only garbage), and so are shard paths that leave the checkpoint
+directory.
 """
 import json
 import os
@@ -21,6 +23,7 @@ from engine.config import ModelConfig, load_config
 from engine.errors import CheckpointError
 from engine.layers import RotaryEmbedding
 from engine.model import Qwen3ForCausalLM
+from engine.parallel.tensor_parallel import TensorParallel, check_tensor_parallel
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -51,10 +54,17 @@ def resolve_device(device) -> torch.device:
     return torch.device(device)
 
 
-def empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> Qwen3ForCausalLM:
-    """The model with uninitialised storage on the device (allocated once, no init pass)."""
+def meta_model(cfg: ModelConfig, tp: TensorParallel | None = None) -> Qwen3ForCausalLM:
+    """The model's (or a tensor-parallel rank's) modules with no storage: shapes only."""
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(cfg)
+        return Qwen3ForCausalLM(cfg, tp)
+
+
+def empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                tp: TensorParallel | None = None) -> Qwen3ForCausalLM:
+    """The model (or a tensor-parallel rank's shard) with uninitialised storage on the device (allocated once,
+    no init pass)."""
+    model = meta_model(cfg, tp)
     model.to(dtype)  # on meta: free; storage is allocated once, in the final dtype
     model.to_empty(device=device)
     model.model.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta).to(device)  # buffers were meta
@@ -127,11 +137,21 @@ def _weight_files(path: str) -> list[str]:
     return [single]
 
 
-class _Targets:
-    """Maps checkpoint keys to (parameter, slice) and tracks that each part is written exactly once."""
+def _index(region) -> tuple:
+    """The index of a region ((start, length, kept) per dim) into its tensor."""
+    return tuple(slice(s, s + n) if kept else s for s, n, kept in region)
 
-    def __init__(self, model: Qwen3ForCausalLM):
+
+class _Targets:
+    """Maps checkpoint keys to the parts of the model's parameters they fill, and tracks that each part is
+    written exactly once. A tensor-parallel shard model's layers name the slices they hold (`shards`,
+    engine.parallel.tensor_parallel); `full` is the whole model's parameter shapes, what the checkpoint holds."""
+
+    def __init__(self, model: Qwen3ForCausalLM, full: dict[str, tuple[int, ...]] | None = None):
         self.params = dict(model.named_parameters())
+        self.full = full or {n: tuple(p.shape) for n, p in self.params.items()}
+        self.shards = {f"{prefix}.{name}" if prefix else name: shard for prefix, module in model.named_modules()
+                       for name, shard in getattr(module, "shards", {}).items()}
         self.tied = model.config.tie_word_embeddings
         self.needed = {n: (2 * p.shape[0] if n.endswith("gate_up_proj") else p.shape[0])
                        if n.endswith(("experts.gate_up_proj", "experts.down_proj")) else 1
@@ -139,7 +159,16 @@ class _Targets:
         self.filled: dict[str, set] = {n: set() for n in self.params}
 
     def resolve(self, key: str):
-        """-> (param name, index into the parameter, part id) or None for keys to ignore."""
+        """-> (param name, index into the whole parameter, part id) or None for keys to ignore."""
+        target = self.locate(key)
+        if target is None or target[1] is None:
+            return target
+        name, region, part = target
+        return name, () if part == "whole" else _index(region), part
+
+    def locate(self, key: str):
+        """-> (param name, the key's region of the full parameter, part id) or None for keys to ignore. The region
+        is (start, length, kept) per dim of the full parameter; kept=False: the key has no such dim (one expert)."""
         if _IGNORED.search(key) or (self.tied and key == "lm_head.weight"):
             return None
         m = _PER_EXPERT.match(key)
@@ -148,15 +177,41 @@ class _Targets:
             name = f"{prefix}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"
             if name not in self.params:
                 return name, None, None
-            num_experts = self.params[name].shape[0]
+            num_experts, rows, cols = self.full[name]
             if j >= num_experts:
                 raise CheckpointError(f"tensor {key!r}: expert {j} but the config has num_experts={num_experts}")
             if proj == "down_proj":
-                return name, (j,), (j,)
-            half = self.params[name].shape[1] // 2
-            rows = slice(0, half) if proj == "gate_proj" else slice(half, 2 * half)
-            return name, (j, rows), (j, proj)
-        return key, (), "whole"
+                return name, ((j, 1, False), (0, rows, True), (0, cols, True)), (j,)
+            half = rows // 2
+            return name, ((j, 1, False), (0 if proj == "gate_proj" else half, half, True), (0, cols, True)), (j, proj)
+        if key not in self.params:
+            return key, None, None
+        return key, tuple((0, n, True) for n in self.full[key]), "whole"
+
+    def copies(self, name: str, region) -> list[tuple[tuple, tuple | None]]:
+        """[(index into this rank's parameter, index into the key's tensor or None for all of it)] for the part of
+        `region` this rank holds; [] when it holds none of it (the key is then never read)."""
+        shard = self.shards.get(name)
+        if shard is None:  # whole: one process reads the tensor as before, a rank through the same slice reads
+            whole = tuple(slice(None) for _, _, kept in region if kept) if self.shards else None
+            return [(_index(region), whole)]
+        out, offset = [], 0
+        for first, end in shard.ranges:
+            start, length, kept = region[shard.dim]
+            lo, hi = max(first, start), min(end, start + length)
+            if lo < hi:
+                dest, src = [], []
+                for dim, (s, n, k) in enumerate(region):
+                    if dim == shard.dim:
+                        s, n = offset + lo - first, hi - lo
+                        if k:
+                            src.append(slice(lo - start, hi - start))
+                    elif k:
+                        src.append(slice(None))
+                    dest.append(slice(s, s + n) if k else s)
+                out.append((tuple(dest), tuple(src)))
+            offset += end - first
+        return out
 
     def missing(self) -> list[str]:
         out = []
@@ -166,13 +221,20 @@ class _Targets:
         return out
 
 
-def load_model(path: str, dtype=None, device=None) -> Qwen3ForCausalLM:
-    """Loads a Qwen3 / Qwen3-MoE checkpoint directory; returns the model in eval mode."""
+def load_model(path: str, dtype=None, device=None, tp: TensorParallel | None = None) -> Qwen3ForCausalLM:
+    """Loads a Qwen3 / Qwen3-MoE checkpoint directory; returns the model in eval mode. With `tp`, this rank's
+    shard of it (engine.parallel.tensor_parallel), reading only the slices it holds from the files."""
     cfg = load_config(path)
     dtype, device = resolve_dtype(dtype, cfg), resolve_device(device)
+    if tp is not None:
+        check_tensor_parallel(cfg, tp.size, tp.expert_parallel)
     files = _weight_files(path)
-    model = empty_model(cfg, dtype, device)
-    targets = _Targets(model)
+    model = empty_model(cfg, dtype, device, tp)
+    full = model if tp is None else meta_model(cfg)
+    targets = _Targets(model, {n: tuple(p.shape) for n, p in full.named_parameters()})
+    for name, shard in targets.shards.items():
+        if shard.size < targets.params[name].shape[shard.dim]:
+            targets.params[name].data.zero_()  # vocab padding rows: no checkpoint row fills them
     loaded = []  # (file, key, the part of the parameter it filled)
     for file in files:
         try:
@@ -181,28 +243,34 @@ def load_model(path: str, dtype=None, device=None) -> Qwen3ForCausalLM:
             raise CheckpointError(f"{file}: unreadable safetensors file ({e})") from None
         with handle as f:
             for key in f.keys():
-                target = targets.resolve(key)
+                target = targets.locate(key)
                 if target is None:
                     continue
-                name, index, part = target
+                name, region, part = target
                 if name not in targets.params:
                     raise CheckpointError(f"{file}: unexpected tensor {key!r} (no such parameter in a "
                                           f"{cfg.model_type} model with this config)")
+                copies = targets.copies(name, region)
+                if not copies:
+                    continue  # another rank's experts
                 if part in targets.filled[name] or "whole" in targets.filled[name] or (
                         part == "whole" and targets.filled[name]):
                     raise CheckpointError(f"{file}: tensor {key!r} given twice")
-                dest = targets.params[name].data[index] if index else targets.params[name].data
+                expected = tuple(n for _, n, kept in region if kept)
                 try:
-                    shape = tuple(f.get_slice(key).get_shape())
-                    if shape != tuple(dest.shape):
+                    tensor = f.get_slice(key)
+                    shape = tuple(tensor.get_shape())
+                    if shape != expected:
                         raise CheckpointError(f"{file}: tensor {key!r} has shape {shape}, expected "
-                                              f"{tuple(dest.shape)} from config.json")
-                    dest.copy_(f.get_tensor(key))
+                                              f"{expected} from config.json")
+                    for index, src in copies:
+                        dest = targets.params[name].data[index]
+                        dest.copy_(f.get_tensor(key) if src is None else tensor[src])
+                        loaded.append((file, key, dest))
                 except CheckpointError:
                     raise
                 except Exception as e:
                     raise CheckpointError(f"{file}: cannot read tensor {key!r} ({e})") from None
-                loaded.append((file, key, dest))
                 targets.filled[name].add(part)
     missing = targets.missing()
     if missing:
@@ -218,8 +286,15 @@ def load_model(path: str, dtype=None, device=None) -> Qwen3ForCausalLM:
     return model.eval()
 
 
+def _check_whole(model: Qwen3ForCausalLM) -> None:
+    if getattr(model, "tensor_parallel", None) is not None:
+        raise ValueError(f"this model is one rank's shard ({model.tensor_parallel.to_dict()}), not the whole "
+                         "model: its tensors are not the checkpoint's; save the model from one process")
+
+
 def hub_state_dict(model: Qwen3ForCausalLM, layout: str = "per_expert") -> dict[str, torch.Tensor]:
     """The model's tensors under hub keys; per_expert splits the stacked experts (views, no copies)."""
+    _check_whole(model)
     if layout not in ("per_expert", "fused"):
         raise ValueError(f"layout must be 'per_expert' or 'fused', got {layout!r}")
     out = {}
@@ -260,6 +335,7 @@ def save_model(model: Qwen3ForCausalLM, path: str, *, max_shard_size: int = 5 * 
     AutoModelForCausalLM.from_pretrained loads the result. The directory appears whole or not at all,
     with the umask's usual permissions. Weights holding NaN or Inf are refused (CheckpointError)."""
     path = os.path.abspath(path)
+    _check_whole(model)
     bad = first_nonfinite(model.named_parameters())
     if bad is not None:
         raise CheckpointError(f"not saving {path}: parameter {bad!r} holds NaN or Inf values")

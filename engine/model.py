@@ -2,7 +2,9 @@
 
 State-dict keys are the hub's (model.layers.{i}.self_attn.q_proj.weight, ...), with MoE experts in
 transformers-v5's fused layout (mlp.experts.gate_up_proj / down_proj); engine.loader maps the hub's
-per-expert layout onto it.
+per-expert layout onto it. Built with an engine.parallel.TensorParallel, the module is one rank's shard of
+the model (engine.parallel.tensor_parallel): the same keys over smaller tensors, the same forward, whose
+collectives leave every rank with the same hidden states and full-vocab logits.
 """
 import torch
 from torch import nn
@@ -12,18 +14,24 @@ from engine.config import ModelConfig
 from engine.context import StepContext
 from engine.layers import MLP, RMSNorm, RotaryEmbedding, SparseMoeBlock, qk_norm_rotary
 from engine.moe_loss import load_balancing_loss
+from engine.parallel.tensor_parallel import (ParallelLMHead, TensorParallel, VocabParallelEmbedding, column_linear,
+                                             gather_logits, row_linear)
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TensorParallel | None = None):
         super().__init__()
-        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
+        heads, kv_heads, d, hidden = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
         bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        q_rows = kv_rows = None  # this rank's heads (None: all of them, one process)
+        if tp is not None:
+            q_rows, kv_rows = tp.split(heads, d), tp.kv_heads(kv_heads, heads, d)
+            heads, kv_heads = q_rows.size // d, kv_rows.size // d
+        self.num_heads, self.num_kv_heads, self.head_dim = heads, kv_heads, d
+        self.q_proj = column_linear(hidden, heads * d, bias, tp, q_rows)
+        self.k_proj = column_linear(hidden, kv_heads * d, bias, tp, kv_rows)
+        self.v_proj = column_linear(hidden, kv_heads * d, bias, tp, kv_rows)
+        self.o_proj = row_linear(cfg.num_attention_heads * d, hidden, bias, tp, q_rows)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)  # Qwen3: per-head RMSNorm on q and k
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, layer_idx)
@@ -39,14 +47,14 @@ class SelfAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TensorParallel | None = None):
         super().__init__()
-        self.self_attn = SelfAttention(cfg, layer_idx)
+        self.self_attn = SelfAttention(cfg, layer_idx, tp)
         if cfg.is_moe_layer(layer_idx):
             self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size,
-                                      cfg.num_experts_per_tok, cfg.norm_topk_prob)
+                                      cfg.num_experts_per_tok, cfg.norm_topk_prob, tp)
         else:
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -57,28 +65,36 @@ class DecoderLayer(nn.Module):
 
 
 class Qwen3Model(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.embed_tokens = (nn.Embedding(cfg.vocab_size, cfg.hidden_size) if tp is None
+                             else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
 
 
 class Qwen3ForCausalLM(nn.Module):
     """`model(input_ids [B, T]) -> logits [B, T, V]`; `forward_hidden` gives the final hidden states
-    (for fused losses) and, on request, each MoE layer's router logits."""
+    (for fused losses) and, on request, each MoE layer's router logits. With `tp`: one rank's shard (config
+    stays the whole model's; see the module doc)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
         super().__init__()
         self.config = cfg
-        self.model = Qwen3Model(cfg)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tensor_parallel = tp
+        self.model = Qwen3Model(cfg, tp)
+        if cfg.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = (nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if tp is None
+                            else ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp))
         self.gradient_checkpointing = False
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
-        """[V, H]: the output projection (the embedding when tied), for fused log-prob kernels."""
+        """[V, H]: the output projection (the embedding when tied), for fused log-prob kernels (a rank's
+        [V/N padded, H] rows under tensor parallel)."""
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def forward_hidden(self, input_ids, positions=None, attention_mask=None, return_router_logits=False,
@@ -105,7 +121,10 @@ class Qwen3ForCausalLM(nn.Module):
         return (hidden, tuple(router_logits)) if return_router_logits else hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(hidden, self.lm_head_weight)
+        """[..., H] -> [..., V] (the full vocab on every rank under tensor parallel)."""
+        logits = torch.nn.functional.linear(hidden, self.lm_head_weight)
+        tp = self.tensor_parallel
+        return logits if tp is None else gather_logits(logits, tp, self.config.vocab_size)
 
     def forward(self, input_ids, positions=None, attention_mask=None):
         return self.compute_logits(self.forward_hidden(input_ids, positions, attention_mask))

@@ -19,7 +19,6 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-from engine.layers import SparseMoeBlock
 from engine.parallel.expert_parallel import ExpertParallel
 from engine.parallel.mesh import ParallelMesh
 
@@ -27,6 +26,8 @@ from engine.parallel.mesh import ParallelMesh
 def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh) -> None:
     """Every SparseMoeBlock keeps experts [r * E/ep, (r+1) * E/ep) of EP rank r (the model must be the same
     on every rank before: built from one seed or loaded from one checkpoint)."""
+    from engine.layers import SparseMoeBlock  # here: engine.layers imports engine.parallel (tensor parallel)
+
     size = mesh.dims.expert_parallel
     assert size > 1 and mesh.ep is not None, "expert parallel needs a mesh with expert_parallel > 1"
     for block in model.modules():
@@ -43,6 +44,8 @@ def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh) -> None:
 
 def apply_fsdp(model: nn.Module, mesh: ParallelMesh, *, param_dtype: torch.dtype = torch.bfloat16,
                reduce_dtype: torch.dtype = torch.float32, reshard_after_forward: bool = True) -> None:
+    from engine.layers import SparseMoeBlock
+
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for layer in model.model.layers:
         block = layer.mlp
