@@ -36,6 +36,12 @@ def opt(default, help: str, **kw):
     return field(default=default, metadata={"help": help}, **kw)
 
 
+def default_of(config_cls, name: str):
+    """The default of field `name` of the config dataclass that owns it (the policy loss's, the reward's): a
+    trainer's flag that fills that field takes its default from there, so each value is written once."""
+    return config_cls.__dataclass_fields__[name].default
+
+
 @dataclass(kw_only=True)
 class RunConfig:
     """options every trainer shares"""
@@ -66,6 +72,8 @@ class RunConfig:
     lambda_aux: float = opt(0.01, "MoE load-balancing loss weight, as in the seed")
     bf16: str = opt("auto", "bf16 compute: auto (on a GPU) | true | false")
     gradient_checkpointing: bool = opt(False, "recompute activations in the backward pass to save memory")
+    expert_parallel: int = opt(1, "under torchrun: ranks that split each MoE layer's experts (divides the world "
+                                  "size and num_experts)")
     # runs
     save_every: int = opt(0, "write a checkpoint every N steps (0 = only at the end)")
     keep_last: int = opt(2, "checkpoints kept on disk (older ones are deleted)")
@@ -96,7 +104,8 @@ class RunConfig:
             raise ConfigError(f"--model {self.model}: no such checkpoint directory")
 
     def validate(self) -> None:
-        positive = ["batch_size", "keep_last", "log_every", "eval_max_new_tokens", "eval_samples", "max_nonfinite_steps"]
+        positive = ["batch_size", "keep_last", "log_every", "eval_max_new_tokens", "eval_samples", "max_nonfinite_steps",
+                    "expert_parallel"]
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
@@ -150,13 +159,10 @@ class RFTConfig(RunConfig):
     markers: str = opt("<think>,</think>", "comma-separated marker strings, one token each")
     eval_every: int = opt(0, "every N optimizer steps (and at step 0) log eval_loss: the SFT loss on the "
                              "judge-selected teacher answers to the held-out inputs (0 = never)")
-    # parallelism
-    expert_parallel: int = opt(1, "under torchrun: ranks that split each MoE layer's experts (divides the world "
-                                  "size and num_experts)")
 
     def validate(self) -> None:
         super().validate()
-        for name in ("k", "grad_accum", "max_len", "expert_parallel"):
+        for name in ("k", "grad_accum", "max_len"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
         if self.eval_every < 0:

@@ -42,14 +42,14 @@ from kernels.logprobs import fused_linear_logprobs
 from train import distributed
 from train.advantages import SCALE_REWARDS, group_advantages, multi_turn_advantages, token_advantages
 from train.checkpoint import is_sharded, latest_checkpoint, load_checkpoint, model_dir
-from train.config import (ConfigError, RFTConfig, RunConfig, _choice, format_config, opt, parse_config, run_cli,
-                          save_config)
-from train.data import build_prompt, split_thought
+from train.config import (ConfigError, RFTConfig, RunConfig, _choice, default_of, format_config, opt, parse_config,
+                          run_cli, save_config)
+from train.data import build_prompt, load_inputs, split_thought
+from train.judges import make_judge
 from train.losses import PolicyLossConfig, policy_loss
 from train.nonfinite import NonFiniteGuard
 from train.precision import MasterWeights
 from train.rewards import CompositeReward, RewardConfig, RewardError, load_reward_fns
-from train.rft import make_judge
 from train.rollout import Rollouts, collate, reference_lengths, shuffled_order
 
 
@@ -80,13 +80,16 @@ class GRPOConfig(RunConfig):
                                                            "empty = the in-process decoder (train/remote_rollout.py)"})
     weight_sync: str = field(default="distributed", metadata={"help": "with --rollout_url: how new weights reach "
                                                                       "the servers, distributed (broadcast) | disk"})
-    # loss
-    beta: float = field(default=0.01, metadata={"help": "k3 KL weight to the starting checkpoint, as in the seed (0 = no reference model)"})
-    epsilon: float = field(default=0.2, metadata={"help": "clip ε of the ratio, the low side (and the high side without --epsilon_high), as in the seed"})
-    epsilon_high: float | None = field(default=None, metadata={"help": "clip ε of the ratio, the high side (default: --epsilon)"})
-    delta: float | None = field(default=None, metadata={"help": "dual clip c for negative advantages (none = no dual clip)"})
-    loss_type: str = field(default="grpo", metadata={"help": "grpo | bnpo | dr_grpo | dapo"})
-    importance_sampling_level: str = field(default="token", metadata={"help": "token | sequence (GSPO)"})
+    # loss (train.losses.PolicyLossConfig owns the defaults, but β: the seed's 0.01 where the loss's own is 0)
+    beta: float = opt(0.01, "k3 KL weight to the starting checkpoint, as in the seed (0 = no reference model)")
+    epsilon: float = opt(default_of(PolicyLossConfig, "epsilon_low"), "clip ε of the ratio, the low side (and the high "
+                         "side without --epsilon_high), as in the seed")
+    epsilon_high: float | None = opt(None, "clip ε of the ratio, the high side (default: --epsilon)")
+    delta: float | None = opt(default_of(PolicyLossConfig, "delta"), "dual clip c for negative advantages (none = no "
+                              "dual clip)")
+    loss_type: str = opt(default_of(PolicyLossConfig, "loss_type"), "grpo | bnpo | dr_grpo | dapo")
+    importance_sampling_level: str = opt(default_of(PolicyLossConfig, "importance_sampling_level"),
+                                         "token | sequence (GSPO)")
     num_iterations: int = field(default=1, metadata={"help": "μ: optimiser passes per rollout batch"})
     micro_batch_size: int = field(default=32, metadata={"help": "completions per forward/backward"})
     scale_rewards: str = field(default="group", metadata={"help": "group | batch | none"})
@@ -94,22 +97,21 @@ class GRPOConfig(RunConfig):
     drop_zero_variance: bool = field(default=False, metadata={"help": "leave groups with equal rewards out of the loss"})
     mask_truncated: bool = field(default=False, metadata={"help": "leave completions cut at max_new_tokens out of the loss"})
     old_logprobs: str = field(default="decoder", metadata={"help": "decoder (the sampled tokens' raw logprobs) | trainer"})
-    # rewards (seed's Table 2)
-    w_correct: float = field(default=0.4, metadata={"help": "reward weight of correctness, as in the seed"})
-    w_helpful: float = field(default=0.3, metadata={"help": "reward weight of helpfulness, as in the seed"})
-    w_length: float = field(default=0.3, metadata={"help": "reward weight of the length reward, as in the seed"})
-    lambda_upper: float = field(default=0.5, metadata={"help": "length reward: upper end of the target band, "
-                                                               "a fraction of L_ref, as in the seed"})
-    lambda_lower: float = field(default=0.4, metadata={"help": "length reward: lower end of the target band, "
-                                                               "a fraction of L_ref, as in the seed"})
-    length_epsilon: float = field(default=0.1, metadata={"help": "ε of the length reward, a fraction of L_ref"})
-    reward_fns: str = field(default="", metadata={"help": "extra rewards: module:fn[=weight],... fn(record, completion, info)"})
+    # rewards (the seed's Table 2; train.rewards.RewardConfig owns the defaults)
+    w_correct: float = opt(default_of(RewardConfig, "w_correct"), "reward weight of correctness, as in the seed")
+    w_helpful: float = opt(default_of(RewardConfig, "w_helpful"), "reward weight of helpfulness, as in the seed")
+    w_length: float = opt(default_of(RewardConfig, "w_length"), "reward weight of the length reward, as in the seed")
+    lambda_upper: float = opt(default_of(RewardConfig, "lambda_upper"), "length reward: upper end of the target band, "
+                              "a fraction of L_ref, as in the seed")
+    lambda_lower: float = opt(default_of(RewardConfig, "lambda_lower"), "length reward: lower end of the target band, "
+                              "a fraction of L_ref, as in the seed")
+    length_epsilon: float = opt(default_of(RewardConfig, "length_epsilon"), "ε of the length reward, a fraction of L_ref")
+    reward_fns: str = opt(default_of(RewardConfig, "reward_fns"), "extra rewards: module:fn[=weight],... "
+                          "fn(record, completion, info)")
     # multi-turn (LiveAssistant)
     multi_turn: bool = field(default=False, metadata={"help": "records' `followups` are later turns of one trajectory"})
     turn_weight: float = field(default=0.5, metadata={"help": "turn-level vs trajectory-level credit"})
     export_dir: str = field(default="", metadata={"help": "HF export of the final model (default: <output_dir>/final)"})
-    expert_parallel: int = opt(1, "under torchrun: ranks that split each MoE layer's experts (divides the world "
-                                  "size and num_experts)")
 
     def check_model(self) -> None:
         if self.model != "auto":  # `auto` is resolved later, by resolve_start
@@ -118,7 +120,7 @@ class GRPOConfig(RunConfig):
     def validate(self) -> None:
         super().validate()
         for name in ("num_generations", "max_new_tokens", "num_iterations", "micro_batch_size",
-                     "rollout_max_num_seqs", "rollout_kv_bytes", "expert_parallel"):
+                     "rollout_max_num_seqs", "rollout_kv_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
         if self.ref_samples < 0:
@@ -194,8 +196,6 @@ def resolve_start(cfg: GRPOConfig) -> str:
 
 def load_records(cfg: GRPOConfig) -> tuple:
     """(training records, held-out records): RFT's inputs (the same synthetic rooms by default)."""
-    from train.rft import load_inputs
-
     train, held_out = load_inputs(cfg)
     if cfg.multi_turn and not any(r.get("followups") for r in train):
         raise ConfigError("--multi_turn: no training record has `followups` (later user turns)")

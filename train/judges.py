@@ -427,3 +427,12 @@ def load_judge(spec: str, **kwargs) -> Judge:
     if isinstance(obj, type):
         obj = obj(**kwargs)
     return obj if isinstance(obj, Judge) else _FunctionJudge(obj, spec)
+
+
+def make_judge(cfg) -> Judge:
+    """The judge of a run config (train.config.RunConfig): --judge, and for `llm` an endpoint (--judge_url) or a
+    local checkpoint (--judge_model) judged with the engine's decoder."""
+    if cfg.judge == "llm":
+        kw = dict(api_key=os.environ.get(cfg.judge_api_key_env), concurrency=cfg.judge_concurrency) if cfg.judge_url else {}
+        return load_judge("llm", url=cfg.judge_url, model=cfg.judge_model, language=cfg.judge_language, **kw)
+    return load_judge(cfg.judge)
