@@ -232,8 +232,6 @@ class GRPOTrainer:
         if distributed.world_size() > 1 and cfg.model == "auto":
             raise ConfigError("--model auto under torchrun: pass --model CHECKPOINT_DIR (the RFT default's student "
                               "is made by one process: run train.rft first)")
-        if distributed.world_size() > 1 and cfg.multi_turn:
-            raise ConfigError("--multi_turn does not run under torchrun yet: run it as one process")
         if distributed.world_size() > 1 and cfg.rollout_url:
             raise ConfigError("--rollout_url does not run under torchrun yet (each rank would push its shards): run "
                               "it as one process, or leave it out to roll out in-process on every rank")
@@ -334,17 +332,19 @@ class GRPOTrainer:
             source = Rollouts(ref, self.tokenizer, num_generations=self.cfg.num_generations,
                               max_new_tokens=self.cfg.max_new_tokens, seed=self.cfg.seed, **self._sampling())
         t0 = time.perf_counter()
+        # each rank decodes its share (greedy, or sampled seeded by record id: any split gives the same lengths)
+        mine = todo[self.dist.rank::self.dist.world_size]
         if self.cfg.multi_turn:  # one greedy trajectory: per-turn lengths
-            trajs = self._multi_turn_rollouts(todo, step=-1, greedy=True, rollouts=source)
-            for i, group in zip(todo, trajs):
+            found = {}
+            trajs = self._multi_turn_rollouts(mine, step=-1, greedy=True, rollouts=source)
+            for i, group in zip(mine, trajs):
                 for t, (s, e) in enumerate(group[0].turn_spans):
-                    self.ref_lengths[f"{self.train_records[i]['id']}#{t}"] = max(1, e - s)
-        else:  # each rank decodes its share (seeded by record id: any split gives the same lengths)
-            mine = todo[self.dist.rank::self.dist.world_size]
+                    found[f"{self.train_records[i]['id']}#{t}"] = max(1, e - s)
+        else:
             found = reference_lengths(source, [self.train_records[i] for i in mine], [self.prompts[i] for i in mine],
                                       {}, self.cfg.ref_samples)
-            for part in self.dist.all_gather_objects(found):
-                self.ref_lengths.update(part)
+        for part in self.dist.all_gather_objects(found):
+            self.ref_lengths.update(part)
         source.release()
         if self.cfg.progress:
             print(f"L_ref of {len(todo)} prompts in {time.perf_counter() - t0:.1f}s", flush=True)
@@ -354,7 +354,8 @@ class GRPOTrainer:
         return dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                     kv_cache_bytes=cfg.rollout_kv_bytes, max_num_seqs=cfg.rollout_max_num_seqs)
 
-    def _multi_turn_rollouts(self, indices: list, step: int, greedy: bool = False, rollouts=None) -> list:
+    def _multi_turn_rollouts(self, indices: list, step: int, greedy: bool = False, rollouts=None,
+                             keys: list | None = None) -> list:
         firsts, nexts = [], []
         for i in indices:
             r = self.train_records[i]
@@ -366,7 +367,7 @@ class GRPOTrainer:
                                                                   add_generation_prompt=True)
                 turns.append(text)
             nexts.append(turns)
-        return (rollouts or self.rollouts).generate_multi_turn(firsts, nexts, step, greedy=greedy)
+        return (rollouts or self.rollouts).generate_multi_turn(firsts, nexts, step, greedy=greedy, keys=keys)
 
     # -- rollouts and rewards -----------------------------------------------------------------------
     def rollout_phase(self, step: int) -> tuple:
@@ -379,7 +380,7 @@ class GRPOTrainer:
         self.model.eval()
         with torch.no_grad():
             if cfg.multi_turn:
-                groups = self._multi_turn_rollouts(idx, step)
+                groups = self._multi_turn_rollouts(idx, step, keys=places)
             else:
                 groups = self.rollouts.generate([self.prompts[i] for i in idx], step, keys=places)
         self.rollouts.release()  # the update never shares memory with the KV cache
@@ -387,40 +388,41 @@ class GRPOTrainer:
         comps = [c for g in groups for c in g]
         records = [self.train_records[i] for i in idx for _ in range(K)]
         comp_values: dict = {}
-        if cfg.multi_turn:
-            turn_rewards = []
+        if cfg.multi_turn:  # each turn judged as its own record, with the trajectory's earlier turns as history
+            mine = []  # per trajectory its turns' rewards
             for rec, c in zip(records, comps):
                 recs = [_turn_record(rec, t, c.turn_texts) for t in range(len(c.turn_spans))]
                 lens = [e - s for s, e in c.turn_spans]
                 refs = [self.ref_lengths[f"{rec['id']}#{t}"] for t in range(len(recs))]
                 res = self.reward(recs, c.turn_texts, lens, refs)
-                turn_rewards.append([x.reward for x in res])
-                for x in res:
-                    for k, v in x.components.items():
-                        comp_values.setdefault(k, []).append(v)
-            rewards = torch.tensor([sum(t) / len(t) for t in turn_rewards])
-            adv_turns = multi_turn_advantages(turn_rewards, K, cfg.turn_weight, cfg.advantage_eps, cfg.scale_rewards)
-            advantages = [token_advantages(c.turn_spans, a, len(c.token_ids))[0] for c, a in zip(comps, adv_turns)]
-            _, keep, adv_stats = group_advantages(rewards, K, cfg.scale_rewards, cfg.advantage_eps, cfg.drop_zero_variance)
+                mine.append([x.reward for x in res])
+                _add_components(comp_values, res)
         else:
             refs = [self.ref_lengths[r["id"]] for r in records]
             res = self.reward(records, [c.text for c in comps], [c.length for c in comps], refs)
-            for x in res:
-                for k, v in x.components.items():
-                    comp_values.setdefault(k, []).append(v)
-            # the ranks' rewards joined in global order: advantages (group or batch statistics) and metrics are
-            # the one-process ones; this rank keeps its completions' share
-            gathered = self.dist.all_gather_objects(([x.reward for x in res], comp_values,
-                                                     [(c.length, len(c.token_ids), c.truncated) for c in comps]))
-            rewards = torch.tensor([r for part in gathered for r in part[0]])
-            comp_values = {k: [v for part in gathered for v in part[1][k]] for k in comp_values}
-            shape = [t for part in gathered for t in part[2]]
+            mine = [x.reward for x in res]
+            _add_components(comp_values, res)
+        # the ranks' rewards joined in global order: advantages (group or batch statistics) and metrics are the
+        # one-process ones; this rank keeps its completions' share
+        gathered = self.dist.all_gather_objects((mine, comp_values, [(c.length, len(c.token_ids), c.truncated)
+                                                                     for c in comps]))
+        all_rewards = [r for part in gathered for r in part[0]]
+        comp_values = {k: [v for part in gathered for v in part[1].get(k, [])]
+                       for k in dict.fromkeys(k for part in gathered for k in part[1])}
+        shape = [t for part in gathered for t in part[2]]
+        share = slice(places[0] * K, places[0] * K + len(comps))
+        if cfg.multi_turn:
+            rewards = torch.tensor([sum(t) / len(t) for t in all_rewards])
+            adv_turns = multi_turn_advantages(all_rewards, K, cfg.turn_weight, cfg.advantage_eps, cfg.scale_rewards)
+            advantages = [token_advantages(c.turn_spans, a, len(c.token_ids))[0]
+                          for c, a in zip(comps, adv_turns[share])]
+            _, keep, adv_stats = group_advantages(rewards, K, cfg.scale_rewards, cfg.advantage_eps, cfg.drop_zero_variance)
+        else:
+            rewards = torch.tensor(all_rewards)
             advantages, keep, adv_stats = group_advantages(rewards, K, cfg.scale_rewards, cfg.advantage_eps,
                                                            cfg.drop_zero_variance)
-            first = places[0] * K
-            advantages, keep = advantages[first:first + len(comps)].tolist(), keep[first:first + len(comps)]
-        if cfg.multi_turn:
-            shape = [(c.length, len(c.token_ids), c.truncated) for c in comps]
+            advantages = advantages[share].tolist()
+        keep = keep[share]
         lengths = torch.tensor([float(n) for n, _, _ in shape])
         gen_tokens = sum(n for _, n, _ in shape)
         m = {"reward/mean": rewards.mean(), "reward/std": rewards.std()}
@@ -640,6 +642,13 @@ class GRPOTrainer:
             with open(os.path.join(cfg.output_dir, "summary.json"), "w") as f:
                 json.dump(_rounded(summary), f, indent=1)
         return summary
+
+
+def _add_components(values: dict, results: list) -> None:
+    """Appends each reward result's components (correct, helpful, length, user functions) to values[name]."""
+    for x in results:
+        for k, v in x.components.items():
+            values.setdefault(k, []).append(v)
 
 
 def _rounded(x):
