@@ -104,15 +104,10 @@ class RunConfig:
             raise ConfigError(f"--model {self.model}: no such checkpoint directory")
 
     def validate(self) -> None:
-        positive = ["batch_size", "keep_last", "log_every", "eval_max_new_tokens", "eval_samples", "max_nonfinite_steps",
-                    "expert_parallel"]
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("lr", "lambda_aux", "max_grad_norm", "weight_decay", "warmup_steps", "max_steps",
-                     "save_every", "train_rooms", "eval_rooms", "eval_temperature", "threads"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"--{name} must be >= 0, got {getattr(self, name)}")
+        check_at_least(self, 1, "batch_size", "keep_last", "log_every", "eval_max_new_tokens", "eval_samples",
+                       "max_nonfinite_steps", "expert_parallel")
+        check_at_least(self, 0, "lr", "lambda_aux", "max_grad_norm", "weight_decay", "warmup_steps", "max_steps",
+                       "save_every", "train_rooms", "eval_rooms", "eval_temperature", "threads")
         if self.eval_temperature == 0 and self.eval_samples != 1:
             raise ConfigError(f"--eval_samples {self.eval_samples} needs --eval_temperature > 0: greedy responses are "
                               "identical (use --eval_samples 1 with --eval_temperature 0)")
@@ -162,11 +157,8 @@ class RFTConfig(RunConfig):
 
     def validate(self) -> None:
         super().validate()
-        for name in ("k", "grad_accum", "max_len"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
-        if self.eval_every < 0:
-            raise ConfigError(f"--eval_every must be >= 0, got {self.eval_every}")
+        check_at_least(self, 1, "k", "grad_accum", "max_len")
+        check_at_least(self, 0, "eval_every")
         if self.eval_every and not self.eval_data and (self.data or self.eval_rooms == 0):
             raise ConfigError("--eval_every needs held-out inputs: --eval_data with --data, or --eval_rooms > 0")
         if self.marker_weight <= 0:
@@ -183,6 +175,13 @@ class RFTConfig(RunConfig):
         if self.teacher not in ("scripted",) and not self.teacher.startswith(("http://", "https://")) \
                 and not os.path.isdir(self.teacher):
             raise ConfigError(f"--teacher {self.teacher!r}: expected scripted, an http(s) URL or a checkpoint directory")
+
+
+def check_at_least(cfg, low, *names: str) -> None:
+    """ConfigError naming the first of the options `names` of cfg that is below `low`."""
+    for name in names:
+        if getattr(cfg, name) < low:
+            raise ConfigError(f"--{name} must be >= {low}, got {getattr(cfg, name)}")
 
 
 def _choice(name, value, choices):

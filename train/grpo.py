@@ -42,8 +42,8 @@ from kernels.logprobs import fused_linear_logprobs
 from train import distributed
 from train.advantages import SCALE_REWARDS, group_advantages, multi_turn_advantages, token_advantages
 from train.checkpoint import is_sharded, latest_checkpoint, load_checkpoint, model_dir
-from train.config import (ConfigError, RFTConfig, RunConfig, _choice, default_of, format_config, opt, parse_config,
-                          run_cli, save_config)
+from train.config import (ConfigError, RFTConfig, RunConfig, _choice, check_at_least, default_of, format_config, opt,
+                          parse_config, run_cli, save_config)
 from train.data import build_prompt, load_inputs, split_thought
 from train.judges import make_judge
 from train.losses import PolicyLossConfig, policy_loss
@@ -119,12 +119,9 @@ class GRPOConfig(RunConfig):
 
     def validate(self) -> None:
         super().validate()
-        for name in ("num_generations", "max_new_tokens", "num_iterations", "micro_batch_size",
-                     "rollout_max_num_seqs", "rollout_kv_bytes"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
-        if self.ref_samples < 0:
-            raise ConfigError(f"--ref_samples must be >= 0, got {self.ref_samples}")
+        check_at_least(self, 1, "num_generations", "max_new_tokens", "num_iterations", "micro_batch_size",
+                       "rollout_max_num_seqs", "rollout_kv_bytes")
+        check_at_least(self, 0, "ref_samples")
         if self.num_generations < 2:
             raise ConfigError("--num_generations must be >= 2: GRPO compares rollouts of one prompt")
         if self.temperature <= 0:

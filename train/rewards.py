@@ -22,7 +22,7 @@ weighted value is added to r and logged under its attr name.
 import math
 from dataclasses import dataclass, field
 
-from train.imports import import_object
+from train.imports import import_object, split_path
 
 
 class RewardError(ValueError):
@@ -91,7 +91,7 @@ def load_reward_fns(spec: str) -> list:
             fn = import_object(path)
         except ValueError as e:
             raise RewardError(f"reward function {item!r}: {e}") from None
-        attr = path.partition(":")[2] if ":" in path else path.rpartition(".")[2]
+        attr = split_path(path)[1]
         if not callable(fn):
             raise RewardError(f"reward function {path!r} is not callable")
         if attr in ("correct", "helpful", "length"):
