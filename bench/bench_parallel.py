@@ -1,6 +1,9 @@
 """Training steps of a small MoE model on 1, 2 (and at full size 4) gloo ranks, with and without expert
 parallel: tokens per second per rank (ratio against one rank in the same run) and the share of the step
 spent in the all-to-all (the EP layer's dispatch and combine), FSDP's all-gathers and its reduce-scatters.
+On GPUs (test_bench_parallel_gpu, run by bench/gpu_check.sh): the step time of a Qwen3-30B-A3B-shaped layer
+stack with expert parallel over every GPU (one NCCL rank each) against the same layers with FSDP alone, and
+one GPU's step; with a single GPU only that row is measured and the EP case is skipped, saying why.
 
 The collectives are timed by wrapping them (the all-to-all in engine.parallel, FSDP2's
 torch.distributed.all_gather_single / reduce_scatter_single, each waited on at once: on the CPU gloo gives
@@ -9,25 +12,45 @@ are added: the per-rank rate says what the collectives cost, not how far a clust
 """
 import importlib
 import time
+from typing import NamedTuple
 
 import pytest
 import torch
 
 from bench.common import record
 
-# (hidden, layers, experts, top_k, moe_intermediate, vocab, global batch, seq_len, timed steps)
-SIZES = {"quick": (64, 2, 8, 2, 32, 128, 8, 32, 2), "full": (256, 4, 16, 2, 128, 1024, 16, 128, 5)}
+class Size(NamedTuple):
+    hidden: int
+    layers: int
+    experts: int
+    top_k: int
+    moe_intermediate: int
+    vocab: int
+    batch: int  # global: sequences per step over all ranks
+    seq_len: int
+    steps: int  # timed (after one warm-up step)
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int | None = None  # None: hidden / heads
+
+
+SIZES = {"quick": Size(64, 2, 8, 2, 32, 128, 8, 32, 2), "full": Size(256, 4, 16, 2, 128, 1024, 16, 128, 5)}
 WORLDS = {"quick": (2,), "full": (2, 4)}
+# Qwen3-30B-A3B's decoder layers (hidden 2048, 32 query and 4 KV heads of 128, 128 experts, top-8, moe_intermediate
+# 768), two of them, with a small vocabulary: the layer stack is what is timed, not the 151,936-row head
+GPU_SIZES = {"quick": Size(256, 2, 16, 4, 128, 1024, 8, 128, 2, 8, 2, 32),
+             "full": Size(2048, 2, 128, 8, 768, 1024, 8, 1024, 5, 32, 4, 128)}
 
 
-def _model(size):
+def _model(size: Size):
     from engine.config import ModelConfig
     from engine.model import Qwen3ForCausalLM
 
-    H, L, E, k, inter, V = size[:6]
-    cfg = ModelConfig.from_dict(dict(model_type="qwen3_moe", vocab_size=V, hidden_size=H, num_hidden_layers=L,
-                                     num_attention_heads=4, num_key_value_heads=2, head_dim=H // 4, num_experts=E,
-                                     num_experts_per_tok=k, moe_intermediate_size=inter, norm_topk_prob=True))
+    cfg = ModelConfig.from_dict(dict(model_type="qwen3_moe", vocab_size=size.vocab, hidden_size=size.hidden,
+                                     num_hidden_layers=size.layers, num_attention_heads=size.heads,
+                                     num_key_value_heads=size.kv_heads, head_dim=size.head_dim or size.hidden // size.heads,
+                                     num_experts=size.experts, num_experts_per_tok=size.top_k,
+                                     moe_intermediate_size=size.moe_intermediate, norm_topk_prob=True))
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(cfg)
     with torch.no_grad():
@@ -55,18 +78,23 @@ class _Timer:
         setattr(self.owner, self.name, self.fn)
 
 
-def run_steps(size, expert_parallels, world_size: int):
+def run_steps(size: Size, expert_parallels, world_size: int, device_type: str = "cpu"):
     """Per expert_parallel degree: (seconds per step, tokens per rank per step, share of all-to-all, all-gather,
-    reduce-scatter in the step). Runs on the ranks spawn_ranks starts, or in-process for one rank."""
+    reduce-scatter in the step). Runs on the ranks spawn_ranks starts, or in-process for one rank.
+    device_type "cpu": gloo ranks (also on a machine with GPUs); "cuda": one NCCL rank per GPU, bf16 compute, and
+    no shares (a collective returns once queued on the GPU: timing its call says nothing), so they are 0."""
     import torch.distributed as dist
 
     from engine.parallel import init_distributed
 
     a2a_module = importlib.import_module("engine.parallel.all_to_all")  # the module (the package exports the function)
 
-    world = init_distributed(timeout_s=120)
-    timers = {"all_to_all": _Timer(a2a_module, "_all_to_all"), "all_gather": _Timer(dist, "all_gather_single"),
-              "reduce_scatter": _Timer(dist, "reduce_scatter_single")}
+    world = init_distributed(timeout_s=300, backend="gloo" if device_type == "cpu" else None)
+    assert world.device.type == device_type, (world.device, device_type)
+    timers = {}
+    if device_type == "cpu":
+        timers = {"all_to_all": _Timer(a2a_module, "_all_to_all"), "all_gather": _Timer(dist, "all_gather_single"),
+                  "reduce_scatter": _Timer(dist, "reduce_scatter_single")}
     try:
         return _timed_steps(size, expert_parallels, world_size, world, timers)
     finally:
@@ -74,47 +102,88 @@ def run_steps(size, expert_parallels, world_size: int):
             t.restore()
 
 
-def _timed_steps(size, expert_parallels, world_size, world, timers):
+def _timed_steps(size: Size, expert_parallels, world_size, world, timers):
+    return {ep: _time_degree(size, ep, world_size, world, timers) for ep in expert_parallels}
+
+
+def _time_degree(size: Size, ep: int, world_size, world, timers) -> tuple:
+    """One expert_parallel degree's timed steps (its own function: its model and optimizer are freed on return,
+    before the next degree's are built)."""
     import torch.nn.functional as F
 
+    from bench.common import sync
     from engine.parallel import ParallelDims, ParallelMesh, clip_grad_norm_, parallelize
     from engine.parallel.mesh import build_mesh
 
-    rank = world.rank
-    B, T, steps = size[6], size[7], size[8]
+    rank, device = world.rank, world.device
+    # the GPU computes in bf16: FSDP keeps fp32 parameters and casts (param_dtype); one GPU holds bf16 ones
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    B, T, steps = size.batch, size.seq_len, size.steps
     share = B // world_size
-    out = {}
-    for ep in expert_parallels:
-        model = _model(size)
-        if world.distributed:
-            dims = ParallelDims(world_size=world_size, expert_parallel=ep)
-            dp, ep_mesh, dp_mod_ep = build_mesh(dims, "cpu")
-            mesh = ParallelMesh(dims=dims, rank=rank, local_rank=rank, device=torch.device("cpu"), dp=dp,
-                                ep=ep_mesh, dp_mod_ep=dp_mod_ep)
-            model = parallelize(model, mesh, param_dtype=torch.float32)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        g = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, size[5], (B, T + 1), generator=g)[rank * share:(rank + 1) * share]
+    model = _model(size).to(device)
+    if world.distributed:
+        dims = ParallelDims(world_size=world_size, expert_parallel=ep)
+        dp, ep_mesh, dp_mod_ep = build_mesh(dims, device.type)
+        mesh = ParallelMesh(dims=dims, rank=rank, local_rank=world.local_rank, device=device, dp=dp,
+                            ep=ep_mesh, dp_mod_ep=dp_mod_ep)
+        model = parallelize(model, mesh, param_dtype=dtype)
+    else:
+        model = model.to(dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, size.vocab, (B, T + 1), generator=g)[rank * share:(rank + 1) * share].to(device)
 
-        def step():
-            hidden = model.forward_hidden(ids[:, :-1])
-            logits = model.compute_logits(hidden)
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum")
-            (loss / (B * T)).backward()
-            clip_grad_norm_(list(model.parameters()), 1.0)
-            opt.step()
-            opt.zero_grad()
+    def step():
+        hidden = model.forward_hidden(ids[:, :-1])
+        logits = model.compute_logits(hidden)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1), reduction="sum")
+        (loss / (B * T)).backward()
+        clip_grad_norm_(list(model.parameters()), 1.0)
+        opt.step()
+        opt.zero_grad()
 
-        step()  # warm-up
-        for t in timers.values():
-            t.seconds = 0.0
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        elapsed = (time.perf_counter() - t0) / steps
-        out[ep] = (elapsed, share * T, *(timers[k].seconds / steps / elapsed
-                                         for k in ("all_to_all", "all_gather", "reduce_scatter")))
-    return out
+    step()  # warm-up (on a GPU: the Triton kernels compile here)
+    for t in timers.values():
+        t.seconds = 0.0
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync(device)
+    elapsed = (time.perf_counter() - t0) / steps
+    return (elapsed, share * T, *(timers[k].seconds / steps / elapsed if timers else 0.0
+                                  for k in ("all_to_all", "all_gather", "reduce_scatter")))
+
+
+def gpu_world(num_gpus: int, num_experts: int) -> int:
+    """The ranks of the GPU case: the most GPUs, up to 8, over which the experts split evenly (EP over all of
+    them); 1 when fewer than 2 GPUs can (expert parallel needs two ranks, and NCCL one GPU per rank)."""
+    return max([w for w in range(2, min(num_gpus, 8) + 1) if num_experts % w == 0], default=1)
+
+
+def test_bench_parallel_gpu(bench_mode):
+    """Step time of the Qwen3-30B-A3B-shaped layers on one GPU, then on N GPUs with expert parallel N against
+    FSDP alone (the same global batch)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (the CPU ranks are test_bench_parallel's)")
+    from spawn_ranks import spawn_ranks  # tests/ is on the path (bench/conftest.py)
+
+    size = GPU_SIZES[bench_mode]
+    one_s, tokens, *_ = run_steps(size, [1], 1, "cuda")[1]
+    torch.cuda.empty_cache()  # the ranks below start processes of their own on this GPU too
+    record(suite="parallel_gpu", case=f"1 GPU, {size.layers} layers, {size.batch}x{size.seq_len} tokens",
+           metric="ms per step", ours=one_s * 1e3, extra={"tok/s": round(tokens / one_s)})
+    n = torch.cuda.device_count()
+    world = gpu_world(n, size.experts)
+    if world == 1:
+        pytest.skip(f"expert parallel needs 2 or more GPUs (one NCCL rank each) whose number divides the "
+                    f"{size.experts} experts; this machine has {n}: only the 1-GPU step was measured")
+    results = spawn_ranks(run_steps, world, size, [1, world], world, "cuda", timeout=900)
+    assert len(results) == world
+    fsdp_s, ep_s = (max(r[ep][0] for r in results) for ep in (1, world))  # a step ends with its slowest rank's
+    record(suite="parallel_gpu", case=f"{world} GPUs, expert_parallel {world}", metric="ms per step",
+           ours=ep_s * 1e3, baseline=fsdp_s * 1e3, baseline_name=f"{world} GPUs, FSDP alone",
+           extra={"1 GPU ms": round(one_s * 1e3, 2), "tok/s per GPU": round(results[0][world][1] / ep_s)})
 
 
 def test_bench_parallel(bench_mode):
@@ -130,7 +199,7 @@ def test_bench_parallel(bench_mode):
     base_rate = base_tokens / base_s
     record(suite="parallel", case="1 rank", metric="tok/s per rank", ours=base_rate, higher_is_better=True)
     for world in WORLDS[bench_mode]:
-        eps = [1, 2] if size[2] % 2 == 0 else [1]
+        eps = [1, 2] if size.experts % 2 == 0 else [1]
         results = spawn_ranks(run_steps, world, size, eps, world, timeout=300 if bench_mode == "quick" else 1200)
         assert len(results) == world
         for ep in eps:

@@ -4,8 +4,11 @@
 #   2. build the extension     in the background, on the CPUs, while the GPU tests run (csrc/ holds CPU
 #                              ops only, which no GPU path needs: a failed build costs no GPU figure)
 #   3. GPU correctness tests   the bf16 real-shape checks, the Triton kernels compiled for this GPU, CUDA graphs
-#   4. GPU benchmarks          kernels first (MoE, log-probs, attention), then the decoder, then the rest;
-#                              every row is written to results.{json,md} as soon as it is measured
+#   4. GPU benchmarks          kernels first (MoE, log-probs, attention), then the decoder, then the training
+#                              step of Qwen3-30B-A3B-shaped layers with expert parallel against FSDP alone
+#                              (bench_parallel.py: on one GPU the 1-GPU step, the EP case skipped with its
+#                              reason), then the rest; every row is written to results.{json,md} as soon as it
+#                              is measured
 # Budget: LIVEMOE_GPU_CHECK_BUDGET seconds in all (default 450, i.e. under 8 minutes); each stage gets a
 # timeout from what is left, so a slow stage never takes the figures of the next with it.
 # Output: $OUT when set (the device tool's folder that comes back), else $LIVEMOE_BENCH_OUT, else bench/out:
@@ -106,9 +109,10 @@ fi
 
 t=$(limit 1 1 15)
 stage "GPU benchmarks (limit ${t}s)"
-# kernels first, the end-to-end decoder next, the CPU-side suites last; any other suite after them
-order=(bench/bench_moe.py bench/bench_logprobs.py bench/bench_attention.py bench/bench_decode.py bench/bench_flops.py
-       bench/bench_serve.py)
+# kernels first, the end-to-end decoder and the expert-parallel training step next (its GPU case runs before its
+# gloo one), the CPU-side suites last; any other suite after them
+order=(bench/bench_moe.py bench/bench_logprobs.py bench/bench_attention.py bench/bench_decode.py bench/bench_parallel.py
+       bench/bench_flops.py bench/bench_serve.py)
 files=()
 for f in "${order[@]}" bench/bench_*.py; do
   [ -f "$f" ] && [[ ! " ${files[*]} " =~ " $f " ]] && files+=("$f")

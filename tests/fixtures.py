@@ -1,8 +1,12 @@
 """Fixtures shared by tests/ and bench/ (both conftests import them), and helpers the tests share."""
 import contextlib
+import json
 import os
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
 
 import pytest
 import torch
@@ -27,6 +31,16 @@ def run_with_portable_kernels(code: str) -> None:
     env = dict(os.environ, ATEN_CPU_CAPABILITY="default", PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tests")]))
     res = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
+
+
+SERVER_EXTRAS = ("fastapi", "uvicorn", "openai")
+
+
+def require_server_extras():
+    """Skips the calling test (or, at import, its module) unless the HTTP server's extras and the openai client
+    are installed (`pip install -e .[test]`; the GPU image lacks them) -> the openai module."""
+    reason = f"needs the server extras {', '.join(SERVER_EXTRAS)} (pip install -e .[test])"
+    return [pytest.importorskip(name, reason=reason) for name in SERVER_EXTRAS][-1]
 
 
 POISON_SEED = 666  # the injected fault: sampling any batch holding this seed raises
@@ -65,3 +79,53 @@ async def wait_idle(engine, wait_s: float = 30.0):
             return s
         await asyncio.sleep(0.01)
     raise AssertionError(f"engine not idle after {wait_s}s: {engine.stats()}")
+
+
+def http_json(url: str, body=None, *, method: str | None = None, headers: dict | None = None,
+              timeout: float = 60.0) -> tuple:
+    """(status, parsed JSON body, None when empty) of one request, whatever the status: a POST of `body` as JSON
+    when one is given, else a GET (`method` overrides: DELETE, a POST with no body)."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method or ("GET" if body is None else "POST"),
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"null")
+
+
+def gone(pid: int, within_s: float = 10.0) -> bool:
+    """Whether process pid has exited (and been reaped) within the time."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        try:  # a zombie of ours counts as gone once reaped
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                return True
+        except ChildProcessError:
+            pass
+        time.sleep(0.05)
+    return False
+
+
+def assert_stopped_on_nonfinite(code: int, err: str, out) -> None:
+    """What a trainer's run that diverged (--max_nonfinite_steps 2, --keep_last 1, a checkpoint every step) left:
+    exit 2 with one line on stderr, no final export, the skipped step logged with its NaN as null and the
+    second in a row stopping the run before its row, and one checkpoint: the last good one, with finite weights
+    (the loader refuses NaN/Inf)."""
+    from engine.loader import load_model
+    from train.checkpoint import resolve_resume
+
+    assert code == 2 and "Traceback" not in err
+    assert "the loss or the gradients were NaN/Inf in 2 steps in a row (--max_nonfinite_steps 2)" in err
+    assert not (out / "final").exists()
+    rows = [json.loads(x, parse_constant=pytest.fail) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["nonfinite_steps"] for r in rows] == [0, 1] and rows[-1]["grad_norm"] is None
+    last = resolve_resume("auto", str(out / "checkpoints"))
+    assert last is not None and os.listdir(out / "checkpoints") == [os.path.basename(last)]
+    model = load_model(os.path.join(last, "model"), device="cpu")
+    assert all(torch.isfinite(p).all() for p in model.parameters())

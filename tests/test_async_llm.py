@@ -1,13 +1,13 @@
 """AsyncLLM from plain asyncio, as a service embeds it: concurrent generate() calls each get exactly
 what LLM.generate gives; leaving early (break / aclose, or cancelling the task) aborts and frees the
 KV blocks; a bad request raises RequestError and the engine keeps serving; shutdown ends what is in
-flight with EngineDeadError."""
+flight with EngineDeadError (tested for both cores, the thread and the process, in tests/test_engine_core.py)."""
 import asyncio
 
 import pytest
 import torch
 
-from engine.async_llm import AsyncLLM, EngineDeadError, EngineError
+from engine.async_llm import AsyncLLM, EngineError
 from engine.llm import LLM
 from engine.sampling import RequestError, SamplingParams
 from fixtures import collect_deltas as collect, wait_idle
@@ -133,20 +133,3 @@ def test_failed_step_ends_requests_in_flight_and_engine_goes_on(engine, monkeypa
 
     asyncio.run(main())
     assert engine.error is None
-
-
-def test_shutdown_ends_requests_in_flight(ckpt):
-    eng = AsyncLLM(ckpt, **OPTIONS)
-
-    async def main():
-        gen = eng.generate("hello", SamplingParams(max_tokens=400, ignore_eos=True))
-        await gen.__anext__()
-        await asyncio.get_running_loop().run_in_executor(None, eng.shutdown)
-        with pytest.raises(EngineDeadError):
-            async for _ in gen:
-                pass
-        with pytest.raises(EngineDeadError):
-            await eng.add_request("again")
-
-    asyncio.run(main())
-    assert isinstance(eng.error, EngineDeadError) and eng.llm.stats()["kv_blocks_used"] == 0

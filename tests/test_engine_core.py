@@ -1,14 +1,13 @@
 """The engine core in its own process (engine/core): AsyncLLM(engine_core="process") gives exactly what
-LLM.generate gives; a bad request raises and the core goes on; leaving early frees the KV blocks;
-shutdown leaves no process behind; a core that dies (SIGKILL) ends every open request with
-EngineDeadError at once, the server's /health turns 503 and `python -m engine.serve` exits non-zero
-(or restarts the core with --on-core-death restart)."""
+LLM.generate gives; a bad request raises and the core goes on; leaving early frees the KV blocks; a core
+that dies (SIGKILL) ends every open request with EngineDeadError at once, the server's /health turns 503
+and `python -m engine.serve` exits non-zero (or restarts the core with --on-core-death restart).
+Shutdown (what is in flight ends with EngineDeadError; no process is left behind) is tested here for both
+cores, the thread and the process."""
 import asyncio
-import json
 import os
 import signal
 import time
-import urllib.request
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ import torch
 from engine.async_llm import AsyncLLM, EngineDeadError
 from engine.llm import LLM
 from engine.sampling import RequestError, SamplingParams
-from fixtures import collect_deltas as collect, wait_idle
+from fixtures import collect_deltas as collect, gone, http_json, require_server_extras, wait_idle
 from tiny_tokenizer import make_text_checkpoint
 
 OPTIONS = dict(dtype=torch.float32, device="cpu", block_size=4, num_kv_blocks=256, use_tqdm=False, threads=1)
@@ -35,23 +34,6 @@ def engine(ckpt):
     eng = AsyncLLM(ckpt, engine_core="process", **OPTIONS)
     yield eng
     eng.shutdown()
-
-
-def gone(pid: int, within_s: float = 10.0) -> bool:
-    """Whether process pid has exited (and been reaped) within the time."""
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        try:  # a zombie of ours counts as gone once reaped
-            if os.waitpid(pid, os.WNOHANG)[0] == pid:
-                return True
-        except ChildProcessError:
-            pass
-        time.sleep(0.05)
-    return False
 
 
 def test_process_core_matches_llm(ckpt, engine):
@@ -193,10 +175,14 @@ def test_rest_of_burst_waits_for_arrivals_within_the_gap(monkeypatch):
         ctx.term()
 
 
-def test_shutdown_ends_requests_and_leaves_no_process(engine):
-    """(the module's engine, after the tests that use it: this one shuts it down)"""
-    eng = engine
-    (pid,) = eng.core_pids()
+@pytest.mark.parametrize("engine_core", ["thread", "process"])
+def test_shutdown_ends_requests_in_flight_and_leaves_no_process(request, ckpt, engine_core):
+    """Either core: shutdown ends what is in flight with EngineDeadError and refuses what comes after; the
+    thread core's KV blocks are all free again, the process core leaves no process behind. The process case
+    shuts down the module's engine (after the tests that use it), which saves starting a core for it."""
+    eng = request.getfixturevalue("engine") if engine_core == "process" else AsyncLLM(ckpt, **OPTIONS)
+    pids = eng.core_pids()
+    assert len(pids) == (engine_core == "process")
 
     async def main():
         gen = eng.generate("hello", SamplingParams(max_tokens=400, ignore_eos=True))
@@ -209,7 +195,10 @@ def test_shutdown_ends_requests_and_leaves_no_process(engine):
             await eng.add_request("again")
 
     asyncio.run(main())
-    assert gone(pid), f"engine core {pid} still running after shutdown"
+    if engine_core == "thread":
+        assert isinstance(eng.error, EngineDeadError) and eng.llm.stats()["kv_blocks_used"] == 0
+    else:
+        assert gone(pids[0]), f"engine core {pids[0]} still running after shutdown"
 
 
 def test_killed_core_ends_open_requests_at_once(ckpt):
@@ -242,24 +231,16 @@ def test_killed_core_ends_open_requests_at_once(ckpt):
     assert gone(pid)
 
 
-def _get(url):
-    try:
-        with urllib.request.urlopen(url, timeout=10) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
 def test_server_exits_nonzero_when_its_core_dies(ckpt):
     """`python -m engine.serve` as deployed: the core is killed mid-stream; the stream ends with an error
     event, /health is 503 until the server stops, and it exits with code 1, its core gone."""
-    openai = pytest.importorskip("openai")
+    openai = require_server_extras()
     from engine.server import ServerProcess
 
     server = ServerProcess(ckpt, "tiny", ["--num-kv-blocks", "64", "--block-size", "16", "--threads", "1",
                                           "--device", "cpu", "--dtype", "float32"]).start()
     try:
-        status, info = _get(server.url + "/get_server_info")
+        status, info = http_json(server.url + "/get_server_info")
         (pid,) = info["core_pids"]
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
         stream = client.completions.create(model="tiny", prompt="hi", max_tokens=500, stream=True,
@@ -278,7 +259,7 @@ def test_server_exits_nonzero_when_its_core_dies(ckpt):
 def test_server_restarts_a_dead_core(ckpt):
     """`--data-parallel-size 2 --on-core-death restart`: replica 1's core is killed, /health is 503 until
     a fresh core is up, then both serve the same answers; the dead core's pid is replaced."""
-    openai = pytest.importorskip("openai")
+    openai = require_server_extras()
     from engine.server import ServerProcess
 
     server = ServerProcess(ckpt, "tiny", ["--num-kv-blocks", "64", "--block-size", "16", "--threads", "1",
@@ -289,7 +270,7 @@ def test_server_restarts_a_dead_core(ckpt):
         # 4 prompts in one request, each long enough to be in flight when the next is routed
         kw = dict(model="tiny", prompt=["hi"] * 4, max_tokens=48, temperature=0, extra_body={"ignore_eos": True})
         before = [c.text for c in client.completions.create(**kw).choices]
-        info = _get(server.url + "/get_server_info")[1]
+        info = http_json(server.url + "/get_server_info")[1]
         assert info["data_parallel_size"] == 2 and min(info["served_per_replica"]) >= 1
         served = info["served_per_replica"]
         keep, pid = info["core_pids"]
@@ -297,14 +278,14 @@ def test_server_restarts_a_dead_core(ckpt):
         deadline = time.monotonic() + 120
         saw_503 = False
         while True:
-            status, body = _get(server.url + "/health")
+            status, body = http_json(server.url + "/health")
             saw_503 |= status == 503
             if status == 200 and saw_503:
                 break
             assert time.monotonic() < deadline, f"no restart: {body}"
             time.sleep(0.1)
         assert [c.text for c in client.completions.create(**kw).choices] == before and len(before) == 4
-        info = _get(server.url + "/get_server_info")[1]
+        info = http_json(server.url + "/get_server_info")[1]
         assert info["core_pids"][0] == keep and info["core_pids"][1] != pid and server.proc.poll() is None
         assert info["served_per_replica"][1] > served[1]  # the restarted replica serves again
     finally:

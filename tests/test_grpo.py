@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from engine.loader import load_model
+from fixtures import assert_stopped_on_nonfinite
 from test_rollout import make_student
 from train.config import ConfigError, parse_config
 from train.data import write_jsonl
@@ -195,17 +196,7 @@ def test_model_auto_runs_the_rft_default_once_when_its_student_is_missing(studen
 
 
 def test_a_diverging_run_stops_keeps_its_last_good_checkpoint_and_exports_nothing(student, tmp_path, capsys):
-    from train.checkpoint import resolve_resume
-
     out = tmp_path / "nan"
     code = main(args(student, out, "--lr", "1e9", "--max_steps", "8", "--save_every", "1", "--keep_last", "1",
                      "--max_nonfinite_steps", "2"))
-    captured = capsys.readouterr()
-    assert code == 2 and "Traceback" not in captured.err
-    assert "the loss or the gradients were NaN/Inf in 2 steps in a row" in captured.err
-    assert not (out / "final").exists()
-    rows = [json.loads(x, parse_constant=pytest.fail) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["nonfinite_steps"] for r in rows] == [0, 1] and rows[-1]["grad_norm"] is None
-    last = resolve_resume("auto", str(out / "checkpoints"))
-    assert last is not None
-    assert all(torch.isfinite(t).all() for t in state(os.path.join(last, "model")).values())
+    assert_stopped_on_nonfinite(code, capsys.readouterr().err, out)

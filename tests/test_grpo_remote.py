@@ -4,7 +4,9 @@ pushed after each step through a gloo group (--weight_sync distributed) or a che
 import pytest
 import torch
 
-openai = pytest.importorskip("openai", reason="needs openai (pip install -e .[test])")
+from fixtures import require_server_extras
+
+require_server_extras()
 
 from engine.async_llm import AsyncLLM  # noqa: E402
 from engine.server import BackgroundServer  # noqa: E402

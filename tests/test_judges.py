@@ -225,7 +225,7 @@ def test_load_judge_builtin_and_dotted_paths():
     assert load_judge("test_judges.Strict")(FILLING_8, "x").reason == "strict"
     with pytest.raises(ValueError, match="cannot be imported"):
         load_judge("no_such_module:judge")
-    with pytest.raises(ValueError, match="expected one of"):
+    with pytest.raises(ValueError, match="'nonsense': expected a dotted path 'module:attr' .the built-in judges: auto,"):
         load_judge("nonsense")
 
 

@@ -18,10 +18,11 @@ import pytest
 import torch
 
 from spawn_ranks import free_port
-from test_grpo import args
+from test_grpo import args, multi_turn_records
 from test_rollout import make_student
 
 from train.config import parse_config
+from train.data import write_jsonl
 from train.grpo import GRPOConfig, GRPOTrainer, main
 from train.metrics import read_metrics
 
@@ -81,9 +82,40 @@ def test_two_ranks_equal_one_process(student, tmp_path):
     assert sum(moved) >= len(moved) - 1  # training moved the weights: the match is not of the initial ones
 
 
+def test_multi_turn_two_ranks_equal_one_process(student, tmp_path):
+    """--multi_turn (LiveAssistant's trajectories, turn- and trajectory-level credit): each rank rolls out its
+    prompts' trajectories (seeded by their places in the global batch) and decodes its share of the per-turn
+    reference lengths; the turn rewards are joined for the advantages. The tolerances above, but the weights' atol
+    1e-3 (lr / 10): the same near-eps AdamW effect, seen up to 6.7e-4 on 1 element each of two tensors (an expert
+    few tokens reach, an embedding row of a user-turn token), under 1.4e-4 elsewhere; a lost share or a wrongly
+    normalised loss moves most weights by ~lr."""
+    import engine
+
+    data = tmp_path / "mt.jsonl"
+    write_jsonl(str(data), multi_turn_records())
+    flags = [*REWARD, "--device", "cpu", "--data", str(data), "--multi_turn", "true", "--turn_weight", "0.5",
+             "--scale_rewards", "batch"]  # batch: the advantages need every rank's rewards
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert main(args(student, one, *flags)) == 0
+    res = torchrun_grpo(2, args(student, two, *flags))
+    assert res.returncode == 0, res.stderr[-3000:]
+    ref_rows, rows = read_metrics(str(one / "metrics.jsonl")), read_metrics(str(two / "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [r["step"] for r in ref_rows] == [1, 2]
+    for key in ("reward/mean", "reward/std", "reward/varied/mean", "tpr/mean", "tpr/max", "zero_variance_groups"):
+        assert [r[key] for r in rows] == [r[key] for r in ref_rows], key
+    for key in ("loss", "grad_norm", "kl"):
+        torch.testing.assert_close(torch.tensor([r[key] for r in rows]), torch.tensor([r[key] for r in ref_rows]),
+                                   rtol=1e-5, atol=1e-9, msg=key)
+    assert all(r["grad_norm"] > 0 for r in rows) and rows[0]["tpr/max"] > 10  # more than one turn's tokens
+    ref = engine.load_model(str(one / "final"), dtype=torch.float32).state_dict()
+    got = engine.load_model(str(two / "final"), dtype=torch.float32).state_dict()
+    assert got.keys() == ref.keys() and len(got) > 0
+    for name, t in ref.items():
+        torch.testing.assert_close(got[name], t, rtol=0, atol=1e-3, msg=name)
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--model", "auto"], "--model auto under torchrun: pass --model CHECKPOINT_DIR"),
-    (["--multi_turn", "true"], "--multi_turn does not run under torchrun yet: run it as one process"),
 ])
 def test_what_torchrun_does_not_run_is_refused_before_any_work(student, tmp_path, monkeypatch, capsys, extra, message):
     monkeypatch.setenv("WORLD_SIZE", "2")  # refused before the process group is joined: no ranks needed

@@ -101,6 +101,8 @@ def test_user_reward_functions_by_dotted_path(monkeypatch):
             [{"id": "a"}], ["x"], [1], [10])
     with pytest.raises(RewardError, match="cannot be imported"):
         load_reward_fns("my_rewards:missing")
+    with pytest.raises(RewardError, match="'nodots=2': expected a dotted path"):
+        load_reward_fns("nodots=2")
     with pytest.raises(RewardError, match="weight"):
         load_reward_fns("my_rewards:polite=heavy")
     with pytest.raises(RewardError, match="w_length"):

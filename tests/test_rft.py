@@ -8,6 +8,7 @@ import shutil
 import pytest
 import torch
 
+from fixtures import assert_stopped_on_nonfinite
 from train.config import RFTConfig
 from train.data import build_prompt
 from train.rft import (collate, encode_example, epoch_batches, main, marker_token_ids, run, sft_step_loss)
@@ -265,21 +266,8 @@ def test_gradient_checkpointing_gives_the_same_losses(student, tmp_path):
 
 
 def test_a_diverging_run_stops_keeps_its_last_good_checkpoint_and_exports_nothing(student, tmp_path, capsys):
-    import engine
-    from train.checkpoint import resolve_resume
-
     out = tmp_path / "nan"
     code = main(["--model", student, "--output_dir", str(out), "--lr", "1e9", "--train_rooms", "12", "--eval_rooms", "0",
                  "--k", "2", "--batch_size", "4", "--max_steps", "8", "--warmup_steps", "0", "--save_every", "1",
                  "--keep_last", "1", "--max_nonfinite_steps", "2", "--progress", "false"])
-    captured = capsys.readouterr()
-    assert code == 2 and "Traceback" not in captured.err
-    assert "the loss or the gradients were NaN/Inf in 2 steps in a row (--max_nonfinite_steps 2)" in captured.err
-    assert not (out / "final").exists()
-    rows = [json.loads(x, parse_constant=pytest.fail) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    # the skipped step is logged with its NaN as null; the second in a row stops the run before its row
-    assert [r["nonfinite_steps"] for r in rows] == [0, 1] and rows[-1]["grad_norm"] is None
-    last = resolve_resume("auto", str(out / "checkpoints"))
-    assert last is not None and os.listdir(out / "checkpoints") == [os.path.basename(last)]
-    model = engine.load_model(os.path.join(last, "model"), device="cpu")  # the loader refuses NaN/Inf
-    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert_stopped_on_nonfinite(code, capsys.readouterr().err, out)

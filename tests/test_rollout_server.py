@@ -11,7 +11,6 @@
 """
 import asyncio
 import concurrent.futures
-import json
 import os
 import signal
 import socket
@@ -21,7 +20,9 @@ import urllib.request
 import pytest
 import torch
 
-openai = pytest.importorskip("openai", reason="needs openai (pip install -e .[test])")
+from fixtures import gone, http_json, require_server_extras
+
+openai = require_server_extras()
 
 from engine.async_llm import AsyncLLM  # noqa: E402
 from engine.core.router import Router  # noqa: E402
@@ -68,36 +69,7 @@ def served(ckpts):
     pids = engine.core_pids()
     engine.shutdown()
     for pid in pids:
-        assert not _running(pid), f"engine core {pid} left running"
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        return os.waitpid(pid, os.WNOHANG)[0] != pid
-    except ChildProcessError:
-        return False
-
-
-def post(url: str, body: dict | None = None, timeout: float = 120):
-    req = urllib.request.Request(url, data=json.dumps(body or {}).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
-def get(url: str):
-    try:
-        with urllib.request.urlopen(url, timeout=30) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+        assert gone(pid), f"engine core {pid} left running"
 
 
 def greedy(server, prompts=PROMPTS) -> list[list[int]]:
@@ -109,7 +81,7 @@ def greedy(server, prompts=PROMPTS) -> list[list[int]]:
 
 
 def served_counts(server) -> list[int]:
-    return get(server.url + "/get_server_info")[1]["served_per_replica"]
+    return http_json(server.url + "/get_server_info")[1]["served_per_replica"]
 
 
 def test_64_requests_over_two_replicas_equal_one(served, answers):
@@ -150,14 +122,14 @@ def test_router_least_outstanding_tokens_and_prefix_affinity():
 def test_update_weights_from_disk_on_every_replica(served, ckpts, answers):
     _, server = served
     before = served_counts(server)
-    status, body = post(server.url + "/update_weights_from_disk", {"model_path": ckpts[1]})
+    status, body = http_json(server.url + "/update_weights_from_disk", {"model_path": ckpts[1]}, timeout=120)
     assert status == 200 and body["success"] and body["num_tensors"] > 0
     assert greedy(server) == answers["b"]
     after = served_counts(server)
     assert all(a > b for a, b in zip(after, before))  # both replicas answered with B's weights
-    status, body = post(server.url + "/update_weights_from_disk", {"model_path": ckpts[2]})
+    status, body = http_json(server.url + "/update_weights_from_disk", {"model_path": ckpts[2]}, timeout=120)
     assert status == 400 and "shape" in body["error"]["message"]
-    status, body = post(server.url + "/update_weights_from_disk", {"model_path": ckpts[1], "oops": 1})
+    status, body = http_json(server.url + "/update_weights_from_disk", {"model_path": ckpts[1], "oops": 1}, timeout=120)
     assert status == 400 and "oops" in body["error"]["message"]
     assert greedy(server) == answers["b"]  # the refused checkpoint changed nothing
 
@@ -194,7 +166,7 @@ def test_abort_in_flight_fails_only_the_requests_in_flight(served, ckpts, answer
     stream = client.completions.create(model=MODEL, prompt=PROMPTS[5], max_tokens=200, stream=True,
                                        extra_body={"ignore_eos": True})
     next(iter(stream))
-    status, _ = post(server.url + "/update_weights_from_disk", {"model_path": ckpts[1], "in_flight": "abort"})
+    status, _ = http_json(server.url + "/update_weights_from_disk", {"model_path": ckpts[1], "in_flight": "abort"}, timeout=120)
     assert status == 200
     with pytest.raises(openai.APIError, match="aborted: the weights were updated"):
         for _ in stream:
@@ -204,16 +176,16 @@ def test_abort_in_flight_fails_only_the_requests_in_flight(served, ckpts, answer
 
 def test_sleep_wake_up(served, answers):
     engine, server = served
-    assert post(server.url + "/sleep", {"level": 2})[0] == 200
-    assert get(server.url + "/is_sleeping")[1] == {"is_sleeping": True, "level": 2}
-    assert get(server.url + "/health")[0] == 503
+    assert http_json(server.url + "/sleep", {"level": 2})[0] == 200
+    assert http_json(server.url + "/is_sleeping")[1] == {"is_sleeping": True, "level": 2}
+    assert http_json(server.url + "/health")[0] == 503
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
     with pytest.raises(openai.APIStatusError) as e:
         client.completions.create(model=MODEL, prompt="asleep?", max_tokens=2)
     assert e.value.status_code == 503
     assert all(s["kv_blocks_total"] == 0 for s in engine.replica_stats())  # the KV cache is freed
-    assert post(server.url + "/wake_up")[0] == 200
-    assert get(server.url + "/health")[0] == 200
+    assert http_json(server.url + "/wake_up", {})[0] == 200
+    assert http_json(server.url + "/health")[0] == 200
     assert greedy(server) == answers["b"]
 
 
@@ -239,7 +211,7 @@ def test_killed_replica_fails_its_requests_and_health_says_which(served, answers
         results = list(pool.map(stream, range(6)))
     failed = [r for r in results if r != "ok"]
     assert failed and all("died" in r for r in failed), results
-    status, body = get(server.url + "/health")
+    status, body = http_json(server.url + "/health")
     assert status == 503 and list(body["dead_replicas"]) == ["1"]
     # the live replica serves on
     assert greedy(server, PROMPTS[:4]) == answers["b"][:4]

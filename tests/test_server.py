@@ -16,11 +16,9 @@ import urllib.request
 import pytest
 import torch
 
-# the server's extras (installed by `pip install -e .[test]`; the GPU image lacks them)
-_EXTRAS = "needs the server extras fastapi, uvicorn and openai (pip install -e .[test])"
-openai = pytest.importorskip("openai", reason=_EXTRAS)
-pytest.importorskip("fastapi", reason=_EXTRAS)
-pytest.importorskip("uvicorn", reason=_EXTRAS)
+from fixtures import require_server_extras
+
+openai = require_server_extras()
 
 from engine.async_llm import AsyncLLM  # noqa: E402
 from engine.server import BackgroundServer, ServerProcess  # noqa: E402

@@ -6,7 +6,6 @@ the engine's step fails alone; a large-n request cannot starve a small one; NaN 
 
 Each server runs in-process on a free 127.0.0.1 port (a thread); timings are bounded loosely."""
 import asyncio
-import json
 import socket
 import threading
 import time
@@ -16,15 +15,13 @@ import urllib.request
 import pytest
 import torch
 
-_EXTRAS = "needs the server extras fastapi, uvicorn and openai (pip install -e .[test])"
-openai = pytest.importorskip("openai", reason=_EXTRAS)
-pytest.importorskip("fastapi", reason=_EXTRAS)
-pytest.importorskip("uvicorn", reason=_EXTRAS)
+from fixtures import POISON_SEED, http_json, poisoned_sampler, require_server_extras
+
+openai = require_server_extras()
 
 from engine.async_llm import AsyncLLM  # noqa: E402
 from engine.server import BackgroundServer, ServerConfig, build_app  # noqa: E402
 from engine.server.app import INLINE_TOKENIZE_CHARS  # noqa: E402
-from fixtures import POISON_SEED, poisoned_sampler  # noqa: E402
 from tiny_tokenizer import make_text_checkpoint  # noqa: E402
 
 MODEL = "tiny"
@@ -47,15 +44,6 @@ def served(tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(served):
     return openai.OpenAI(base_url=served[1].url + "/v1", api_key=KEY, max_retries=0, timeout=60)
-
-
-def get(url, headers=None, timeout=10):
-    """(status, parsed JSON body) of a GET, whatever the status."""
-    try:
-        r = urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout)
-        return r.status, json.loads(r.read() or b"null")
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"null")
 
 
 def raw_http(port, head: bytes, body_parts=(), pause_s=0.0, timeout=20.0) -> tuple[int, float]:
@@ -90,7 +78,7 @@ def test_unknown_model_is_404(served, client):
 def test_api_key_guards_every_v1_route(served):
     _, server, _ = served
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
-        status, body = get(server.url + "/v1/models", headers)
+        status, body = http_json(server.url + "/v1/models", headers=headers)
         assert status == 401 and body["error"]["code"] == "invalid_api_key"
     for route in ("/v1/completions", "/v1/chat/completions"):
         req = urllib.request.Request(server.url + route, data=b'{"model": "tiny", "prompt": "hi"}',
@@ -101,18 +89,18 @@ def test_api_key_guards_every_v1_route(served):
     keyless = openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0, timeout=30)
     with pytest.raises(openai.AuthenticationError):
         keyless.completions.create(model=MODEL, prompt="hi", max_tokens=2)
-    assert get(server.url + "/v1/models", {"Authorization": f"Bearer {KEY}"})[0] == 200
-    assert get(server.url + "/health")[0] == 200  # outside /v1: probes need no key
+    assert http_json(server.url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"})[0] == 200
+    assert http_json(server.url + "/health")[0] == 200  # outside /v1: probes need no key
 
 
 def test_host_header_checked_on_loopback_and_docs_hidden(served):
     engine, server, _ = served
     auth = {"Authorization": f"Bearer {KEY}"}
-    status, body = get(server.url + "/v1/models", {**auth, "Host": f"evil.example:{server.port}"})
+    status, body = http_json(server.url + "/v1/models", headers={**auth, "Host": f"evil.example:{server.port}"})
     assert status == 400 and "Host" in body["error"]["message"]
     for host in (f"localhost:{server.port}", f"127.0.0.1:{server.port}", "[::1]"):
-        assert get(server.url + "/v1/models", {**auth, "Host": host})[0] == 200, host
-    assert get(server.url + "/openapi.json")[0] == 404 and get(server.url + "/docs")[0] == 404
+        assert http_json(server.url + "/v1/models", headers={**auth, "Host": host})[0] == 200, host
+    assert http_json(server.url + "/openapi.json")[0] == 404 and http_json(server.url + "/docs")[0] == 404
     # asked for, and bound to all interfaces (any Host answered: the operator names them with allowed_hosts)
     from fastapi.testclient import TestClient
 
@@ -142,14 +130,14 @@ def test_20mb_body_gets_413_at_once_while_a_stream_and_health_go_on(served, clie
             f"Content-Type: application/json\r\nContent-Length: {len(big)}\r\n\r\n").encode()
     status, seconds = raw_http(server.port, head, [big[i:i + 2**20] for i in range(0, len(big), 2**20)])
     assert status == 413 and seconds < 2.0  # from the header alone (was: 27.7 s to a 400)
-    health.append(get(server.url + "/health", timeout=5)[0])
+    health.append(http_json(server.url + "/health", timeout=5)[0])
     # no Content-Length (chunked): refused as soon as the bytes read pass the limit
     chunk = b"%x\r\n%s\r\n" % (2**18, b"y" * 2**18)
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
             "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n").encode()
     status, seconds = raw_http(server.port, head, [chunk] * 80)
     assert status == 413 and seconds < 5.0
-    health.append(get(server.url + "/health", timeout=5)[0])
+    health.append(http_json(server.url + "/health", timeout=5)[0])
     streamer.join(60)
     assert health == [200, 200] and got == expected
 
@@ -162,7 +150,7 @@ def test_trickled_body_times_out_and_others_are_served(served, client):
     slow = threading.Thread(target=lambda: result.update(r=raw_http(server.port, head, [b"{"] * 3, pause_s=0.3)))
     slow.start()
     time.sleep(0.2)
-    assert get(server.url + "/health", timeout=5)[0] == 200
+    assert http_json(server.url + "/health", timeout=5)[0] == 200
     assert client.completions.create(model=MODEL, prompt="meanwhile", max_tokens=3).usage.completion_tokens >= 1
     slow.join(30)
     status, seconds = result["r"]
@@ -188,7 +176,7 @@ def test_tokenizing_runs_off_the_event_loop(served, client):
         slow.start()
         time.sleep(0.3)
         t0 = time.monotonic()
-        assert get(server.url + "/health", timeout=5)[0] == 200
+        assert http_json(server.url + "/health", timeout=5)[0] == 200
         assert time.monotonic() - t0 < 1.0
         slow.join(30)
     finally:
@@ -258,7 +246,7 @@ def test_a_request_that_breaks_the_step_fails_alone(served, client):
         for chunk in stream:
             got += chunk.choices[0].model_extra["token_ids"]
         assert got == expected
-    assert get(server.url + "/health")[0] == 200
+    assert http_json(server.url + "/health")[0] == 200
 
 
 def test_large_n_cannot_starve_a_small_request(served):
@@ -310,12 +298,12 @@ def test_nan_logits_show_in_health(tmp_path):
     server = BackgroundServer(engine, MODEL).start()
     try:
         c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
-        assert get(server.url + "/health") == (200, {"status": "ok"})
+        assert http_json(server.url + "/health") == (200, {"status": "ok"})
         with torch.no_grad():
             engine.llm.model.lm_head.weight[5] = float("nan")  # as a broken update would leave it
         with pytest.raises(openai.InternalServerError, match="non-finite logits"):
             c.completions.create(model=MODEL, prompt="hi", max_tokens=3)
-        status, body = get(server.url + "/health")
+        status, body = http_json(server.url + "/health")
         assert status == 503 and body["status"] == "unhealthy" and "non-finite" in body["error"]
         text = urllib.request.urlopen(server.url + "/metrics", timeout=10).read().decode()
         assert ('livemoe_nonfinite_logits_steps_total{replica="0"} 1.0' in text

@@ -11,10 +11,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-_EXTRAS = "needs the server and test extras (pip install -e .[test])"
-openai = pytest.importorskip("openai", reason=_EXTRAS)
-jsonschema = pytest.importorskip("jsonschema", reason=_EXTRAS)
-pytest.importorskip("fastapi", reason=_EXTRAS)
+from fixtures import require_server_extras
+
+openai = require_server_extras()
+jsonschema = pytest.importorskip("jsonschema", reason="needs the test extras (pip install -e .[test])")
 pytest.importorskip("xgrammar", reason="needs xgrammar (a runtime dependency: pip install -e .)")
 
 from engine.async_llm import AsyncLLM  # noqa: E402

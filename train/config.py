@@ -36,6 +36,12 @@ def opt(default, help: str, **kw):
     return field(default=default, metadata={"help": help}, **kw)
 
 
+def default_of(config_cls, name: str):
+    """The default of field `name` of the config dataclass that owns it (the policy loss's, the reward's): a
+    trainer's flag that fills that field takes its default from there, so each value is written once."""
+    return config_cls.__dataclass_fields__[name].default
+
+
 @dataclass(kw_only=True)
 class RunConfig:
     """options every trainer shares"""
@@ -66,6 +72,8 @@ class RunConfig:
     lambda_aux: float = opt(0.01, "MoE load-balancing loss weight, as in the seed")
     bf16: str = opt("auto", "bf16 compute: auto (on a GPU) | true | false")
     gradient_checkpointing: bool = opt(False, "recompute activations in the backward pass to save memory")
+    expert_parallel: int = opt(1, "under torchrun: ranks that split each MoE layer's experts (divides the world "
+                                  "size and num_experts)")
     # runs
     save_every: int = opt(0, "write a checkpoint every N steps (0 = only at the end)")
     keep_last: int = opt(2, "checkpoints kept on disk (older ones are deleted)")
@@ -96,14 +104,10 @@ class RunConfig:
             raise ConfigError(f"--model {self.model}: no such checkpoint directory")
 
     def validate(self) -> None:
-        positive = ["batch_size", "keep_last", "log_every", "eval_max_new_tokens", "eval_samples", "max_nonfinite_steps"]
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("lr", "lambda_aux", "max_grad_norm", "weight_decay", "warmup_steps", "max_steps",
-                     "save_every", "train_rooms", "eval_rooms", "eval_temperature", "threads"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"--{name} must be >= 0, got {getattr(self, name)}")
+        check_at_least(self, 1, "batch_size", "keep_last", "log_every", "eval_max_new_tokens", "eval_samples",
+                       "max_nonfinite_steps", "expert_parallel")
+        check_at_least(self, 0, "lr", "lambda_aux", "max_grad_norm", "weight_decay", "warmup_steps", "max_steps",
+                       "save_every", "train_rooms", "eval_rooms", "eval_temperature", "threads")
         if self.eval_temperature == 0 and self.eval_samples != 1:
             raise ConfigError(f"--eval_samples {self.eval_samples} needs --eval_temperature > 0: greedy responses are "
                               "identical (use --eval_samples 1 with --eval_temperature 0)")
@@ -150,17 +154,11 @@ class RFTConfig(RunConfig):
     markers: str = opt("<think>,</think>", "comma-separated marker strings, one token each")
     eval_every: int = opt(0, "every N optimizer steps (and at step 0) log eval_loss: the SFT loss on the "
                              "judge-selected teacher answers to the held-out inputs (0 = never)")
-    # parallelism
-    expert_parallel: int = opt(1, "under torchrun: ranks that split each MoE layer's experts (divides the world "
-                                  "size and num_experts)")
 
     def validate(self) -> None:
         super().validate()
-        for name in ("k", "grad_accum", "max_len", "expert_parallel"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
-        if self.eval_every < 0:
-            raise ConfigError(f"--eval_every must be >= 0, got {self.eval_every}")
+        check_at_least(self, 1, "k", "grad_accum", "max_len")
+        check_at_least(self, 0, "eval_every")
         if self.eval_every and not self.eval_data and (self.data or self.eval_rooms == 0):
             raise ConfigError("--eval_every needs held-out inputs: --eval_data with --data, or --eval_rooms > 0")
         if self.marker_weight <= 0:
@@ -177,6 +175,13 @@ class RFTConfig(RunConfig):
         if self.teacher not in ("scripted",) and not self.teacher.startswith(("http://", "https://")) \
                 and not os.path.isdir(self.teacher):
             raise ConfigError(f"--teacher {self.teacher!r}: expected scripted, an http(s) URL or a checkpoint directory")
+
+
+def check_at_least(cfg, low, *names: str) -> None:
+    """ConfigError naming the first of the options `names` of cfg that is below `low`."""
+    for name in names:
+        if getattr(cfg, name) < low:
+            raise ConfigError(f"--{name} must be >= {low}, got {getattr(cfg, name)}")
 
 
 def _choice(name, value, choices):

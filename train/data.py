@@ -12,6 +12,8 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from train.synthetic import make_rooms
+
 SYSTEM_PROMPT = "you are a live stream host. answer the viewer from the product list."
 MUSIQUE_SYSTEM_PROMPT = "answer the question from the paragraphs."
 
@@ -176,3 +178,29 @@ def split_thought(completion: str) -> tuple:
         return "", completion.strip()
     thought, response = completion.split("</think>", 1)
     return thought.replace("<think>", "").strip(), response.strip()
+
+
+def load_inputs(cfg) -> tuple:
+    """(training inputs, held-out inputs) of a run config (train.config.RunConfig): from --data /
+    --eval_data, else synthetic rooms (RFT and GRPO train on the same ones)."""
+    if cfg.data:
+        train, stats = load_jsonl(cfg.data, cfg.skip_bad_lines)
+        _report_skipped(stats)
+    else:
+        train = make_rooms(cfg.train_rooms, seed=cfg.seed, prefix="train")
+    if cfg.eval_data:
+        held_out, stats = load_jsonl(cfg.eval_data, cfg.skip_bad_lines)
+        _report_skipped(stats)
+    elif cfg.data:
+        held_out = []  # nothing held out was given: no before/after table
+    else:
+        held_out = make_rooms(cfg.eval_rooms, seed=cfg.seed + 1_000_003, prefix="eval")
+    if not train:
+        raise ValueError(f"{cfg.data or 'synthetic data'}: no training inputs")
+    return train, held_out
+
+
+def _report_skipped(stats: LoadStats) -> None:
+    if stats.skipped:
+        print(f"[data] {stats.path}: skipped {len(stats.skipped)} bad line(s): " +
+              "; ".join(f"line {n}: {why}" for n, why in stats.skipped[:5]), flush=True)

@@ -42,14 +42,14 @@ from kernels.logprobs import fused_linear_logprobs
 from train import distributed
 from train.advantages import SCALE_REWARDS, group_advantages, multi_turn_advantages, token_advantages
 from train.checkpoint import is_sharded, latest_checkpoint, load_checkpoint, model_dir
-from train.config import (ConfigError, RFTConfig, RunConfig, _choice, format_config, opt, parse_config, run_cli,
-                          save_config)
-from train.data import build_prompt, split_thought
+from train.config import (ConfigError, RFTConfig, RunConfig, _choice, check_at_least, default_of, format_config, opt,
+                          parse_config, run_cli, save_config)
+from train.data import build_prompt, load_inputs, split_thought
+from train.judges import make_judge
 from train.losses import PolicyLossConfig, policy_loss
 from train.nonfinite import NonFiniteGuard
 from train.precision import MasterWeights
 from train.rewards import CompositeReward, RewardConfig, RewardError, load_reward_fns
-from train.rft import make_judge
 from train.rollout import Rollouts, collate, reference_lengths, shuffled_order
 
 
@@ -80,13 +80,16 @@ class GRPOConfig(RunConfig):
                                                            "empty = the in-process decoder (train/remote_rollout.py)"})
     weight_sync: str = field(default="distributed", metadata={"help": "with --rollout_url: how new weights reach "
                                                                       "the servers, distributed (broadcast) | disk"})
-    # loss
-    beta: float = field(default=0.01, metadata={"help": "k3 KL weight to the starting checkpoint, as in the seed (0 = no reference model)"})
-    epsilon: float = field(default=0.2, metadata={"help": "clip ε of the ratio, the low side (and the high side without --epsilon_high), as in the seed"})
-    epsilon_high: float | None = field(default=None, metadata={"help": "clip ε of the ratio, the high side (default: --epsilon)"})
-    delta: float | None = field(default=None, metadata={"help": "dual clip c for negative advantages (none = no dual clip)"})
-    loss_type: str = field(default="grpo", metadata={"help": "grpo | bnpo | dr_grpo | dapo"})
-    importance_sampling_level: str = field(default="token", metadata={"help": "token | sequence (GSPO)"})
+    # loss (train.losses.PolicyLossConfig owns the defaults, but β: the seed's 0.01 where the loss's own is 0)
+    beta: float = opt(0.01, "k3 KL weight to the starting checkpoint, as in the seed (0 = no reference model)")
+    epsilon: float = opt(default_of(PolicyLossConfig, "epsilon_low"), "clip ε of the ratio, the low side (and the high "
+                         "side without --epsilon_high), as in the seed")
+    epsilon_high: float | None = opt(None, "clip ε of the ratio, the high side (default: --epsilon)")
+    delta: float | None = opt(default_of(PolicyLossConfig, "delta"), "dual clip c for negative advantages (none = no "
+                              "dual clip)")
+    loss_type: str = opt(default_of(PolicyLossConfig, "loss_type"), "grpo | bnpo | dr_grpo | dapo")
+    importance_sampling_level: str = opt(default_of(PolicyLossConfig, "importance_sampling_level"),
+                                         "token | sequence (GSPO)")
     num_iterations: int = field(default=1, metadata={"help": "μ: optimiser passes per rollout batch"})
     micro_batch_size: int = field(default=32, metadata={"help": "completions per forward/backward"})
     scale_rewards: str = field(default="group", metadata={"help": "group | batch | none"})
@@ -94,22 +97,21 @@ class GRPOConfig(RunConfig):
     drop_zero_variance: bool = field(default=False, metadata={"help": "leave groups with equal rewards out of the loss"})
     mask_truncated: bool = field(default=False, metadata={"help": "leave completions cut at max_new_tokens out of the loss"})
     old_logprobs: str = field(default="decoder", metadata={"help": "decoder (the sampled tokens' raw logprobs) | trainer"})
-    # rewards (seed's Table 2)
-    w_correct: float = field(default=0.4, metadata={"help": "reward weight of correctness, as in the seed"})
-    w_helpful: float = field(default=0.3, metadata={"help": "reward weight of helpfulness, as in the seed"})
-    w_length: float = field(default=0.3, metadata={"help": "reward weight of the length reward, as in the seed"})
-    lambda_upper: float = field(default=0.5, metadata={"help": "length reward: upper end of the target band, "
-                                                               "a fraction of L_ref, as in the seed"})
-    lambda_lower: float = field(default=0.4, metadata={"help": "length reward: lower end of the target band, "
-                                                               "a fraction of L_ref, as in the seed"})
-    length_epsilon: float = field(default=0.1, metadata={"help": "ε of the length reward, a fraction of L_ref"})
-    reward_fns: str = field(default="", metadata={"help": "extra rewards: module:fn[=weight],... fn(record, completion, info)"})
+    # rewards (the seed's Table 2; train.rewards.RewardConfig owns the defaults)
+    w_correct: float = opt(default_of(RewardConfig, "w_correct"), "reward weight of correctness, as in the seed")
+    w_helpful: float = opt(default_of(RewardConfig, "w_helpful"), "reward weight of helpfulness, as in the seed")
+    w_length: float = opt(default_of(RewardConfig, "w_length"), "reward weight of the length reward, as in the seed")
+    lambda_upper: float = opt(default_of(RewardConfig, "lambda_upper"), "length reward: upper end of the target band, "
+                              "a fraction of L_ref, as in the seed")
+    lambda_lower: float = opt(default_of(RewardConfig, "lambda_lower"), "length reward: lower end of the target band, "
+                              "a fraction of L_ref, as in the seed")
+    length_epsilon: float = opt(default_of(RewardConfig, "length_epsilon"), "ε of the length reward, a fraction of L_ref")
+    reward_fns: str = opt(default_of(RewardConfig, "reward_fns"), "extra rewards: module:fn[=weight],... "
+                          "fn(record, completion, info)")
     # multi-turn (LiveAssistant)
     multi_turn: bool = field(default=False, metadata={"help": "records' `followups` are later turns of one trajectory"})
     turn_weight: float = field(default=0.5, metadata={"help": "turn-level vs trajectory-level credit"})
     export_dir: str = field(default="", metadata={"help": "HF export of the final model (default: <output_dir>/final)"})
-    expert_parallel: int = opt(1, "under torchrun: ranks that split each MoE layer's experts (divides the world "
-                                  "size and num_experts)")
 
     def check_model(self) -> None:
         if self.model != "auto":  # `auto` is resolved later, by resolve_start
@@ -117,12 +119,9 @@ class GRPOConfig(RunConfig):
 
     def validate(self) -> None:
         super().validate()
-        for name in ("num_generations", "max_new_tokens", "num_iterations", "micro_batch_size",
-                     "rollout_max_num_seqs", "rollout_kv_bytes", "expert_parallel"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
-        if self.ref_samples < 0:
-            raise ConfigError(f"--ref_samples must be >= 0, got {self.ref_samples}")
+        check_at_least(self, 1, "num_generations", "max_new_tokens", "num_iterations", "micro_batch_size",
+                       "rollout_max_num_seqs", "rollout_kv_bytes")
+        check_at_least(self, 0, "ref_samples")
         if self.num_generations < 2:
             raise ConfigError("--num_generations must be >= 2: GRPO compares rollouts of one prompt")
         if self.temperature <= 0:
@@ -194,8 +193,6 @@ def resolve_start(cfg: GRPOConfig) -> str:
 
 def load_records(cfg: GRPOConfig) -> tuple:
     """(training records, held-out records): RFT's inputs (the same synthetic rooms by default)."""
-    from train.rft import load_inputs
-
     train, held_out = load_inputs(cfg)
     if cfg.multi_turn and not any(r.get("followups") for r in train):
         raise ConfigError("--multi_turn: no training record has `followups` (later user turns)")
@@ -232,8 +229,6 @@ class GRPOTrainer:
         if distributed.world_size() > 1 and cfg.model == "auto":
             raise ConfigError("--model auto under torchrun: pass --model CHECKPOINT_DIR (the RFT default's student "
                               "is made by one process: run train.rft first)")
-        if distributed.world_size() > 1 and cfg.multi_turn:
-            raise ConfigError("--multi_turn does not run under torchrun yet: run it as one process")
         if distributed.world_size() > 1 and cfg.rollout_url:
             raise ConfigError("--rollout_url does not run under torchrun yet (each rank would push its shards): run "
                               "it as one process, or leave it out to roll out in-process on every rank")
@@ -334,17 +329,19 @@ class GRPOTrainer:
             source = Rollouts(ref, self.tokenizer, num_generations=self.cfg.num_generations,
                               max_new_tokens=self.cfg.max_new_tokens, seed=self.cfg.seed, **self._sampling())
         t0 = time.perf_counter()
+        # each rank decodes its share (greedy, or sampled seeded by record id: any split gives the same lengths)
+        mine = todo[self.dist.rank::self.dist.world_size]
         if self.cfg.multi_turn:  # one greedy trajectory: per-turn lengths
-            trajs = self._multi_turn_rollouts(todo, step=-1, greedy=True, rollouts=source)
-            for i, group in zip(todo, trajs):
+            found = {}
+            trajs = self._multi_turn_rollouts(mine, step=-1, greedy=True, rollouts=source)
+            for i, group in zip(mine, trajs):
                 for t, (s, e) in enumerate(group[0].turn_spans):
-                    self.ref_lengths[f"{self.train_records[i]['id']}#{t}"] = max(1, e - s)
-        else:  # each rank decodes its share (seeded by record id: any split gives the same lengths)
-            mine = todo[self.dist.rank::self.dist.world_size]
+                    found[f"{self.train_records[i]['id']}#{t}"] = max(1, e - s)
+        else:
             found = reference_lengths(source, [self.train_records[i] for i in mine], [self.prompts[i] for i in mine],
                                       {}, self.cfg.ref_samples)
-            for part in self.dist.all_gather_objects(found):
-                self.ref_lengths.update(part)
+        for part in self.dist.all_gather_objects(found):
+            self.ref_lengths.update(part)
         source.release()
         if self.cfg.progress:
             print(f"L_ref of {len(todo)} prompts in {time.perf_counter() - t0:.1f}s", flush=True)
@@ -354,7 +351,8 @@ class GRPOTrainer:
         return dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                     kv_cache_bytes=cfg.rollout_kv_bytes, max_num_seqs=cfg.rollout_max_num_seqs)
 
-    def _multi_turn_rollouts(self, indices: list, step: int, greedy: bool = False, rollouts=None) -> list:
+    def _multi_turn_rollouts(self, indices: list, step: int, greedy: bool = False, rollouts=None,
+                             keys: list | None = None) -> list:
         firsts, nexts = [], []
         for i in indices:
             r = self.train_records[i]
@@ -366,7 +364,7 @@ class GRPOTrainer:
                                                                   add_generation_prompt=True)
                 turns.append(text)
             nexts.append(turns)
-        return (rollouts or self.rollouts).generate_multi_turn(firsts, nexts, step, greedy=greedy)
+        return (rollouts or self.rollouts).generate_multi_turn(firsts, nexts, step, greedy=greedy, keys=keys)
 
     # -- rollouts and rewards -----------------------------------------------------------------------
     def rollout_phase(self, step: int) -> tuple:
@@ -379,7 +377,7 @@ class GRPOTrainer:
         self.model.eval()
         with torch.no_grad():
             if cfg.multi_turn:
-                groups = self._multi_turn_rollouts(idx, step)
+                groups = self._multi_turn_rollouts(idx, step, keys=places)
             else:
                 groups = self.rollouts.generate([self.prompts[i] for i in idx], step, keys=places)
         self.rollouts.release()  # the update never shares memory with the KV cache
@@ -387,40 +385,41 @@ class GRPOTrainer:
         comps = [c for g in groups for c in g]
         records = [self.train_records[i] for i in idx for _ in range(K)]
         comp_values: dict = {}
-        if cfg.multi_turn:
-            turn_rewards = []
+        if cfg.multi_turn:  # each turn judged as its own record, with the trajectory's earlier turns as history
+            mine = []  # per trajectory its turns' rewards
             for rec, c in zip(records, comps):
                 recs = [_turn_record(rec, t, c.turn_texts) for t in range(len(c.turn_spans))]
                 lens = [e - s for s, e in c.turn_spans]
                 refs = [self.ref_lengths[f"{rec['id']}#{t}"] for t in range(len(recs))]
                 res = self.reward(recs, c.turn_texts, lens, refs)
-                turn_rewards.append([x.reward for x in res])
-                for x in res:
-                    for k, v in x.components.items():
-                        comp_values.setdefault(k, []).append(v)
-            rewards = torch.tensor([sum(t) / len(t) for t in turn_rewards])
-            adv_turns = multi_turn_advantages(turn_rewards, K, cfg.turn_weight, cfg.advantage_eps, cfg.scale_rewards)
-            advantages = [token_advantages(c.turn_spans, a, len(c.token_ids))[0] for c, a in zip(comps, adv_turns)]
-            _, keep, adv_stats = group_advantages(rewards, K, cfg.scale_rewards, cfg.advantage_eps, cfg.drop_zero_variance)
+                mine.append([x.reward for x in res])
+                _add_components(comp_values, res)
         else:
             refs = [self.ref_lengths[r["id"]] for r in records]
             res = self.reward(records, [c.text for c in comps], [c.length for c in comps], refs)
-            for x in res:
-                for k, v in x.components.items():
-                    comp_values.setdefault(k, []).append(v)
-            # the ranks' rewards joined in global order: advantages (group or batch statistics) and metrics are
-            # the one-process ones; this rank keeps its completions' share
-            gathered = self.dist.all_gather_objects(([x.reward for x in res], comp_values,
-                                                     [(c.length, len(c.token_ids), c.truncated) for c in comps]))
-            rewards = torch.tensor([r for part in gathered for r in part[0]])
-            comp_values = {k: [v for part in gathered for v in part[1][k]] for k in comp_values}
-            shape = [t for part in gathered for t in part[2]]
+            mine = [x.reward for x in res]
+            _add_components(comp_values, res)
+        # the ranks' rewards joined in global order: advantages (group or batch statistics) and metrics are the
+        # one-process ones; this rank keeps its completions' share
+        gathered = self.dist.all_gather_objects((mine, comp_values, [(c.length, len(c.token_ids), c.truncated)
+                                                                     for c in comps]))
+        all_rewards = [r for part in gathered for r in part[0]]
+        comp_values = {k: [v for part in gathered for v in part[1].get(k, [])]
+                       for k in dict.fromkeys(k for part in gathered for k in part[1])}
+        shape = [t for part in gathered for t in part[2]]
+        share = slice(places[0] * K, places[0] * K + len(comps))
+        if cfg.multi_turn:
+            rewards = torch.tensor([sum(t) / len(t) for t in all_rewards])
+            adv_turns = multi_turn_advantages(all_rewards, K, cfg.turn_weight, cfg.advantage_eps, cfg.scale_rewards)
+            advantages = [token_advantages(c.turn_spans, a, len(c.token_ids))[0]
+                          for c, a in zip(comps, adv_turns[share])]
+            _, keep, adv_stats = group_advantages(rewards, K, cfg.scale_rewards, cfg.advantage_eps, cfg.drop_zero_variance)
+        else:
+            rewards = torch.tensor(all_rewards)
             advantages, keep, adv_stats = group_advantages(rewards, K, cfg.scale_rewards, cfg.advantage_eps,
                                                            cfg.drop_zero_variance)
-            first = places[0] * K
-            advantages, keep = advantages[first:first + len(comps)].tolist(), keep[first:first + len(comps)]
-        if cfg.multi_turn:
-            shape = [(c.length, len(c.token_ids), c.truncated) for c in comps]
+            advantages = advantages[share].tolist()
+        keep = keep[share]
         lengths = torch.tensor([float(n) for n, _, _ in shape])
         gen_tokens = sum(n for _, n, _ in shape)
         m = {"reward/mean": rewards.mean(), "reward/std": rewards.std()}
@@ -640,6 +639,13 @@ class GRPOTrainer:
             with open(os.path.join(cfg.output_dir, "summary.json"), "w") as f:
                 json.dump(_rounded(summary), f, indent=1)
         return summary
+
+
+def _add_components(values: dict, results: list) -> None:
+    """Appends each reward result's components (correct, helpful, length, user functions) to values[name]."""
+    for x in results:
+        for k, v in x.components.items():
+            values.setdefault(k, []).append(v)
 
 
 def _rounded(x):

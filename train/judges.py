@@ -9,7 +9,6 @@
   auto       synthetic for the world's rooms, squad for MuSiQue records
   a.b.c:obj  any callable or class by dotted import path: fn(record, completion) -> Verdict | dict | (C, H)
 """
-import importlib
 import json
 import os
 import re
@@ -18,6 +17,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from train.data import split_thought
+from train.imports import import_object
 from train.synthetic.world import CATALOG, KINDS, PRODUCT_NAMES, products_of
 
 
@@ -417,13 +417,19 @@ def load_judge(spec: str, **kwargs) -> Judge:
     builtin = {"auto": AutoJudge, "synthetic": SyntheticJudge, "squad": SquadJudge, "llm": LLMJudge}
     if spec in builtin:
         return builtin[spec](**kwargs) if spec == "llm" else builtin[spec]()
-    mod_name, _, attr = spec.partition(":") if ":" in spec else spec.rpartition(".")
-    if not mod_name or not attr:
-        raise ValueError(f"judge {spec!r}: expected one of {sorted(builtin)} or a dotted path 'module:attr'")
     try:
-        obj = getattr(importlib.import_module(mod_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"judge {spec!r} cannot be imported: {e}") from None
+        obj = import_object(spec)
+    except ValueError as e:
+        raise ValueError(f"judge {spec!r}: {e} (the built-in judges: {', '.join(sorted(builtin))})") from None
     if isinstance(obj, type):
         obj = obj(**kwargs)
     return obj if isinstance(obj, Judge) else _FunctionJudge(obj, spec)
+
+
+def make_judge(cfg) -> Judge:
+    """The judge of a run config (train.config.RunConfig): --judge, and for `llm` an endpoint (--judge_url) or a
+    local checkpoint (--judge_model) judged with the engine's decoder."""
+    if cfg.judge == "llm":
+        kw = dict(api_key=os.environ.get(cfg.judge_api_key_env), concurrency=cfg.judge_concurrency) if cfg.judge_url else {}
+        return load_judge("llm", url=cfg.judge_url, model=cfg.judge_model, language=cfg.judge_language, **kw)
+    return load_judge(cfg.judge)

@@ -19,9 +19,10 @@ User reward functions join by dotted import path, `module:attr[=weight]` (weight
 called as fn(record, completion, info) -> float with info = {"policy_len", "ref_len", "verdict"}; its
 weighted value is added to r and logged under its attr name.
 """
-import importlib
 import math
 from dataclasses import dataclass, field
+
+from train.imports import import_object, split_path
 
 
 class RewardError(ValueError):
@@ -86,13 +87,11 @@ def load_reward_fns(spec: str) -> list:
             weight = float(w) if w else 1.0
         except ValueError:
             raise RewardError(f"reward function {item!r}: weight {w!r} is not a number") from None
-        mod_name, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
-        if not mod_name or not attr:
-            raise RewardError(f"reward function {item!r}: expected a dotted path 'module:attr[=weight]'")
         try:
-            fn = getattr(importlib.import_module(mod_name), attr)
-        except (ImportError, AttributeError) as e:
-            raise RewardError(f"reward function {path!r} cannot be imported: {e}") from None
+            fn = import_object(path)
+        except ValueError as e:
+            raise RewardError(f"reward function {item!r}: {e}") from None
+        attr = split_path(path)[1]
         if not callable(fn):
             raise RewardError(f"reward function {path!r} is not callable")
         if attr in ("correct", "helpful", "length"):

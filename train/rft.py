@@ -27,10 +27,10 @@ import torch
 from train import distributed
 from train.checkpoint import load_checkpoint, model_dir
 from train.config import RFTConfig, format_config, parse_config, run_cli, save_config
-from train.data import build_prompt, load_jsonl, write_jsonl
+from train.data import build_prompt, load_inputs, load_jsonl, write_jsonl
+from train.judges import make_judge
 from train.nonfinite import NonFiniteGuard
 from train.selection import require_nonempty, select
-from train.synthetic import make_rooms
 
 
 def log(msg: str) -> None:
@@ -41,38 +41,6 @@ def _bar(total, desc, enabled, unit="it"):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc=desc, unit=unit, disable=not enabled, dynamic_ncols=True)
-
-
-# ------------------------------------------------------------------------------------------ data
-def load_inputs(cfg: RFTConfig) -> tuple:
-    """(training inputs, held-out inputs): from --data / --eval_data, else synthetic rooms."""
-    if cfg.data:
-        train, stats = load_jsonl(cfg.data, cfg.skip_bad_lines)
-        if stats.skipped:
-            log(f"{cfg.data}: skipped {len(stats.skipped)} bad line(s): " +
-                "; ".join(f"line {n}: {why}" for n, why in stats.skipped[:5]))
-    else:
-        train = make_rooms(cfg.train_rooms, seed=cfg.seed, prefix="train")
-    if cfg.eval_data:
-        held_out, stats = load_jsonl(cfg.eval_data, cfg.skip_bad_lines)
-        if stats.skipped:
-            log(f"{cfg.eval_data}: skipped {len(stats.skipped)} bad line(s)")
-    elif cfg.data:
-        held_out = []  # nothing held out was given: no before/after table
-    else:
-        held_out = make_rooms(cfg.eval_rooms, seed=cfg.seed + 1_000_003, prefix="eval")
-    if not train:
-        raise ValueError(f"{cfg.data or 'synthetic data'}: no training inputs")
-    return train, held_out
-
-
-def make_judge(cfg):
-    from train.judges import load_judge
-
-    if cfg.judge == "llm":  # an endpoint, or a local checkpoint judged with the engine decoder
-        kw = dict(api_key=os.environ.get(cfg.judge_api_key_env), concurrency=cfg.judge_concurrency) if cfg.judge_url else {}
-        return load_judge("llm", url=cfg.judge_url, model=cfg.judge_model, language=cfg.judge_language, **kw)
-    return load_judge(cfg.judge)
 
 
 def teacher_stage(cfg: RFTConfig, records: list, judge, prefix: str = "") -> list:

@@ -106,14 +106,21 @@ class Rollouts:
         return [self._completion(p, o.outputs[0]) for p, o in zip(ids, outs)]
 
     def generate_multi_turn(self, first_prompts: list, next_turns: list, step: int,
-                            max_new_tokens: int | None = None, greedy: bool = False) -> list:
+                            max_new_tokens: int | None = None, greedy: bool = False, keys: list | None = None) -> list:
         """K trajectories per conversation. first_prompts[i]: the prompt up to the first assistant
         turn; next_turns[i]: the token ids (or text) inserted before each later assistant turn (the
         user turn and the assistant header). Returns per conversation K Completions whose token_ids
         hold all turns and the inserted tokens, with turn_spans / turn_texts / old_logprobs (0 on
-        inserted tokens). greedy: one greedy trajectory per conversation (reference lengths)."""
+        inserted tokens). greedy: one greedy trajectory per conversation (reference lengths).
+        Samples are seeded by (run seed, step, key, sample, turn); keys default to the conversations'
+        positions (under torchrun: their places in the global batch, so any split draws the same)."""
         if len(first_prompts) != len(next_turns):
             raise ValueError("generate_multi_turn: one list of next turns per conversation")
+        if not first_prompts:
+            return []
+        keys = list(range(len(first_prompts))) if keys is None else list(keys)
+        if len(keys) != len(first_prompts):
+            raise ValueError(f"generate_multi_turn: {len(keys)} keys for {len(first_prompts)} conversations")
         max_new = max_new_tokens or self.max_new_tokens
         k = 1 if greedy else self.k
         trajs = []  # (conversation, sample) -> Completion being built
@@ -129,7 +136,7 @@ class Rollouts:
                     c.token_ids += extra
                     c.old_logprobs += [0.0] * len(extra)
             prompts = [c.prompt_ids + c.token_ids for _, _, c in live]
-            params = [self._params(_seed(self.seed, step, i, j, turn), 1, max_new, greedy) for i, j, _ in live]
+            params = [self._params(_seed(self.seed, step, keys[i], j, turn), 1, max_new, greedy) for i, j, _ in live]
             outs = self.llm.generate(prompts, params)
             for (_, _, c), o in zip(live, outs):
                 g = o.outputs[0]
