@@ -103,12 +103,12 @@ class LLM:
         if getattr(self, "workers", None) is not None:
             self._finalizer()
 
-    def refuse_tensor_parallel(self, what: str) -> None:
+    def refuse_tensor_parallel(self, what: str, instead: str = "restart the engine on the new checkpoint") -> None:
         """What a multi-process engine does not do: a clear error naming it."""
-        if self.config.tensor_parallel_size > 1:
-            raise RuntimeError(f"{what} is not supported with tensor_parallel_size={self.config.tensor_parallel_size}"
-                               f" (the weights live in {self.config.tensor_parallel_size} processes): restart the "
-                               f"engine on the new checkpoint instead")
+        n = self.config.tensor_parallel_size
+        if n > 1:
+            raise RuntimeError(f"{what} is not supported with tensor_parallel_size={n} (the weights live in {n} "
+                               f"processes): {instead}")
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, tokenizer=None, **options) -> "LLM":
@@ -624,7 +624,7 @@ class LLM:
         if self.sleep_level:
             raise RuntimeError(f"the engine is asleep already (level {self.sleep_level})")
         if level == 2:
-            self.refuse_tensor_parallel("sleep(level=2) (weights to the host)")
+            self.refuse_tensor_parallel("sleep(level=2)", "sleep(level=1) frees every rank's KV cache")
         self._settle_in_flight(in_flight, "the engine was put to sleep")
         self.release_kv_cache()
         if level == 2 and self.runner.device.type != "cpu":

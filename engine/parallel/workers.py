@@ -37,6 +37,7 @@ import time
 import torch
 
 from engine.engine_config import EngineConfig, EngineConfigError
+from engine.errors import WorkerError
 from engine.model_runner import ModelRunner
 
 log = logging.getLogger("engine.parallel")
@@ -49,10 +50,6 @@ FAULT_ENV = "LIVEMOE_WORKER_FAULT"  # tests: "RANK:STEP" makes that worker raise
 
 # commands from rank 0 (first frame of each message)
 STEP, PROFILE, ALLOCATE, FREE, STOP = b"S", b"P", b"A", b"F", b"X"
-
-
-class WorkerError(RuntimeError):
-    """A tensor-parallel worker failed (the message names its rank and the cause); the engine is unusable."""
 
 
 def check_parallel_sizes(model_config, tensor_parallel_size: int, expert_parallel: bool, device: torch.device) -> None:
@@ -180,10 +177,15 @@ class WorkerGroup:
     # -- commands -----------------------------------------------------------------------------------
 
     def _send(self, frames: list) -> None:
-        if self.error is not None:
-            raise self.error
-        assert not self.closed, "the worker group is closed"
+        import zmq
+
+        if self.closed and self.error is None:
+            raise WorkerError("the tensor-parallel workers were stopped (LLM.close())")
+        self.check()
         for sock in self.plans:
+            # a PUSH socket whose worker is gone blocks: wait in slices, watching the workers
+            while not sock.poll(100, zmq.POLLOUT):
+                self.check()
             sock.send_multipart(frames, copy=False)
 
     def send_step(self, plan) -> None:
