@@ -329,3 +329,31 @@ def test_workers_exit_when_rank_0_is_killed(checkpoints, tmp_path):
     finally:
         rank0.kill()
         rank0.wait()
+
+
+def test_serving_memory_per_gpu_and_the_readme_figures(capsys):
+    """Per-rank weights: every tensor split N ways except norms and the router (whole) and k/v projections
+    (one KV head per rank when fewer KV heads than ranks); the README quotes the CLI's figures."""
+    import math
+
+    from engine.flops import resolve_config
+    from engine.parallel.memory import main, param_shapes, rank_numel, serving_memory
+
+    cfg = resolve_config("qwen3-235b-a22b")
+    shapes = param_shapes(cfg)
+    total = sum(math.prod(s) for _, s in shapes)
+    assert rank_numel(cfg, 1) == total
+    whole = sum(math.prod(s) for n, s in shapes if n.endswith(("norm.weight", "mlp.gate.weight")))
+    kv = sum(math.prod(s) for n, s in shapes if n.endswith(("k_proj.weight", "v_proj.weight")))
+    rest = total - whole - kv
+    # 4 KV heads: TP 4 splits them, TP 8 holds one per rank (a quarter of k/v, like TP 4)
+    assert whole + kv // 4 + rest // 4 <= rank_numel(cfg, 4) <= whole + kv // 4 + rest // 4 + len(shapes)
+    assert whole + kv // 4 + rest // 8 <= rank_numel(cfg, 8) <= whole + kv // 4 + rest // 8 + len(shapes)
+    m = serving_memory(cfg, 8)
+    assert m["kv_bytes_per_token_per_gpu"] == 2 * 94 * 1 * 128 * 2 == serving_memory(cfg, 4)["kv_bytes_per_token_per_gpu"]
+    assert serving_memory(cfg, 2)["kv_bytes_per_token_per_gpu"] == 2 * 94 * 2 * 128 * 2
+    main(["--model", "qwen3-235b-a22b", "--tensor-parallel-size", "8"])
+    out = capsys.readouterr().out
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    for figure in (f"{m['weights_gb_per_gpu']:.1f} GB", f"{m['model_weights_gb']:.1f}", "47.0 KiB", "67.9 GB"):
+        assert figure in out and figure in readme, figure
