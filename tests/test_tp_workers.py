@@ -357,3 +357,27 @@ def test_serving_memory_per_gpu_and_the_readme_figures(capsys):
     readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
     for figure in (f"{m['weights_gb_per_gpu']:.1f} GB", f"{m['model_weights_gb']:.1f}", "47.0 KiB", "67.9 GB"):
         assert figure in out and figure in readme, figure
+
+
+def test_live_session_decides_the_same_with_tp2(tmp_path):
+    """Live sessions drive the engine through its ordinary step loop: with TP 2 their decisions (greedy)
+    and their cache reuse are a single process's."""
+    from engine.live.session import LiveSession
+
+    path, _ = make_text_checkpoint(tmp_path / "live", moe=True, seed=3, max_position_embeddings=2048)
+    events = [[{"type": "join", "user": "amy"}], [{"type": "comment", "user": "bob", "text": "price of link 3?"}],
+              [{"type": "transcript", "text": "now 29 yuan"}]]
+
+    def decisions(**options):
+        llm = LLM(path, block_size=16, num_kv_blocks=128, use_tqdm=False, threads=1, **options)
+        try:
+            s = LiveSession(llm, "you are the live assistant of a shopping stream.", max_message_chars=24,
+                            temperature=0.0)
+            got = [s.step(e) for e in events]
+            return [(d.kind, d.text, d.metrics.prompt_tokens, d.metrics.cached_prompt_tokens) for d in got]
+        finally:
+            llm.close()
+
+    one, tp = decisions(), decisions(tensor_parallel_size=2)
+    assert len(one) == len(tp) == 3
+    assert tp == one and tp[-1][3] > 0  # the last step found the session's earlier intervals cached
