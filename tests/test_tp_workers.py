@@ -108,21 +108,44 @@ def hf_greedy(hf, prompt):
     return hf.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False)[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("name,ep", [("dense", False), ("moe", False), ("moe", True)], ids=["dense", "moe", "moe-ep"])
-def test_tp2_greedy_equals_transformers_and_one_process(checkpoints, name, ep):
+@pytest.fixture(scope="module")
+def tp2(checkpoints):
+    """The TP 2 engine of (checkpoint, expert parallel), shared by the tests below while they ask for the same
+    one (each start costs a process; a process holds one TP engine at a time: the process group is global)."""
+    engines = {}
+
+    def get(name, ep=False):
+        if (name, ep) not in engines:
+            for other in engines.values():
+                other.close()
+            engines.clear()
+            # 30 blocks of 4 tokens: the five sequences (up to 46 tokens each) cannot all fit -> preemption
+            engines[name, ep] = LLM(checkpoints[name][0], tensor_parallel_size=2, enable_expert_parallel=ep,
+                                    num_kv_blocks=30, **OPTIONS)
+        return engines[name, ep]
+
+    def take(name, ep=False):
+        """The engine, no longer shared: the caller ends it."""
+        get(name, ep)
+        return engines.pop((name, ep))
+
+    get.take = take
+    yield get
+    for llm in engines.values():
+        llm.close()
+
+
+@pytest.mark.parametrize("name,ep", [("moe", False), ("moe", True), ("dense", False)], ids=["moe", "moe-ep", "dense"])
+def test_tp2_greedy_equals_transformers_and_one_process(checkpoints, tp2, name, ep):
     path, hf = checkpoints[name]
     ps = prompts()
     expected = [hf_greedy(hf, p) for p in ps]
     one = LLM(path, num_kv_blocks=256, **OPTIONS).generate(ps, GREEDY)
-    # 30 blocks of 4 tokens: the five sequences (up to 46 tokens each) cannot all fit -> preemption
-    llm = LLM(path, tensor_parallel_size=2, enable_expert_parallel=ep, num_kv_blocks=30, **OPTIONS)
-    try:
-        assert len(llm.workers.pids) == 1
-        outs = llm.generate(ps, GREEDY)
-        again = llm.generate(ps[:3], GREEDY)  # the shared prefix is cached now
-        stats = llm.stats()
-    finally:
-        llm.close()
+    llm = tp2(name, ep)
+    assert len(llm.workers.pids) == 1
+    outs = llm.generate(ps, GREEDY)
+    again = llm.generate(ps[:3], GREEDY)  # the shared prefix is cached now
+    stats = llm.stats()
     assert len(outs) == len(expected) == 5
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert [o.outputs[0].token_ids for o in again] == expected[:3]
@@ -137,11 +160,11 @@ def test_tp2_greedy_equals_transformers_and_one_process(checkpoints, name, ep):
     assert outs[0].metrics.decode_flops == one[0].metrics.decode_flops > 0
 
 
-def test_kv_cache_release_sleep_and_refusals(checkpoints):
+def test_kv_cache_release_sleep_refusals_and_close(checkpoints, tp2):
     path, hf = checkpoints["dense"]
     ps = prompts()[:2]
     expected = [hf_greedy(hf, p) for p in ps]
-    llm = LLM(path, tensor_parallel_size=2, num_kv_blocks=64, **OPTIONS)
+    llm = tp2.take("dense")
     try:
         with llm.kv_cache_released():  # every rank frees its cache, and allocates it again after
             assert llm.runner.kv_cache is None
@@ -156,6 +179,10 @@ def test_kv_cache_release_sleep_and_refusals(checkpoints):
                 call()
         assert [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY)] == expected
         pids = llm.workers.pids
+        before = children(os.getpid())
+        with pytest.raises(EngineConfigError, match="another engine with tensor_parallel_size > 1 \\(close\\(\\) it"):
+            LLM(path, tensor_parallel_size=2, **OPTIONS)
+        assert children(os.getpid()) == before
     finally:
         llm.close()
     assert gone(pids)
@@ -193,8 +220,8 @@ def test_from_model_and_data_parallel_refused(checkpoints):
     assert children(os.getpid()) == before
 
 
-def test_no_worker_left_after_garbage_collection(checkpoints):
-    llm = LLM(checkpoints["dense"][0], tensor_parallel_size=2, num_kv_blocks=64, **OPTIONS)
+def test_no_worker_left_after_garbage_collection(tp2):
+    llm = tp2.take("moe")
     pids = llm.workers.pids
     assert pids and all(p in children(os.getpid()) for p in pids)
     del llm
@@ -265,9 +292,11 @@ def test_async_llm_streaming_and_abort_thread_and_process_core(checkpoints):
         workers = children(core)
         assert len(workers) == 1  # rank 0 is the engine core; its one worker is rank 1
         asyncio.run(main(proc))
+        # rank 0 killed outright (no close, no finalizer): its worker notices that its parent is gone
+        os.kill(core, signal.SIGKILL)
+        assert gone([core, *workers])
     finally:
         proc.shutdown()
-    assert gone([core, *workers])
 
 
 def test_openai_server_with_tensor_parallel_and_sigterm(checkpoints):
@@ -306,29 +335,6 @@ def test_openai_server_with_tensor_parallel_and_sigterm(checkpoints):
         server.stop()  # SIGTERM
     assert server.proc.returncode is not None
     assert gone(procs)
-
-
-def test_workers_exit_when_rank_0_is_killed(checkpoints, tmp_path):
-    """Rank 0 killed outright (no close, no finalizer): its workers notice that their parent is gone."""
-    import subprocess
-    import sys
-
-    code = (f"import torch; from engine.llm import LLM\n"
-            f"llm = LLM({checkpoints['dense'][0]!r}, tensor_parallel_size=2, num_kv_blocks=16, dtype=torch.float32, "
-            f"device='cpu', block_size=4, threads=1)\n"
-            f"print(*llm.workers.pids, flush=True)\nimport time; time.sleep(120)\n")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    rank0 = subprocess.Popen([sys.executable, "-c", code], cwd=root, stdout=subprocess.PIPE, text=True,
-                             env=dict(os.environ, PYTHONPATH=root))
-    try:
-        pids = [int(p) for p in rank0.stdout.readline().split()]
-        assert len(pids) == 1 and running(pids[0])
-        rank0.kill()
-        rank0.wait(10)
-        assert gone(pids, within_s=10)
-    finally:
-        rank0.kill()
-        rank0.wait()
 
 
 def test_serving_memory_per_gpu_and_the_readme_figures(capsys):

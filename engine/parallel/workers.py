@@ -117,8 +117,10 @@ class WorkerGroup:
 
         size = config.tensor_parallel_size
         if dist.is_initialized():
-            raise EngineConfigError(f"EngineConfig: tensor_parallel_size={size} starts its own process group; this "
-                                    f"process is in one already (a torchrun job): use tensor_parallel_size=1 here")
+            raise EngineConfigError(f"EngineConfig: tensor_parallel_size={size} starts its own process group, and this "
+                                    f"process is in one already: a torchrun job (use tensor_parallel_size=1 there), "
+                                    f"or another engine with tensor_parallel_size > 1 (close() it first: one per "
+                                    f"process)")
         self.size, self.device = size, device
         self.error: WorkerError | None = None
         self.closed = False
