@@ -25,7 +25,6 @@ import math
 import sys
 from dataclasses import asdict, dataclass
 
-import torch
 
 from engine.config import ModelConfig
 from engine.errors import CheckpointError

@@ -67,7 +67,7 @@ def check_parallel_sizes(model_config, tensor_parallel_size: int, expert_paralle
     elif device.type != "cpu":
         raise EngineConfigError(f"EngineConfig: tensor_parallel_size={size} runs on CUDA or CPU, not {device}")
     if expert_parallel and model_config.num_experts == 0:
-        raise EngineConfigError(f"EngineConfig: enable_expert_parallel needs a MoE model; this one is dense")
+        raise EngineConfigError("EngineConfig: enable_expert_parallel needs a MoE model; this one is dense")
     # the merge calls engine.parallel.tensor_parallel.check_tensor_parallel(model_config, size, expert_parallel)
     # here: heads (and, with EP, experts) must divide by the ranks
 
