@@ -124,6 +124,7 @@ class WorkerGroup:
         self.size, self.device = size, device
         self.error: WorkerError | None = None
         self.closed = False
+        self.inbox: list[tuple] = []  # (kind, rank, value) answers of the workers not yet collected
         self.ctx = zmq.Context(1)
         self.replies = self.ctx.socket(zmq.PULL)
         self.replies.setsockopt(zmq.LINGER, 0)
@@ -211,40 +212,38 @@ class WorkerGroup:
 
     def _collect(self, kind: str, timeout: float) -> list:
         """One `kind` message from each worker, in rank order (errors and deaths raise WorkerError)."""
-        import zmq
-
-        got: dict[int, object] = {}
         deadline = time.monotonic() + timeout
-        while len(got) < self.size - 1:
-            if self.replies.poll(50):
-                msg = self.replies.recv_pyobj(zmq.NOBLOCK)
-                self._take(msg, got, kind)
-            else:
-                self.check()
+        while True:
+            got = {rank: value for what, rank, value in self.inbox if what == kind}
+            if len(got) == self.size - 1:
+                self.inbox = [m for m in self.inbox if m[0] != kind]
+                return [got[r] for r in range(1, self.size)]
             if time.monotonic() > deadline:
                 missing = [r for r in range(1, self.size) if r not in got]
                 self._fail(f"tensor-parallel worker rank(s) {missing} sent no {kind!r} within {timeout:.0f} s")
-        return [got[r] for r in range(1, self.size)]
+            self.replies.poll(50)
+            self.check()
 
-    def _take(self, msg, got: dict | None = None, kind: str | None = None) -> None:
-        what, rank, value = msg
-        if what == "error":
-            self._fail(f"tensor-parallel worker rank {rank} failed: {value}")
-        assert got is not None and what == kind, f"unexpected message from worker rank {rank}: {what!r}"
-        got[rank] = value
+    def _receive(self) -> None:
+        """Takes in the workers' messages that have arrived: errors raise, answers wait in the inbox (a
+        worker may answer while rank 0 is still busy, e.g. ready before rank 0's rendezvous returned)."""
+        import zmq
+
+        while self.replies.poll(0):
+            what, rank, value = self.replies.recv_pyobj(zmq.NOBLOCK)
+            if what == "error":
+                self._fail(f"tensor-parallel worker rank {rank} failed: {value}")
+            self.inbox.append((what, rank, value))
 
     def check(self) -> None:
         """Raises WorkerError if a worker reported an error or exited (cheap: a poll and a waitpid each)."""
-        import zmq
-
         if self.error is not None:
             raise self.error
-        if self.replies.poll(0):
-            self._take(self.replies.recv_pyobj(zmq.NOBLOCK))
+        self._receive()
         for rank, proc in enumerate(self.procs, start=1):
             if proc.poll() is not None:
                 if self.replies.poll(1000):  # its error report, sent before it exited
-                    self._take(self.replies.recv_pyobj(zmq.NOBLOCK))
+                    self._receive()
                 self._fail(f"tensor-parallel worker rank {rank} (pid {proc.pid}) {exit_cause(proc.returncode)}")
 
     def explain(self, error: BaseException) -> WorkerError | None:
