@@ -387,3 +387,19 @@ def test_live_session_decides_the_same_with_tp2(tmp_path):
     one, tp = decisions(), decisions(tensor_parallel_size=2)
     assert len(one) == len(tp) == 3
     assert tp == one and tp[-1][3] > 0  # the last step found the session's earlier intervals cached
+
+
+def test_a_failed_worker_ends_its_engine_core(checkpoints, monkeypatch):
+    """Under the engine-core process: a worker's exception ends the core (it cannot step any more), so its
+    requests end with EngineDeadError at once and no process is left."""
+    monkeypatch.setenv(FAULT_ENV, "1:3")  # inherited by the core, then by its worker
+    engine = AsyncLLM(checkpoints["moe"][0], engine_core="process", tensor_parallel_size=2, num_kv_blocks=64,
+                      **OPTIONS)
+    (core,) = engine.core_pids()
+    workers = children(core)
+    try:
+        with pytest.raises(EngineDeadError):
+            asyncio.run(collect_deltas(engine.generate(prompts()[0], GREEDY)))
+        assert gone([core, *workers])
+    finally:
+        engine.shutdown()
