@@ -110,13 +110,15 @@ fi
 t=$(limit 1 1 15)
 stage "GPU benchmarks (limit ${t}s)"
 # kernels first, the end-to-end decoder and the expert-parallel training step next (its GPU case runs before its
-# gloo one), the CPU-side suites last; any other suite after them
+# gloo one), the CPU-side suites last; any other suite after them.
+# bench_tp.py last: its rows for TP 2 and 4 skip (saying how many GPUs they need) where fewer are visible
 order=(bench/bench_moe.py bench/bench_logprobs.py bench/bench_attention.py bench/bench_decode.py bench/bench_parallel.py
        bench/bench_flops.py bench/bench_serve.py)
 files=()
 for f in "${order[@]}" bench/bench_*.py; do
-  [ -f "$f" ] && [[ ! " ${files[*]} " =~ " $f " ]] && files+=("$f")
+  [ -f "$f" ] && [ "$f" != bench/bench_tp.py ] && [[ ! " ${files[*]} " =~ " $f " ]] && files+=("$f")
 done
+[ -f bench/bench_tp.py ] && files+=(bench/bench_tp.py)
 timeout $t "$PY" -m pytest "${files[@]}" --benchmark -v -p no:cacheprovider -rfEs --tb=short \
   --continue-on-collection-errors --benchmark-json="$RES/pytest_benchmark.json" "${BENCH_TIMEOUT_OPT[@]}"
 benches=$?

@@ -32,6 +32,7 @@ import threading
 from collections import deque
 from itertools import count
 
+from engine.errors import WorkerError
 from engine.llm import IN_FLIGHT_MODES, LLM, apply_threads
 from engine.outputs import RequestOutput
 from engine.sampling import RequestError, SamplingParams
@@ -140,6 +141,7 @@ class AsyncLLM:
             self.llm = None  # it lives in the core process(es)
             self._start_cores(model_path, dtype, device, data_parallel_size, devices, on_core_death, options)
             return
+        self._owns_llm = llm is None
         self.llm = llm if llm is not None else LLM(model_path, dtype=dtype, device=device, **options)
         self._tokenizer = self.llm.tokenizer
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -153,7 +155,10 @@ class AsyncLLM:
         from engine.engine_config import EngineConfig
         from engine.loader import load_tokenizer
 
-        EngineConfig.from_options(**options)  # bad options fail here, before any process starts
+        config = EngineConfig.from_options(**options)  # bad options fail here, before any process starts
+        if data_parallel_size > 1 and config.tensor_parallel_size > 1:
+            raise ValueError(f"data_parallel_size={data_parallel_size} with tensor_parallel_size="
+                             f"{config.tensor_parallel_size} is not supported: run one engine per group of GPUs")
         if devices is not None and len(devices) != data_parallel_size:
             raise ValueError(f"devices: {len(devices)} given for data_parallel_size {data_parallel_size}")
         self._tokenizer = load_tokenizer(model_path)
@@ -367,6 +372,8 @@ class AsyncLLM:
                 if llm.has_unfinished_requests():
                     try:
                         outputs = llm.step()
+                    except WorkerError:  # a tensor-parallel worker is gone: no step can run any more
+                        raise
                     except Exception as e:  # a failed step: end what is in flight, keep serving
                         log.exception("engine step failed; aborting %d request(s)", len(self._streams))
                         self._fail_all(EngineError(f"engine step failed: {e!r}"))
@@ -380,6 +387,9 @@ class AsyncLLM:
             self._fail_all(EngineDeadError(f"the engine loop died: {e!r}"))
             self._refuse_queued()
             raise
+        finally:
+            if self._owns_llm:
+                llm.close()  # its tensor-parallel workers stop with the loop
         self._dead = EngineDeadError("shut down")
         self._fail_all(EngineDeadError("the engine was shut down"))
         self._stats = self._llm_stats()
@@ -498,12 +508,17 @@ def _put_all(items) -> None:
         stream._put(item)
 
 
+LAYOUT_KEYS = ("tensor_parallel_size", "expert_parallel")
+
+
 def merge_stats(stats: list[dict]) -> dict:
     """Replicas' LLM.stats() as one: counts summed, rates averaged, flags true only if true on all."""
     merged = {}
     for key, value in stats[0].items():
         values = [s.get(key, value) for s in stats]
-        if isinstance(value, bool):
+        if key in LAYOUT_KEYS:  # the same on every replica
+            merged[key] = value
+        elif isinstance(value, bool):
             merged[key] = all(values)
         elif isinstance(value, float):
             merged[key] = sum(values) / len(values)

@@ -2,7 +2,8 @@
 
 KV-cache size: `num_kv_blocks` when given; else on a GPU `gpu_memory_utilization` of the device's memory
 minus what the weights and a warm-up forward of `max_num_batched_tokens` tokens use; else (CPU)
-`kv_cache_bytes`.
+`kv_cache_bytes`. With tensor_parallel_size > 1 every rank holds a cache of that many blocks (the
+smallest any rank can hold), of its own heads.
 """
 from dataclasses import dataclass, fields
 
@@ -35,6 +36,9 @@ class EngineConfig:
     # setting for LLM.from_model (a trainer sets its own). Raise it on a dedicated many-core host
     threads: int | None = None
     use_tqdm: bool = True  # progress bar in generate() for batches of more than 16 prompts
+    # ranks one model is split over (engine/parallel/workers.py): one process per GPU, this one is rank 0
+    tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False  # MoE layers: each rank holds num_experts / tensor_parallel_size experts
 
     def __post_init__(self):
         def fail(msg):
@@ -46,7 +50,7 @@ class EngineConfig:
                 fail(f"{name} must be a positive integer, got {value!r}")
 
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes",
-                     "max_graph_batch_size", "max_running_seqs_per_request"):
+                     "max_graph_batch_size", "max_running_seqs_per_request", "tensor_parallel_size"):
             positive_int(name)
         for name in ("max_model_len", "num_kv_blocks"):
             if getattr(self, name) is not None:
@@ -62,6 +66,10 @@ class EngineConfig:
             fail(f"threads must be an integer >= 0 (0: torch's default), got {self.threads!r}")
         if not isinstance(self.seed, int):
             fail(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.enable_expert_parallel, bool):
+            fail(f"enable_expert_parallel must be a bool, got {self.enable_expert_parallel!r}")
+        if self.enable_expert_parallel and self.tensor_parallel_size == 1:
+            fail("enable_expert_parallel needs tensor_parallel_size > 1 (it splits the experts over those ranks)")
 
     @classmethod
     def from_options(cls, **options) -> "EngineConfig":

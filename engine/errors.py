@@ -4,3 +4,8 @@ class CheckpointError(ValueError):
 
 class RequestFailedError(RuntimeError):
     """The engine ended one request because of a fault in its own step (the message says what)."""
+
+
+class WorkerError(RuntimeError):
+    """A tensor-parallel worker process failed (the message names its rank and the cause): the engine cannot
+    step any more (engine/parallel/workers.py)."""

@@ -18,6 +18,7 @@ import logging
 import math
 import threading
 import time
+import weakref
 from itertools import count
 
 import torch
@@ -25,7 +26,7 @@ import torch
 from engine import flops
 from engine.block_manager import BlockManager
 from engine.detokenizer import IncrementalDetokenizer
-from engine.engine_config import EngineConfig
+from engine.engine_config import EngineConfig, EngineConfigError
 from engine.errors import RequestFailedError
 from engine.logits_processors import check_vocab
 from engine.model_runner import ModelRunner
@@ -61,13 +62,64 @@ class LLM:
         config = EngineConfig.from_options(**options)  # bad options fail before the weights load
         self.threads = DEFAULT_THREADS if config.threads is None else config.threads
         apply_threads(self.threads)  # before loading: the loader's copies run on them too
-        self._setup(load_model(model_path, dtype=dtype, device=device), load_tokenizer(model_path), config)
+        self.workers = None
+        if config.tensor_parallel_size == 1:
+            model = load_model(model_path, dtype=dtype, device=device)
+        else:
+            model = self._start_workers(model_path, dtype, device, config)
+        try:
+            self._setup(model, load_tokenizer(model_path), config)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start_workers(self, model_path: str, dtype, device, config: EngineConfig) -> torch.nn.Module:
+        """Rank 0 of tensor_parallel_size ranks: checks what it can, starts the workers, loads its own
+        shard while they load theirs (engine/parallel/workers.py)."""
+        import torch.distributed as dist
+
+        from engine.config import load_config
+        from engine.loader import resolve_device
+        from engine.parallel.workers import WorkerGroup, check_parallel_sizes, load_rank_model, rank_device
+
+        mc = load_config(model_path)
+        device = resolve_device(device)
+        check_parallel_sizes(mc, config.tensor_parallel_size, config.enable_expert_parallel, device)
+        self.workers = WorkerGroup(model_path, dtype, device, config, max_model_len(config, mc),
+                                   logging.getLogger().level)
+        # LLM.close(), garbage collection or interpreter exit: the workers stop (the callback holds no LLM)
+        self._finalizer = weakref.finalize(self, self.workers.close)
+        try:
+            model = load_rank_model(model_path, dtype, rank_device(device, 0), 0, config.tensor_parallel_size,
+                                    dist.group.WORLD, config.enable_expert_parallel)
+            self.workers.wait_ready()
+        except BaseException:
+            self.close()
+            raise
+        return model
+
+    def close(self) -> None:
+        """Stops the tensor-parallel worker processes (if any); the engine cannot step after it."""
+        if getattr(self, "workers", None) is not None:
+            self._finalizer()
+
+    def refuse_tensor_parallel(self, what: str, instead: str = "restart the engine on the new checkpoint") -> None:
+        """What a multi-process engine does not do: a clear error naming it."""
+        n = self.config.tensor_parallel_size
+        if n > 1:
+            raise RuntimeError(f"{what} is not supported with tensor_parallel_size={n} (the weights live in {n} "
+                               f"processes): {instead}")
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, tokenizer=None, **options) -> "LLM":
         """An engine over an existing module (shared, not copied: the trainer's updates are seen)."""
         llm = cls.__new__(cls)
         config = EngineConfig.from_options(**options)
+        if config.tensor_parallel_size > 1:
+            raise EngineConfigError(f"EngineConfig: tensor_parallel_size={config.tensor_parallel_size} needs "
+                                    f"LLM(model_path, ...): each rank loads its own shard; LLM.from_model shares "
+                                    f"one module of this process")
+        llm.workers = None
         llm.threads = config.threads or 0  # None: the caller's (a trainer's) setting stays
         apply_threads(llm.threads)
         llm._setup(model, tokenizer, config)
@@ -76,16 +128,17 @@ class LLM:
     def _setup(self, model, tokenizer, config: EngineConfig):
         self.model, self.tokenizer, self.config = model, tokenizer, config
         mc = model.config
-        limit = mc.max_position_embeddings
-        if config.max_model_len is not None and config.max_model_len > limit:
-            raise RequestError(f"max_model_len {config.max_model_len} exceeds the model's "
-                               f"max_position_embeddings {limit}")
-        self.max_model_len = config.max_model_len or limit
+        self.max_model_len = max_model_len(config, mc)
         self.vocab_size = mc.vocab_size
         self.eos_token_ids = set(mc.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
-        self.runner = ModelRunner(model, config, self.max_model_len)
+        if self.workers is None:
+            self.runner = ModelRunner(model, config, self.max_model_len)
+        else:
+            from engine.parallel.workers import DriverRunner
+
+            self.runner = DriverRunner(model, config, self.max_model_len, self.workers)
         self.sampler = Sampler(config.seed, self.eos_token_ids)
         self._grammar_compiler = None  # engine.structured.GrammarCompiler, made at the first structured request
         self._grammar_lock = threading.Lock()
@@ -540,6 +593,7 @@ class LLM:
         drops the cached prefixes. Returns the number of tensors copied."""
         from engine.core.weights import copy_weights
 
+        self.refuse_tensor_parallel("update_weights")
         named_tensors = list(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
         self._settle_in_flight(in_flight, "the weights were updated")
         return self._weights_changed(copy_weights(self.model, named_tensors))
@@ -548,6 +602,7 @@ class LLM:
         """update_weights with every tensor of a checkpoint of the same architecture."""
         from engine.core.weights import copy_weights_from_disk
 
+        self.refuse_tensor_parallel("update_weights_from_disk")
         self._settle_in_flight(in_flight, "the weights were updated")
         return self._weights_changed(copy_weights_from_disk(self.model, model_path))
 
@@ -568,6 +623,8 @@ class LLM:
             raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
         if self.sleep_level:
             raise RuntimeError(f"the engine is asleep already (level {self.sleep_level})")
+        if level == 2:
+            self.refuse_tensor_parallel("sleep(level=2)", "sleep(level=1) frees every rank's KV cache")
         self._settle_in_flight(in_flight, "the engine was put to sleep")
         self.release_kv_cache()
         if level == 2 and self.runner.device.type != "cpu":
@@ -605,7 +662,18 @@ class LLM:
             num_failed_requests=self.num_failed_requests,
             num_nonfinite_logits_steps=self.num_nonfinite_logits_steps,
             last_logits_finite=self.last_logits_finite,
+            tensor_parallel_size=self.config.tensor_parallel_size,  # the parallel layout (/metrics)
+            expert_parallel=self.config.enable_expert_parallel,
         )
+
+
+def max_model_len(config: EngineConfig, mc) -> int:
+    """The context the engine serves: max_model_len, at most the model's max_position_embeddings."""
+    limit = mc.max_position_embeddings
+    if config.max_model_len is not None and config.max_model_len > limit:
+        raise RequestError(f"max_model_len {config.max_model_len} exceeds the model's "
+                           f"max_position_embeddings {limit}")
+    return config.max_model_len or limit
 
 
 def apply_threads(threads: int) -> None:

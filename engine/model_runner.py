@@ -14,6 +14,7 @@ from engine.attention import Attention
 from engine.context import StepContext
 from engine.engine_config import EngineConfig, EngineConfigError
 from engine.scheduler import SchedulerOutput
+from engine.step_plan import StepPlan
 from kernels._ext import sm_count
 from kernels.attention import choose_num_splits
 
@@ -113,9 +114,8 @@ class ModelRunner:
 
     # -- a step -------------------------------------------------------------------------------------
 
-    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, StepContext, list[int], list[int]]:
-        """(input_ids [N], positions [N], StepContext, the rows that sample (indices into N), the seqs they belong
-        to (indices into out.seqs), in the same order)."""
+    def plan(self, out: SchedulerOutput) -> StepPlan:
+        """The step's inputs on the host, all the forward needs (what tensor-parallel workers receive)."""
         bs = self.block_size
         seqs = out.seqs
         is_decode = out.is_decode_only
@@ -141,40 +141,60 @@ class ModelRunner:
                 if end == len(seq):
                     sample_rows.append(cu[-1] - 1)
                     sampling_seqs.append(i)
-        S, N = len(seqs), len(input_ids)
         width = max(len(seq.block_table) for seq in seqs)
         ints = context_lens + cu
         for seq in seqs:
             ints += seq.block_table
             ints += [-1] * (width - len(seq.block_table))
+        return StepPlan(longs=array.array("q", input_ids + positions + slots), ints=array.array("i", ints),
+                        sample_rows=sample_rows, num_seqs=len(seqs), width=width,
+                        max_seqlen_q=max(out.num_new_tokens), is_decode=is_decode,
+                        max_context_len=max(context_lens), sampling_seqs=sampling_seqs)
+
+    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, StepContext, list[int], list[int]]:
+        """(input_ids [N], positions [N], StepContext, the rows that sample (indices into N), the seqs they belong
+        to (indices into out.seqs), in the same order)."""
+        plan = self.plan(out)
+        return *self.step_inputs(plan), plan.sample_rows, plan.sampling_seqs
+
+    def step_inputs(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, StepContext]:
+        """(input_ids [N], positions [N], StepContext) on the device."""
+        S, N, width = plan.num_seqs, plan.num_tokens, plan.width
         # one tensor per dtype (a host-to-device copy each); the step's tensors are views of them
-        longs = self._to_device(input_ids + positions + slots, torch.long)
-        ints = self._to_device(ints, torch.int32)
+        longs = self._to_device(plan.longs, torch.long)
+        ints = self._to_device(plan.ints, torch.int32)
         ctx = StepContext(kv_caches=self.layer_caches, slot_mapping=longs[2 * N:], context_lens=ints[:S],
                           cu_seqlens_q=ints[S:2 * S + 1], block_tables=ints[2 * S + 1:].view(S, width),
-                          max_seqlen_q=max(out.num_new_tokens), is_decode=is_decode, backend=self.backend,
-                          max_context_len=max(context_lens))
-        return longs[:N], longs[N:2 * N], ctx, sample_rows, sampling_seqs
+                          max_seqlen_q=plan.max_seqlen_q, is_decode=plan.is_decode, backend=self.backend,
+                          max_context_len=plan.max_context_len)
+        return longs[:N], longs[N:2 * N], ctx
 
-    def _to_device(self, data: list[int], dtype: torch.dtype) -> torch.Tensor:
-        if self.device.type == "cpu" and data:  # through an array: 3x faster than torch.tensor(list) (~40 us a step)
-            return torch.frombuffer(array.array(_ARRAY_TYPECODE[dtype], data), dtype=dtype)
-        cuda = self.device.type == "cuda"
-        return torch.tensor(data, dtype=dtype, pin_memory=cuda).to(self.device, non_blocking=cuda)
+    def _to_device(self, data: array.array, dtype: torch.dtype) -> torch.Tensor:
+        assert data.typecode == _ARRAY_TYPECODE[dtype], (data.typecode, dtype)
+        # through an array: 3x faster than torch.tensor(list) (~40 us a step)
+        host = torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
+        if self.device.type == "cpu":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
 
-    @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
         """Runs one step; returns (logits [num_sampling_seqs, V] fp32, indices into out.seqs that sample)."""
+        plan = self.plan(out)
+        return self.execute(plan), plan.sampling_seqs
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        """The forward of a planned step: logits [len(plan.sample_rows), V] fp32."""
         assert self.kv_cache is not None, "no KV cache: reserve_kv_cache() first"
-        input_ids, positions, ctx, sample_rows, sampling_seqs = self.prepare(out)
+        input_ids, positions, ctx = self.step_inputs(plan)
+        sample_rows = plan.sample_rows
         if ctx.is_decode and self.use_cuda_graphs:
             hidden = self._run_decode_graph(input_ids, positions, ctx)
         else:
             hidden = self._run_eager(input_ids, positions, ctx)
         if len(sample_rows) < hidden.shape[0]:  # logits only for the rows that sample
             hidden = hidden.index_select(0, torch.tensor(sample_rows, dtype=torch.long, device=self.device))
-        logits = self.model.compute_logits(hidden).float()
-        return logits, sampling_seqs
+        return self.model.compute_logits(hidden).float()
 
     def _run_eager(self, input_ids, positions, ctx: StepContext) -> torch.Tensor:
         return self.model.forward_hidden(input_ids[None], positions[None], step=ctx)[0]

@@ -13,6 +13,9 @@ CPU, N processes). A core that dies ends its requests with an error and turns /h
 `--on-core-death exit` (the default) stops the server with exit code 1 (a supervisor restarts it), and
 `restart` starts a fresh core for that replica. `--engine-core thread` keeps the engine in the server's
 process (one interpreter lock for both: slower under load).
+
+`--tensor-parallel-size N [--enable-expert-parallel]` splits the model over N processes, one per GPU: the
+engine core is rank 0 and starts the other N-1 (engine/parallel/workers.py); SIGTERM stops them all.
 """
 import argparse
 import logging

@@ -25,11 +25,11 @@ import math
 import sys
 from dataclasses import asdict, dataclass
 
-import torch
 
 from engine.config import ModelConfig
 from engine.errors import CheckpointError
 from engine.flops import preset_names, resolve_config
+from engine.parallel.memory import is_expert_param, param_shapes  # shared with the serving planner
 
 GB = 1e9
 TRAINERS = ("rft", "grpo")
@@ -80,19 +80,6 @@ class PlanConfig:
     @property
     def sequences_per_rank(self) -> int:
         return self.sequences_per_step // self.gpus
-
-
-def is_expert_param(name: str) -> bool:
-    return ".mlp.experts." in name
-
-
-def param_shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, full shape) of every parameter of the engine's model (a tied embedding once)."""
-    from engine.model import Qwen3ForCausalLM
-
-    with torch.device("meta"):
-        model = Qwen3ForCausalLM(cfg)
-    return [(name, tuple(p.shape)) for name, p in model.named_parameters()]
 
 
 def local_shape(name: str, shape: tuple[int, ...], gpus: int, expert_parallel: int) -> tuple[int, ...]:

@@ -19,6 +19,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from engine.core import messages as m
+from engine.errors import WorkerError
 from engine.llm import LLM, apply_threads
 from engine.outputs import CompletionOutput, RequestOutput
 
@@ -59,6 +60,7 @@ def run_core(model_path: str, engine_kwargs: dict, in_addr: str, out_addr: str, 
     try:
         CoreLoop(llm, inbox, outbox, codec, parent_pid).run()
     finally:
+        llm.close()  # its tensor-parallel workers, if any
         inbox.close(0)
         outbox.close()
         ctx.term()
@@ -235,6 +237,7 @@ class CoreLoop:
     def call_init_weights_update_group(self, **kw) -> None:
         from engine.core.weight_sync import WeightReceiver
 
+        self.llm.refuse_tensor_parallel("init_weights_update_group")
         self.receiver = WeightReceiver(**kw)
 
     def call_update_weights_from_distributed(self, names, dtypes, shapes, in_flight: str = "finish") -> int:
@@ -260,6 +263,8 @@ class CoreLoop:
         llm = self.llm
         try:
             outputs = llm.step()
+        except WorkerError:  # a tensor-parallel worker is gone: this core cannot step any more (it exits)
+            raise
         except Exception as e:  # noqa: BLE001 (a failed step: end what is in flight, keep serving)
             log.exception("engine step failed; aborting %d request(s)", len(llm.requests))
             for rid in list(llm.requests):

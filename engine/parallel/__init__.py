@@ -1,6 +1,7 @@
 """Parallel building blocks shared by the trainers and the decoder: the device mesh of a torchrun job, the
 expert-parallel MoE layer around fused_moe's kernels, `parallelize`, which applies expert parallel and FSDP2
-to a model, and the decoder's tensor / expert parallel layers (tensor_parallel)."""
+to a model, and the decoder's tensor / expert parallel layers (tensor_parallel). Its worker processes are in
+engine/parallel/workers.py (imported where used: an engine with one process never loads them)."""
 from engine.parallel.all_to_all import all_to_all
 from engine.parallel.expert_parallel import ExpertParallel, ep_fused_moe
 from engine.parallel.grad_norm import clip_grad_norm_

@@ -105,7 +105,9 @@ def add_admin_routes(app: FastAPI, engine) -> None:
     @app.get("/get_server_info")
     async def get_server_info():
         errors = engine.replica_errors()
+        stats = engine.stats()
         return {"data_parallel_size": engine.data_parallel_size, "max_model_len": engine.max_model_len,
+                "tensor_parallel_size": stats["tensor_parallel_size"], "expert_parallel": stats["expert_parallel"],
                 "sleep_level": engine.sleep_level, "served_per_replica": engine.served_per_replica(),
                 "dead_replicas": {str(i): str(e) for i, e in enumerate(errors) if e is not None},
                 "core_pids": engine.core_pids()}

@@ -4,7 +4,8 @@ servers can live in one process (the tests).
 Per request, observed when it finishes: TTFT, TPOT and end-to-end latency histograms, finished
 requests by finish reason, prompt / generated tokens, decode FLOPs. Engine state, read at each scrape
 from AsyncLLM.replica_stats() and labelled `replica` (data-parallel engine cores): running / waiting
-requests, KV blocks used and total, prefix-cache hit rate, preemptions, eager fallbacks (decode steps
+requests, KV blocks used and total (per rank: each rank's cache holds that many blocks of its heads),
+the parallel layout (tensor_parallel_size, expert parallel on/off), prefix-cache hit rate, preemptions, eager fallbacks (decode steps
 that could not replay a CUDA graph), engine steps, requests failed alone and steps with non-finite logits.
 Every finished request also gets one log line with its metrics.
 """
@@ -31,6 +32,9 @@ class EngineCollector:
         "kv_blocks_total": ("livemoe_kv_blocks_total", "KV-cache blocks allocated"),
         "prefix_cache_hit_rate": ("livemoe_prefix_cache_hit_rate", "Prompt tokens served by the prefix cache, "
                                   "over prompt tokens"),
+        "tensor_parallel_size": ("livemoe_tensor_parallel_size", "Processes (GPUs) one model is split over"),
+        "expert_parallel": ("livemoe_expert_parallel_enabled", "1: each rank holds whole experts (expert parallel); "
+                            "0: the experts are tensor-parallel"),
     }
     COUNTERS = {
         "num_eager_fallbacks": ("livemoe_eager_fallbacks", "Decode steps run eagerly (no CUDA graph fits)"),
@@ -51,7 +55,7 @@ class EngineCollector:
             for key, (name, doc) in table.items():
                 metric = family(name, doc, labels=["replica"])
                 for i, s in enumerate(per_replica):
-                    metric.add_metric([str(i)], s.get(key, 0))
+                    metric.add_metric([str(i)], float(s.get(key, 0)))
                 yield metric
 
 
