@@ -22,12 +22,16 @@ TINY_RFT = [*TINY_SHARED, "--k", "2", "--batch_size", "2", "--max_steps", "2", "
 TINY_GRPO = [*TINY_SHARED, "--batch_size", "2", "--num_generations", "2", "--max_new_tokens", "8", "--max_steps", "1",
              "--ref_samples", "1", "--rollout_kv_bytes", str(8 * 2**20), "--micro_batch_size", "4"]
 
-# The full GRPO arms of length_sweep and reward_ablation: 12 steps of 8 prompts x 8 rollouts (the default's
-# batch, a fifth of its 60 steps) and held-out rows of 64 rooms x 2 samples, so that each experiment's 3-4
-# arms fit in ~20 minutes of a 2-core CPU shared with other jobs (load average ~10). Without --start they
-# begin from the RFT default, as `make demo` runs it.
-FULL_GRPO = ["--max_steps", "12", "--eval_samples", "2"]
+# The full GRPO arms of length_sweep and reward_ablation: 8 steps of 4 prompts x 8 rollouts at lr 1.5e-3
+# (the default runs 60 steps of 8 prompts at 2e-4: the same lr x steps, 1.2e-2, in an eighth of the steps and
+# a fifteenth of the rollouts) and held-out rows of 64 rooms x 2 samples. A step took ~65 s at 8 prompts on
+# this 2-core CPU shared with other jobs (load average ~12), so 3-4 arms fit in about 20-25 minutes. Without
+# --start they begin from the RFT default, as `make demo` runs it.
+FULL_GRPO = ["--max_steps", "8", "--batch_size", "4", "--lr", "1.5e-3", "--eval_samples", "2"]
 FULL_RFT_START: list = []
+GRPO_SIZE_NOTE = """Sized for a shared 2-core CPU: each full arm runs 8 GRPO steps of 4 prompts x 8 rollouts at lr 1.5e-3
+(the default: 60 steps of 8 prompts at 2e-4, the same lr x steps), so its figures are a short run's, and
+differences of a few points are within the held-out noise."""
 
 
 class ExperimentError(ValueError):
@@ -53,10 +57,19 @@ class ExperimentArgs:
         suffix = os.path.join(self.name, "tiny") if self.tiny else self.name
         self.output_dir = self.output_dir or os.path.join(RESULTS_ROOT, suffix)
         self.work_dir = self.work_dir or os.path.join("runs", "experiments", suffix)
+        self.model, self.start = shown(self.model), shown(self.start)
         if not os.path.isfile(os.path.join(self.model, "config.json")):
             raise ExperimentError(f"--model {self.model}: not a checkpoint directory (no config.json)")
         if self.start and not os.path.isfile(os.path.join(self.start, "config.json")):
             raise ExperimentError(f"--start {self.start}: not a checkpoint directory (no config.json)")
+
+
+def shown(path: str) -> str:
+    """`path` relative to the working directory when it lies under it (reports and commands read as from
+    the repository root, not as from this machine's checkout)."""
+    if not path or not os.path.isabs(path) or not path.startswith(os.getcwd() + os.sep):
+        return path
+    return os.path.relpath(path)
 
 
 @dataclass(kw_only=True)

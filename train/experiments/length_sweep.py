@@ -1,8 +1,8 @@
 """The seed's Figure 4: GRPO from one RFT student across length-reward targets (the band [λ_lower, λ_upper]
 x L_ref that the length reward pays for), with correctness, helpfulness and TPR against the length ratio
 reached (held-out TPR after GRPO / the RFT student's)."""
-from train.experiments.common import (FULL_GRPO, FULL_RFT_START, TINY_GRPO, TINY_RFT, ExperimentArgs, plot_panels,
-                                      rft_start, run_grpo, write_report)
+from train.experiments.common import (FULL_GRPO, FULL_RFT_START, GRPO_SIZE_NOTE, TINY_GRPO, TINY_RFT, ExperimentArgs,
+                                      plot_panels, rft_start, run_grpo, write_report)
 
 NAME = "length_sweep"
 TITLE = "Figure 4: GRPO across length-reward targets (λ_lower, λ_upper): quality and TPR against the length ratio"
@@ -37,7 +37,9 @@ the RFT student's), not the target: the reward pays for [λ_lower, λ_upper] x L
 own mean sampled length per training prompt. Rewards 0.4 correct + 0.3 helpful + 0.3 length, as the seed.
 Held-out rows: {before['prompts']} rooms x {before['samples_per_prompt']} responses at τ {before['temperature']}.
 The seed finds quality peaking at an intermediate ratio (its choice: [0.4, 0.5]); with a student that is
-rarely correct, correctness carries little signal here and the sweep mostly shows the length reward at work."""
+rarely correct, correctness carries little signal here and the sweep mostly shows the length reward at work.
+
+""" + GRPO_SIZE_NOTE
     return write_report(args, TITLE, COLUMNS, rows, notes, ([rft_arm] if rft_arm else []) + arms, png)
 
 
