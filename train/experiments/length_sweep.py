@@ -27,10 +27,10 @@ def run(args: ExperimentArgs) -> str:
     sweep = rows[1:]
     xs = [r[2] for r in sweep]
     names = [f"[{r[0]}, {r[1]}]" for r in sweep]
+    panels = [(ylabel, {"GRPO": (xs, [r[i] for r in sweep], names), "the RFT student": ([1.0], [rows[0][i]], None)})
+              for ylabel, i in (("correctness (%)", 3), ("helpfulness (%)", 4), ("TPR (tokens)", 5))]
     png = plot_panels(f"{args.output_dir}/{NAME}.png", "GRPO across length-reward targets (point: [λ_lower, λ_upper])",
-                      "length ratio (held-out TPR / the RFT student's)",
-                      [(ylabel, {"GRPO": (xs, [r[i] for r in sweep], names)})
-                       for ylabel, i in (("correctness (%)", 3), ("helpfulness (%)", 4), ("TPR (tokens)", 5))])
+                      "length ratio (held-out TPR / the RFT student's)", panels)
     notes = f"""Every arm starts from `{start}` with the same seed and prompts and differs only in the length band;
 the first row is that RFT student. The length ratio is what the arm reached on the held-out rooms (its TPR over
 the RFT student's), not the target: the reward pays for [λ_lower, λ_upper] x L_ref, L_ref being the RFT student's
