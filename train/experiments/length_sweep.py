@@ -11,6 +11,7 @@ USES_START = True
 BANDS = [(0.2, 0.3), (0.4, 0.5), (0.6, 0.7), (0.8, 0.9)]
 TINY_BANDS = BANDS[:2]
 COLUMNS = ["λ_lower", "λ_upper", "Length ratio", "Correct.", "Helpful.", "TPR"]
+DECIMALS = {"λ_lower": 2, "λ_upper": 2, "Length ratio": 2}
 
 
 def run(args: ExperimentArgs) -> str:
@@ -40,7 +41,8 @@ The seed finds quality peaking at an intermediate ratio (its choice: [0.4, 0.5])
 rarely correct, correctness carries little signal here and the sweep mostly shows the length reward at work.
 
 """ + GRPO_SIZE_NOTE
-    return write_report(args, TITLE, COLUMNS, rows, notes, ([rft_arm] if rft_arm else []) + arms, png)
+    return write_report(args, TITLE, COLUMNS, rows, notes, ([rft_arm] if rft_arm else []) + arms, png,
+                        DECIMALS)
 
 
 def ratio(tpr: float, ref: float) -> float:

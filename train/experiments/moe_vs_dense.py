@@ -25,6 +25,7 @@ MOE_KEYS = ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_inte
             "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef", "output_router_logits")
 COLUMNS = ["Model", "Total params", "Active params", "MLP", "Eval loss at step 0", "Final eval loss",
            "Lowest eval loss", "Correct.", "Helpful.", "TPR"]
+DECIMALS = {"Eval loss at step 0": 3, "Final eval loss": 3, "Lowest eval loss": 3}
 
 
 def counts(raw: dict) -> dict:
@@ -97,9 +98,9 @@ All three are random-initialised (transformers' init, seed {args.seed}): pre-tra
 student was made takes 40 minutes apiece, and a pre-trained MoE against random dense models would compare
 pre-training, not architectures. Each then runs the same RFT (same teacher samples, selection, steps, lr, λ_aux
 0.01 for the MoE). Eval loss: the SFT loss on the judge-selected teacher answers to the held-out rooms. Held-out
-rows after RFT: {after['prompts']} rooms x {after['samples_per_prompt']} response(s) at τ {after['temperature']}
+rows after RFT: {after['prompts']} rooms, {after['samples_per_prompt']} response each at τ {after['temperature']}
 (greedy and short: a side note to the loss curves)."""
-    return write_report(args, TITLE, COLUMNS, rows, notes, arms, png)
+    return write_report(args, TITLE, COLUMNS, rows, notes, arms, png, DECIMALS)
 
 
 def num_experts(raw: dict) -> int:

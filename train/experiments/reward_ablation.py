@@ -12,6 +12,7 @@ REWARDS = [("R_correct", "correct", 0.4, 0.0, 0.0),
            ("R_correct + R_helpful", "correct_helpful", 0.4, 0.3, 0.0),
            ("R_correct + R_helpful + R_length (full)", "full", 0.4, 0.3, 0.3)]
 COLUMNS = ["Rewards", "w_correct", "w_helpful", "w_length", "Correct.", "Helpful.", "TPR", "Zero-variance groups"]
+DECIMALS = {"Zero-variance groups": 2}
 
 
 def run(args: ExperimentArgs) -> str:
@@ -34,7 +35,7 @@ alike: GRPO learns only from rollouts of one prompt that score differently, so a
 responses at τ {before['temperature']}.
 
 """ + GRPO_SIZE_NOTE
-    return write_report(args, TITLE, COLUMNS, rows, notes, ([rft_arm] if rft_arm else []) + arms)
+    return write_report(args, TITLE, COLUMNS, rows, notes, ([rft_arm] if rft_arm else []) + arms, decimals=DECIMALS)
 
 
 def mean(xs: list) -> float:
