@@ -100,3 +100,6 @@ def test_moe_vs_dense(student, tmp_path):
                  if "eval_loss" in r]
         assert steps == [0, 1, 2]  # --eval_every 1 over 2 steps
     assert (out / "moe_vs_dense.png").stat().st_size > 0
+    moe_line = next(line for line in (out / "README.md").read_text().splitlines() if line.startswith("| MoE |"))
+    assert moe_line.split(" | ")[4] == f"{rows['MoE'][4]:.3f}"  # losses with 3 decimals, the rest with 1
+    assert moe_line.split(" | ")[-1] == f"{rows['MoE'][-1]:.1f} |"
