@@ -25,7 +25,7 @@ def run(args: ExperimentArgs) -> str:
     for (lower, upper), arm in zip(bands, arms):
         after = arm.result["after"]
         rows.append([lower, upper, ratio(after["tpr"], before["tpr"]), after["correct"], after["helpful"], after["tpr"]])
-    sweep = rows[1:]
+    sweep = sorted(rows[1:], key=lambda r: r[2])  # drawn in the order of the ratio reached
     xs = [r[2] for r in sweep]
     names = [f"[{r[0]}, {r[1]}]" for r in sweep]
     panels = [(ylabel, {"GRPO": (xs, [r[i] for r in sweep], names), "the RFT student": ([1.0], [rows[0][i]], None)})
