@@ -209,7 +209,7 @@ def write_report(args: ExperimentArgs, title: str, columns: list, rows: list, no
     return path
 
 
-def plot_panels(path: str, title: str, xlabel: str, panels: list) -> str | None:
+def plot_panels(path: str, title: str, xlabel: str, panels: list, log_y: bool = False) -> str | None:
     """One row of panels, each (y label, {line label: (xs, ys, point labels or None)}); None (and a line
     saying so) without matplotlib."""
     try:
@@ -220,12 +220,14 @@ def plot_panels(path: str, title: str, xlabel: str, panels: list) -> str | None:
         print("matplotlib is not installed: no PNG, the table only", flush=True)
         return None
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(max(7.0, 4.5 * len(panels)), 3.6), squeeze=False)
     for ax, (ylabel, lines) in zip(axes[0], panels):
         for label, (xs, ys, point_labels) in lines.items():
             ax.plot(xs, ys, marker="o", label=label)
             for x, y, text in zip(xs, ys, point_labels or []):
                 ax.annotate(text, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        if log_y:
+            ax.set_yscale("log")
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)

@@ -88,7 +88,7 @@ def run(args: ExperimentArgs) -> str:
         c = counts(raw)
         rows.append([name, c["total"], c["active"], mlp_shape(raw), curve[0][1], curve[-1][1], min(v for _, v in curve), after["correct"], after["helpful"], after["tpr"]])
     png = plot_panels(f"{args.output_dir}/{NAME}.png", "RFT held-out loss (random init, same tokenizer and data)",
-                      "optimizer step", [("held-out SFT loss", curves)])
+                      "optimizer step", [("held-out SFT loss (log scale)", curves)], log_y=True)
     after = arms[0].result["rows"][-1]
     notes = f"""Seed (Qwen3-30B-A3B, 3B active): the MoE's eval loss approaches a ~7.5B dense model's and is far below
 the small dense models'. Here: the MoE student's shape (`{args.model}`) and two dense Qwen3 models with the same
