@@ -43,3 +43,13 @@ def test_empty_selection_is_a_clear_error():
 def test_mismatched_lengths():
     with pytest.raises(ValueError, match="2 records, 1 candidate lists"):
         select(recs(2), [["a"]], [[OK]])
+
+
+def test_all_keeps_every_candidate_unfiltered_and_still_counts_the_verdicts():
+    cands = [["a0", "a1"], ["b0", "b1"]]
+    verds = [[WRONG, OK], [UNHELPFUL, WRONG]]
+    kept, st = select(recs(2), cands, verds, "all")
+    assert [(k["id"], k["completion"], k["candidate_index"]) for k in kept] == [
+        ("0", "a0", 0), ("0", "a1", 1), ("1", "b0", 0), ("1", "b1", 1)]
+    assert [k["verdict"]["correct"] for k in kept] == [False, True, True, False]
+    assert (st.inputs, st.candidates, st.kept, st.dropped, st.both) == (2, 4, 4, 0, 1)

@@ -23,6 +23,8 @@ import types
 import typing
 from dataclasses import dataclass, field
 
+from train.selection import POLICIES
+
 
 DEFAULT_STUDENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "student")
 
@@ -144,7 +146,8 @@ class RFTConfig(RunConfig):
     wrong_link_rate: float = opt(0.25, "scripted teacher: share of answers with a wrong link")
     deflect_rate: float = opt(0.2, "scripted teacher: share of bare deflections")
     verbose_rate: float = opt(0.6, "scripted teacher: share of long meta-reasoning thoughts")
-    selection: str = opt("first", "which passing candidate an input keeps: first | random | shortest")
+    selection: str = opt("first", "which passing candidate an input keeps: first | random | shortest; all = every "
+                                  "candidate, passing or not (plain SFT without judge filtering, the seed's Table 4)")
     # SFT
     grad_accum: int = opt(1, "micro-batches per optimizer step")
     max_len: int = opt(1024, "tokens per training example (prompt + completion; longer ones are cut)")
@@ -171,7 +174,7 @@ class RFTConfig(RunConfig):
                 raise ConfigError(f"--{name} must be in [0, 1], got {getattr(self, name)}")
         if self.wrong_link_rate + self.deflect_rate > 1:
             raise ConfigError("--wrong_link_rate + --deflect_rate must be <= 1")
-        _choice("selection", self.selection, ("first", "random", "shortest"))
+        _choice("selection", self.selection, POLICIES)
         if self.teacher not in ("scripted",) and not self.teacher.startswith(("http://", "https://")) \
                 and not os.path.isdir(self.teacher):
             raise ConfigError(f"--teacher {self.teacher!r}: expected scripted, an http(s) URL or a checkpoint directory")

@@ -1,5 +1,6 @@
 """Rejection sampling (the seed's section 4.1): keep at most one trajectory per input that is judged
-both correct and helpful; inputs with none are dropped and counted."""
+both correct and helpful; inputs with none are dropped and counted. Policy `all` is the seed's Table 4
+baseline instead: plain SFT on every teacher sample, judged (for the counts) but not filtered."""
 import random
 from dataclasses import asdict, dataclass
 
@@ -23,14 +24,15 @@ class SelectionStats:
         return asdict(self)
 
 
-POLICIES = ("first", "random", "shortest")
+POLICIES = ("first", "random", "shortest", "all")
 
 
 def select(records: list, candidates: list, verdicts: list, policy: str = "first", seed: int = 0) -> tuple:
     """records[i] with candidates[i][j] judged verdicts[i][j] -> (kept examples, SelectionStats).
 
     A kept example is the record plus "completion", "candidate_index" and "verdict". `policy` picks
-    among an input's passing candidates: the first, a seeded random one, or the shortest.
+    among an input's passing candidates: the first, a seeded random one, or the shortest; `all` keeps
+    every candidate of every input, passing or not (no judge filtering).
     """
     if policy not in POLICIES:
         raise ValueError(f"selection policy must be one of {POLICIES}, got {policy!r}")
@@ -46,16 +48,23 @@ def select(records: list, candidates: list, verdicts: list, policy: str = "first
         stats.unparseable += sum(v.unparseable for v in verds)
         passing = [j for j, v in enumerate(verds) if v.correct and v.helpful]
         stats.both += len(passing)
+        if policy == "all":
+            kept += [_example(rec, cands, verds, j) for j in range(len(cands))]
+            continue
         if not passing:
             stats.dropped += 1
             continue
         j = {"first": lambda: passing[0], "random": lambda: rng.choice(passing),
              "shortest": lambda: min(passing, key=lambda i: len(cands[i]))}[policy]()
-        v = verds[j]
-        kept.append({**rec, "completion": cands[j], "candidate_index": j,
-                     "verdict": {"correct": v.correct, "helpful": v.helpful, "reason": v.reason}})
+        kept.append(_example(rec, cands, verds, j))
     stats.kept = len(kept)
     return kept, stats
+
+
+def _example(rec: dict, cands: list, verds: list, j: int) -> dict:
+    v = verds[j]
+    return {**rec, "completion": cands[j], "candidate_index": j,
+            "verdict": {"correct": v.correct, "helpful": v.helpful, "reason": v.reason}}
 
 
 def require_nonempty(kept: list, stats: SelectionStats) -> None:

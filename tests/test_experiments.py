@@ -1,0 +1,105 @@
+"""`python -m train.experiments`: the listing, clear errors (a bad name lists the names), and each experiment's
+--tiny configuration end to end on a tiny random student: its report has the table's columns and rows, finite
+numbers, the command, the date and the machine."""
+import json
+import math
+
+import pytest
+
+from test_rollout import make_student
+from train.experiments import EXPERIMENTS, length_sweep, moe_vs_dense, reward_ablation
+from train.experiments.__main__ import main
+from train.metrics import read_metrics
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/fixtures.py: tiny matmuls, shared CPU
+
+
+@pytest.fixture(scope="module")
+def student(tmp_path_factory):
+    return make_student(tmp_path_factory.mktemp("student") / "ckpt")
+
+
+def run_tiny(name, student, tmp_path, *extra):
+    """Runs NAME --tiny; checks what every report holds; returns (results.json, report dir, work dir)."""
+    out, work = tmp_path / "report", tmp_path / "work"
+    argv = [name, "--tiny", "--model", student, "--output_dir", str(out), "--work_dir", str(work), "--no_progress",
+            *extra]
+    assert main(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    readme = (out / "README.md").read_text()
+    assert results["columns"] == EXPERIMENTS[name].COLUMNS
+    assert "| " + " | ".join(results["columns"]) + " |" in readme
+    assert f"- command: `python -m train.experiments {name} --tiny" in readme
+    assert "- date: " in readme and "- machine: " in readme and " cores" in readme
+    numbers = [x for row in results["rows"] for x in row if isinstance(x, (int, float))]
+    assert len(numbers) >= len(results["rows"]) > 0
+    assert all(math.isfinite(x) for x in numbers), results["rows"]
+    assert results["arms"] and all(c.startswith("python -m train.") for c in results["arms"].values())
+    return results, out, work
+
+
+def test_the_listing_names_every_experiment(capsys):
+    assert main([]) == 0
+    listed = capsys.readouterr().out
+    assert len(EXPERIMENTS) == 4
+    for name, module in EXPERIMENTS.items():
+        assert f"{name}  " in listed and module.TITLE in listed
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["nope"], "no experiment named 'nope'; the experiments are: rft_vs_sft, length_sweep, reward_ablation, "
+               "moe_vs_dense"),
+    (["rft_vs_sft", "--start", "."], "--start: rft_vs_sft does not start from an RFT student"),
+    (["moe_vs_dense", "--model", "/no/such/dir"], "--model /no/such/dir: not a checkpoint directory"),
+])
+def test_bad_input_is_one_clear_line(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_rft_vs_sft(student, tmp_path):
+    results, _, _ = run_tiny("rft_vs_sft", student, tmp_path)
+    rows = {r[0]: r for r in results["rows"]}
+    assert list(rows) == ["student (no fine-tuning)", "SFT (all teacher samples)", "RFT (judge-filtered)"]
+    sft, rft = rows["SFT (all teacher samples)"], rows["RFT (judge-filtered)"]
+    assert sft[2] == rft[2] == 2  # the same optimizer steps
+    assert sft[1] == 6 * 2 > rft[1] > 0  # every teacher sample (6 rooms x k=2) vs the judge's picks
+    assert "--selection all" in results["arms"]["sft"] and "--selection first" in results["arms"]["rft"]
+
+
+def test_length_sweep_from_a_given_start(student, tmp_path):
+    results, out, _ = run_tiny("length_sweep", student, tmp_path, "--start", student)
+    rows = results["rows"]
+    assert len(rows) == 1 + len(length_sweep.TINY_BANDS) and rows[0][2] == 1.0  # the start, then one per band
+    assert [tuple(r[:2]) for r in rows[1:]] == length_sweep.TINY_BANDS
+    assert "rft" not in results["arms"]  # --start: no RFT stage
+    assert (out / "length_sweep.png").stat().st_size > 0
+
+
+def test_reward_ablation_runs_its_own_rft_start(student, tmp_path):
+    results, _, work = run_tiny("reward_ablation", student, tmp_path)
+    rows = results["rows"]
+    assert [r[0] for r in rows[1:]] == [r[0] for r in reward_ablation.REWARDS]
+    assert [tuple(r[1:4]) for r in rows[1:]] == [r[2:] for r in reward_ablation.REWARDS]
+    assert list(results["arms"]) == ["rft", "correct", "correct_helpful", "full"]
+    assert f"--model {work / 'rft' / 'final'}" in results["arms"]["full"]  # GRPO starts from that RFT student
+
+
+def test_moe_vs_dense(student, tmp_path):
+    results, out, work = run_tiny("moe_vs_dense", student, tmp_path)
+    rows = {r[0]: r for r in results["rows"]}
+    assert list(rows) == ["MoE", "dense, equal active", "dense, equal total"]
+    moe_cfg = json.loads(open(f"{student}/config.json").read())
+    one_unit = 3 * moe_cfg["hidden_size"] * moe_cfg["num_hidden_layers"]  # parameters per unit of MLP width
+    assert rows["MoE"][1] > rows["MoE"][2]  # total > active
+    assert abs(rows["dense, equal active"][1] - rows["MoE"][2]) <= one_unit / 2
+    assert abs(rows["dense, equal total"][1] - rows["MoE"][1]) <= one_unit / 2
+    for name in rows:  # a dense model's active = total
+        assert name == "MoE" or rows[name][1] == rows[name][2]
+        steps = [r["step"] for r in read_metrics(str(work / moe_vs_dense.slug(name) / "metrics.jsonl"))
+                 if "eval_loss" in r]
+        assert steps == [0, 1, 2]  # --eval_every 1 over 2 steps
+    assert (out / "moe_vs_dense.png").stat().st_size > 0
+    moe_line = next(line for line in (out / "README.md").read_text().splitlines() if line.startswith("| MoE |"))
+    assert moe_line.split(" | ")[4] == f"{rows['MoE'][4]:.3f}"  # losses with 3 decimals, the rest with 1
+    assert moe_line.split(" | ")[-1] == f"{rows['MoE'][-1]:.1f} |"
