@@ -15,25 +15,26 @@ import time
 
 import torch
 
+from bench.bench_parallel import Size, _model
 from bench.common import record
 
-# (hidden, layers, experts, top_k, moe_intermediate, vocab, sequences per rank, decode steps)
-SIZES = {"quick": (64, 2, 8, 2, 32, 128, 4, 8), "full": (256, 4, 16, 2, 128, 1024, 16, 64)}
+# batch: sequences per rank; steps: decode steps of one token each (seq_len 1)
+SIZES = {"quick": Size(64, 2, 8, 2, 32, 128, batch=4, seq_len=1, steps=8),
+         "full": Size(256, 4, 16, 2, 128, 1024, batch=16, seq_len=1, steps=64)}
 
 
 def measure(size):
-    from bench.bench_parallel import _model
     from train.distributed import setup
 
     d = setup(expert_parallel=1, timeout_s=120, backend="gloo")
-    b, steps = size[6], size[7]
+    b, steps = size.batch, size.steps
     model = d.parallelize(_model(size), bf16=False)
     whole = lambda params: sum(p.numel() * p.element_size() for p in params)  # noqa: E731  (DTensor: global)
     local = sum(p.to_local().nbytes for p in model.parameters())
     layer = max(whole(layer.parameters()) for layer in model.model.layers)
     root = whole(p for n, p in model.named_parameters() if ".layers." not in n)
     copy = d.inference_copy(model, torch.float32)
-    ids = torch.randint(0, size[5], (b, 1), generator=torch.Generator().manual_seed(d.rank))
+    ids = torch.randint(0, size.vocab, (b, 1), generator=torch.Generator().manual_seed(d.rank))
     out = {}
     with torch.no_grad():
         for name, forward in (("sharded", model.forward_hidden), ("gathered", copy.forward_hidden)):
@@ -61,7 +62,7 @@ def test_bench_rollout_weights(bench_mode):
     gathered = max(r["gathered"] for r in results)
     r0 = results[0]
     assert sharded > 0 and gathered > 0 and r0["copy_bytes"] > r0["shard_bytes"]
-    record(suite="rollout_weights", case=f"2 ranks, {size[7]} decode steps", metric="s per rollout phase",
+    record(suite="rollout_weights", case=f"2 ranks, {size.steps} decode steps", metric="s per rollout phase",
            ours=gathered, baseline=sharded, baseline_name="through the FSDP module", higher_is_better=False,
            extra={"copy_MB": round(r0["copy_bytes"] / 1e6, 3),
                   "sharded_transient_MB": round(r0["sharded_transient_bytes"] / 1e6, 3),
