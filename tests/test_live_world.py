@@ -167,3 +167,18 @@ def test_encoded_session_spans_hold_each_decision_and_the_end_token():
     for (a, b), iv in zip(enc.decision_spans, s["intervals"]):
         assert enc.input_ids[b - 1] == 2
         assert tok.decode(enc.input_ids[a:b - 1]) == decision_text(iv)
+
+
+def test_accuracy_reports_binomial_standard_errors_and_counts():
+    from train.live.judge import IntervalScore
+
+    # 4 intervals: 3 states right; 2 gold ANS with 1 recipient right, 2 tasks right; 3 graded groundings, 1 right
+    scores = [IntervalScore(True, True, True, False), IntervalScore(True, False, True, None),
+              IntervalScore(True, None, None, True), IntervalScore(False, None, None, False)]
+    acc = accuracy(scores)
+    assert (acc["state"], acc["state_n"]) == (75.0, 4)
+    assert acc["state_se"] == pytest.approx(100 * (0.75 * 0.25 / 4) ** 0.5)
+    assert (acc["recipient"], acc["recipient_n"], acc["recipient_se"]) == (50.0, 2, pytest.approx(100 * 0.5 / 2 ** 0.5))
+    assert (acc["task"], acc["task_se"]) == (100.0, 0.0)  # all right: no spread
+    assert acc["grounding"] == pytest.approx(100 / 3) and acc["grounding_n"] == 3
+    assert accuracy([])["recipient_se"] == 0.0 and accuracy([])["recipient_n"] == 0

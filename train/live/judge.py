@@ -12,6 +12,7 @@ Accuracies (the seed's table): state over all intervals, recipient and task over
 
 A prediction that does not parse counts as wrong on every field (it is kept as `None`).
 """
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -115,12 +116,15 @@ def score_session(preds: list, session: dict, deadline: int = 2) -> SessionScore
 
 
 def accuracy(scores: list) -> dict:
-    """The seed's table over IntervalScores: state, recipient, task accuracy (%) and grounding."""
-    def pct(xs):
-        return 100.0 * sum(xs) / len(xs) if xs else 0.0
-
-    return {"state": pct([s.state for s in scores]),
-            "recipient": pct([s.recipient for s in scores if s.recipient is not None]),
-            "task": pct([s.task for s in scores if s.task is not None]),
-            "grounding": pct([s.grounding for s in scores if s.grounding is not None]),
-            "intervals": len(scores)}
+    """The seed's table over IntervalScores: state, recipient and task accuracy (%) and grounding, each
+    with its binomial standard error (`<name>_se`, % points: 100 * sqrt(p (1 - p) / n)) and how many
+    intervals it is over (`<name>_n`): one decision in n moves it by 100 / n points."""
+    out = {}
+    for name in ("state", "recipient", "task", "grounding"):
+        xs = [getattr(s, name) for s in scores if getattr(s, name) is not None]
+        p = sum(xs) / len(xs) if xs else 0.0
+        out[name] = 100.0 * p
+        out[f"{name}_se"] = 100.0 * math.sqrt(p * (1 - p) / len(xs)) if xs else 0.0
+        out[f"{name}_n"] = len(xs)
+    out["intervals"] = len(scores)
+    return out
