@@ -41,7 +41,7 @@ class LiveConfig:
     max_len: int = 1024
     # SM-GSPO
     gspo_steps: int = 24
-    gspo_lr: float = 1e-3
+    gspo_lr: float = 3e-4
     sessions_per_step: int = 2
     num_generations: int = 8
     num_iterations: int = 2

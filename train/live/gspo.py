@@ -47,7 +47,7 @@ class GSPOOptions:
     num_generations: int = 8
     num_iterations: int = 2  # updates per rollout batch (the ratio moves off 1 from the second)
     temperature: float = 1.0
-    lr: float = 1e-3
+    lr: float = 3e-4
     turn_weight: float = 0.7
     epsilon_low: float = 3e-4  # GSPO's sequence-level clip range
     epsilon_high: float = 4e-4
