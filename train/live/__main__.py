@@ -20,6 +20,7 @@ from train.live.config import LiveConfig
 from train.live.data import load_sessions
 from train.live.evaluate import evaluate, play
 from train.live.gspo import GSPOOptions, train_gspo
+from train.live.judge import paired_margin
 from train.live.msft import MSFTOptions, train_msft
 from train.live.world import LiveWorldConfig, decision_text, make_sessions
 from train.metrics import MetricsLogger
@@ -43,6 +44,20 @@ def format_table(rows: dict) -> str:
     lines = [head, "|" + "---|" * (len(COLUMNS) + 1)]
     for stage, r in rows.items():
         lines.append(f"| {stage} | " + " | ".join(cell(r, k) for k, _ in COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+def format_margins(rows: dict) -> str:
+    """Each stage against the one before it on the same held-out intervals: the paired difference in
+    state, recipient and task accuracy (% points) ± its standard error (judge.paired_margin)."""
+    names = list(rows)
+    lines = ["| stage vs the one before | state | recipient | task |", "|---|---|---|---|"]
+    for a, b in zip(names, names[1:]):
+        cells = []
+        for k in ("state", "recipient", "task"):
+            m, se = paired_margin(rows[a]["outcomes"][k], rows[b]["outcomes"][k])
+            cells.append(f"{m:+.2f} ± {se:.2f}")
+        lines.append(f"| {b} vs {a} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -129,6 +144,8 @@ def run(cfg: LiveConfig) -> dict:
         _save(model, tokenizer, os.path.join(cfg.output_dir, "gspo", "model"))
         evaluate_stage("SM-GSPO")
     table = format_table(rows)
+    if len(rows) > 1:
+        table += "\n\n" + format_margins(rows)
     print("\n" + table + "\n", flush=True)
     result = {"command": "python -m train.live " + " ".join(sys.argv[1:]), "minutes": (time.time() - t_start) / 60,
               "cpu_minutes": (time.process_time() - cpu_start) / 60,
