@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from engine import load_model, load_tokenizer
 from train.live.data import encode_session
-from train.live.gspo import GSPOOptions, per_turn_policy_loss, rewards_of, turn_rows
+from train.live.gspo import GSPOOptions, part_rewards, per_turn_policy_loss, rewards_of, split_turns, turn_rows
 from train.live.msft import MSFTOptions, class_weights, encode_example, train_msft
 from train.live.world import LiveWorldConfig, decision_text, make_sessions
 from train.rft import collate, sft_step_loss
@@ -36,19 +36,22 @@ def test_class_weights_balance_kinds():
     assert class_weights(kinds, 0.5)["MEM"] == pytest.approx(math.sqrt(10 / 3))
 
 
-def _plain_weights(tokenizer, session, by_kind, marker_weight, eos):
+def _plain_weights(tokenizer, session, by_kind, marker_weight, eos, recipient_weight):
     """Per target position, computed from scratch: each decision token's characters decoded one token
-    at a time; a token starting before the message (or the end token) weighs marker_weight."""
+    at a time; a token starting in the recipient name weighs recipient_weight, another token starting
+    before the message (or the end token) marker_weight."""
     enc = encode_session(session, tokenizer, eos)
     w = torch.zeros(len(enc.input_ids) - 1)
     for (a, b), iv in zip(enc.decision_spans, session["intervals"]):
         text = decision_text(iv)
         d = iv["decision"]
         message_at = len(text) - len(d["message"]) if d["kind"] != "OBS" else len(text)
+        name = range(len("ANS @"), len("ANS @") + len(d["recipient"])) if d["kind"] == "ANS" else range(0)
         pos = 0
         for j, tok in enumerate(enc.input_ids[a:b]):
             marker = tok == eos or pos < message_at
-            w[a + j - 1] = (marker_weight if marker else 1.0) * by_kind[d["kind"]]
+            weight = recipient_weight if tok != eos and pos in name else marker_weight if marker else 1.0
+            w[a + j - 1] = weight * by_kind[d["kind"]]
             pos += len(tokenizer.decode([tok]))
     return enc.input_ids, w
 
@@ -58,15 +61,21 @@ def test_msft_weights_and_loss_match_plain_pytorch(tiny):
     sessions = make_sessions(3, seed=4, cfg=LiveWorldConfig(num_intervals=5))
     kinds = [iv["decision"]["kind"] for s in sessions for iv in s["intervals"]]
     by_kind = class_weights(kinds, 1.0)
+    assert any(iv["decision"]["kind"] == "ANS" for s in sessions for iv in s["intervals"])
     examples, expected = [], []
     for s in sessions:
-        e = encode_example(s, tok, tok.eos_token_id, by_kind, 3.0, max_len=10**6)
-        ids, w = _plain_weights(tok, s, by_kind, 3.0, tok.eos_token_id)
+        e = encode_example(s, tok, tok.eos_token_id, by_kind, 3.0, max_len=10**6, recipient_weight=7.0)
+        ids, w = _plain_weights(tok, s, by_kind, 3.0, tok.eos_token_id, 7.0)
         assert e["input_ids"] == ids
         assert torch.tensor(e["weights"]) == pytest.approx(w)
         assert set(w.unique().tolist()) >= {0.0}
+        # without a recipient weight the name weighs as the other fields do (the old MA-MSFT)
+        same = encode_example(s, tok, tok.eos_token_id, by_kind, 3.0, max_len=10**6)
+        assert torch.tensor(same["weights"]) == pytest.approx(_plain_weights(tok, s, by_kind, 3.0, tok.eos_token_id, 3.0)[1])
         examples.append(e)
         expected.append((ids, w))
+    # some recipient tokens are weighted
+    assert any(torch.isclose(w, torch.tensor(7.0 * by_kind["ANS"])).any() for _, w in expected)
     batch = collate(examples, tok.pad_token_id, torch.device("cpu"))
     normalizer = batch["weights"][batch["targets"] != -100].sum()
     _, loss, _ = sft_step_loss(model, batch, normalizer, 0.0, 1, torch.autocast("cpu", enabled=False))
@@ -128,6 +137,48 @@ def test_gspo_rewards_and_advantages_on_hand_computed_cases():
     tr = [(1 - 0.83333) / 0.28868] * 2 + [(0.5 - 0.83333) / 0.28868]
     for i in range(3):
         assert adv[i] == pytest.approx([0.5 * t1[i] + 0.5 * tr[i], 0.5 * t2[i] + 0.5 * tr[i]], abs=1e-3)
+
+
+def test_field_credit_splits_head_and_body_with_their_own_rewards(tiny):
+    from train.advantages import multi_turn_advantages
+
+    tok = load_tokenizer(tiny)
+    session = {"intervals": [
+        {"decision": {"kind": "ANS", "recipient": "amy", "task": "welcome", "message": "welcome, amy!"},
+         "facts": ["amy"], "questions": []},
+        {"decision": {"kind": "OBS", "recipient": None, "task": None, "message": None}, "facts": []}]}
+    texts = [["ANS @amy welcome: welcome, amy!", "OBS"],
+             ["ANS @bob welcome: welcome, amy!", "OBS"],  # only the recipient wrong
+             ["ANS @amy welcome: hello", "OBS"]]  # only the message wrong (not grounded)
+    comps = []
+    for tt in texts:
+        ids, spans = [], []
+        for t in tt:
+            enc = tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            spans.append((len(ids), len(ids) + len(enc)))
+            ids += enc
+        comps.append(Completion([], ids, [0.0] * len(ids), tt[-1], "stop", turn_spans=spans, turn_texts=tt))
+    scores = []
+    rewards_of([session], [comps], GSPOOptions(), scores)
+    parts = [[part_rewards(x, (0.4, 0.2, 0.2, 0.2)) for x in traj] for traj in scores]
+    # head: (.4 state + .2 recipient + .2 task) / .8; body: grounding (OBS: the state)
+    assert [p for t in parts for p in t] == [pytest.approx(x) for x in [(1.0, 1.0), (1.0, 1.0), (0.75, 1.0), (1.0, 1.0), (1.0, 0.0), (1.0, 1.0)]]
+    head = [[p[0] for p in t] for t in parts]
+    body = [[p[1] for p in t] for t in parts]
+    a_head = multi_turn_advantages(head, 3, 1.0)
+    a_body = multi_turn_advantages(body, 3, 1.0)
+    # heads 1, .75, 1 -> mean .9167, std .1443: the wrong recipient alone is pushed down
+    assert [a[0] for a in a_head] == pytest.approx([0.5774, -1.1547, 0.5774], abs=1e-3)
+    # bodies 1, 1, 0: the ungrounded message alone is pushed down, its right recipient is not
+    assert [a[0] for a in a_body] == pytest.approx([0.5774, 0.5774, -1.1547], abs=1e-3)
+    spans, advs = split_turns(tok, comps[1], a_head[1], a_body[1])
+    offsets = tok(texts[1][0], add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    head_len = sum(a < len("ANS @bob welcome: ") for a, _ in offsets)  # the tokens that start in the head
+    ans_len = len(offsets) + 1  # the end token goes with the message
+    assert 0 < head_len < len(offsets)
+    # ANS: head and body (the end token in the body); OBS: all head, its end token too
+    assert spans == [(0, head_len), (head_len, ans_len), (ans_len, ans_len + 4)]
+    assert advs == pytest.approx([a_head[1][0], a_body[1][0], a_head[1][1]])
 
 
 def test_per_turn_sequence_ratios_match_plain_pytorch():

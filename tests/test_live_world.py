@@ -167,3 +167,38 @@ def test_encoded_session_spans_hold_each_decision_and_the_end_token():
     for (a, b), iv in zip(enc.decision_spans, s["intervals"]):
         assert enc.input_ids[b - 1] == 2
         assert tok.decode(enc.input_ids[a:b - 1]) == decision_text(iv)
+
+
+def test_accuracy_reports_binomial_standard_errors_and_counts():
+    from train.live.judge import IntervalScore
+
+    # 4 intervals: 3 states right; 2 gold ANS with 1 recipient right, 2 tasks right; 3 graded groundings, 1 right
+    scores = [IntervalScore(True, True, True, False), IntervalScore(True, False, True, None),
+              IntervalScore(True, None, None, True), IntervalScore(False, None, None, False)]
+    acc = accuracy(scores)
+    assert (acc["state"], acc["state_n"]) == (75.0, 4)
+    assert acc["state_se"] == pytest.approx(100 * (0.75 * 0.25 / 4) ** 0.5)
+    assert (acc["recipient"], acc["recipient_n"], acc["recipient_se"]) == (50.0, 2, pytest.approx(100 * 0.5 / 2 ** 0.5))
+    assert (acc["task"], acc["task_se"]) == (100.0, 0.0)  # all right: no spread
+    assert acc["grounding"] == pytest.approx(100 / 3) and acc["grounding_n"] == 3
+    assert accuracy([])["recipient_se"] == 0.0 and accuracy([])["recipient_n"] == 0
+
+
+def test_paired_margin_of_two_stages_on_the_same_intervals():
+    from train.live.__main__ import format_margins
+    from train.live.judge import IntervalScore, outcomes, paired_margin
+
+    # 5 intervals: after fixes #2 and #4, breaks #5 -> differences 0, 1, 0, 1, -1: mean .2, sample var .7
+    before, after = [1, 0, 1, 0, 1], [1, 1, 1, 1, 0]
+    m, se = paired_margin(before, after)
+    assert m == pytest.approx(20.0) and se == pytest.approx(100 * (0.7 / 5) ** 0.5)
+    assert paired_margin([1, 0], [1, 0]) == (0.0, 0.0)
+    with pytest.raises(ValueError, match="same non-zero length"):
+        paired_margin([1], [1, 0])
+    scores = [IntervalScore(True, True, False, True), IntervalScore(False, None, None, None),
+              IntervalScore(True, False, True, False)]
+    assert outcomes(scores) == {"state": [1, 0, 1], "recipient": [1, 0], "task": [0, 1]}
+    rows = {"a": {"outcomes": {"state": before, "recipient": [0, 0], "task": [1, 1]}},
+            "b": {"outcomes": {"state": after, "recipient": [1, 1], "task": [1, 0]}}}
+    table = format_margins(rows)
+    assert "| b vs a | +20.00 ± 37.42 | +100.00 ± 0.00 | -50.00 ± 50.00 |" in table

@@ -20,6 +20,7 @@ from train.live.config import LiveConfig
 from train.live.data import load_sessions
 from train.live.evaluate import evaluate, play
 from train.live.gspo import GSPOOptions, train_gspo
+from train.live.judge import paired_margin
 from train.live.msft import MSFTOptions, train_msft
 from train.live.world import LiveWorldConfig, decision_text, make_sessions
 from train.metrics import MetricsLogger
@@ -33,11 +34,30 @@ def log(msg: str) -> None:
 
 
 def format_table(rows: dict) -> str:
+    """The rows as a markdown table; the accuracies as "value ± standard error" (judge.accuracy)."""
+    def cell(r, k):
+        if k in ("decode_gflops", "trajectory_reward"):
+            return f"{r[k]:.4f}"
+        return f"{r[k]:.2f} ± {r[k + '_se']:.2f}" if k + "_se" in r else f"{r[k]:.2f}"
+
     head = "| stage | " + " | ".join(c for _, c in COLUMNS) + " |"
     lines = [head, "|" + "---|" * (len(COLUMNS) + 1)]
     for stage, r in rows.items():
-        cells = [f"{r[k]:.2f}" if k not in ("decode_gflops", "trajectory_reward") else f"{r[k]:.4f}" for k, _ in COLUMNS]
-        lines.append(f"| {stage} | " + " | ".join(cells) + " |")
+        lines.append(f"| {stage} | " + " | ".join(cell(r, k) for k, _ in COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+def format_margins(rows: dict) -> str:
+    """Each stage against the one before it on the same held-out intervals: the paired difference in
+    state, recipient and task accuracy (% points) ± its standard error (judge.paired_margin)."""
+    names = list(rows)
+    lines = ["| stage vs the one before | state | recipient | task |", "|---|---|---|---|"]
+    for a, b in zip(names, names[1:]):
+        cells = []
+        for k in ("state", "recipient", "task"):
+            m, se = paired_margin(rows[a]["outcomes"][k], rows[b]["outcomes"][k])
+            cells.append(f"{m:+.2f} ± {se:.2f}")
+        lines.append(f"| {b} vs {a} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -84,7 +104,7 @@ def run(cfg: LiveConfig) -> dict:
                           ("cpu" if cfg.device == "auto" else cfg.device))
     os.makedirs(cfg.output_dir, exist_ok=True)
     save_config(cfg, cfg.output_dir)
-    t_start = time.time()
+    t_start, cpu_start = time.time(), time.process_time()
     train, held = load_data(cfg)
     tokenizer = load_tokenizer(cfg.model)
     if tokenizer is None:
@@ -101,11 +121,11 @@ def run(cfg: LiveConfig) -> dict:
 
     start_name = "base student" if cfg.stage != "gspo" else "start (--model)"
     evaluate_stage(start_name)
-    sft_opts = MSFTOptions(marker_weight=cfg.marker_weight, balance=cfg.balance, lr=cfg.sft_lr, steps=cfg.sft_steps,
+    sft_opts = MSFTOptions(marker_weight=cfg.marker_weight, recipient_weight=cfg.recipient_weight, balance=cfg.balance, lr=cfg.sft_lr, steps=cfg.sft_steps,
                            batch_size=cfg.sft_batch_size, lambda_aux=cfg.lambda_aux, max_len=cfg.max_len, seed=cfg.seed)
     if cfg.stage in ("sft", "all") and cfg.compare_plain:
         base_state = {k: v.clone() for k, v in model.state_dict().items()}
-        plain = MSFTOptions(**{**vars(sft_opts), "marker_weight": 1.0, "balance": 0.0})
+        plain = MSFTOptions(**{**vars(sft_opts), "marker_weight": 1.0, "recipient_weight": 1.0, "balance": 0.0})
         _stage_train(cfg, "plain_msft", lambda on_step: train_msft(model, tokenizer, train, plain, log, on_step))
         evaluate_stage("plain multi-turn SFT")
         model.load_state_dict(base_state)
@@ -117,14 +137,18 @@ def run(cfg: LiveConfig) -> dict:
         opts = GSPOOptions(steps=cfg.gspo_steps, sessions_per_step=cfg.sessions_per_step,
                            num_generations=cfg.num_generations, num_iterations=cfg.num_iterations,
                            temperature=cfg.gspo_temperature, lr=cfg.gspo_lr, turn_weight=cfg.turn_weight,
+                           field_credit=cfg.field_credit,
                            max_message_chars=cfg.max_message_chars, lambda_aux=cfg.lambda_aux, seed=cfg.seed)
         _stage_train(cfg, "gspo", lambda on_step: train_gspo(model, tokenizer, train, opts, log, on_step,
                                                              num_kv_blocks=512))
         _save(model, tokenizer, os.path.join(cfg.output_dir, "gspo", "model"))
         evaluate_stage("SM-GSPO")
     table = format_table(rows)
+    if len(rows) > 1:
+        table += "\n\n" + format_margins(rows)
     print("\n" + table + "\n", flush=True)
     result = {"command": "python -m train.live " + " ".join(sys.argv[1:]), "minutes": (time.time() - t_start) / 60,
+              "cpu_minutes": (time.process_time() - cpu_start) / 60,
               "device": str(device), "threads": torch.get_num_threads(), "rows": rows, "table": table,
               "config": vars(cfg)}
     for path in filter(None, (os.path.join(cfg.output_dir, "results.json"), cfg.results)):
@@ -133,7 +157,8 @@ def run(cfg: LiveConfig) -> dict:
             json.dump(result, f, indent=1)
     with open(os.path.join(cfg.output_dir, "table.md"), "w") as f:
         f.write(table + "\n")
-    log(f"done in {result['minutes']:.1f} min; results in {cfg.output_dir}")
+    log(f"done in {result['minutes']:.1f} min ({result['cpu_minutes']:.1f} CPU min: on a shared machine the "
+        f"wall time also counts others' work); results in {cfg.output_dir}")
     return result
 
 

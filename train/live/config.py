@@ -24,7 +24,7 @@ class LiveConfig:
     progress: bool = True
     # the synthetic world
     train_sessions: int = 512
-    eval_sessions: int = 12
+    eval_sessions: int = 64
     num_intervals: int = field(default=6, metadata={"help": "intervals per synthetic session (10 s each)"})
     max_message_chars: int = field(default=96, metadata={"help": "longest MEM note / ANS message the grammar allows"})
     # MA-MSFT
@@ -32,6 +32,8 @@ class LiveConfig:
     sft_lr: float = 5e-3
     sft_batch_size: int = 4
     marker_weight: float = field(default=3.0, metadata={"help": "loss weight of marker/field tokens (1 = plain)"})
+    recipient_weight: float = field(default=10.0, metadata={"help": "loss weight of the recipient name's tokens "
+                                                                   "(1 = plain)"})
     balance: float = field(default=1.0, metadata={"help": "class balancing of decisions by kind, 0 (none) .. 1 (full)"})
     compare_plain: bool = field(default=False, metadata={"help": "also train plain multi-turn SFT (marker weight 1, "
                                                                  "no balancing) from the same start, as a table "
@@ -39,12 +41,14 @@ class LiveConfig:
     max_len: int = 1024
     # SM-GSPO
     gspo_steps: int = 24
-    gspo_lr: float = 1e-4
+    gspo_lr: float = 3e-4
     sessions_per_step: int = 2
     num_generations: int = 8
     num_iterations: int = 2
     gspo_temperature: float = 1.0
     turn_weight: float = field(default=0.7, metadata={"help": "advantage = w * turn + (1 - w) * trajectory credit"})
+    field_credit: bool = field(default=True, metadata={"help": "credit a decision's head (marker, recipient, task) "
+                                                                "and its message apart (train/live/gspo.py)"})
     lambda_aux: float = 0.01
 
     def validate(self) -> None:
@@ -63,7 +67,7 @@ class LiveConfig:
                 raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
         if self.num_generations < 2:
             raise ConfigError(f"--num_generations must be >= 2 (advantages compare them), got {self.num_generations}")
-        for name in ("sft_lr", "gspo_lr", "gspo_temperature", "marker_weight"):
+        for name in ("sft_lr", "gspo_lr", "gspo_temperature", "marker_weight", "recipient_weight"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"--{name} must be > 0, got {getattr(self, name)}")
         for name in ("balance", "turn_weight"):

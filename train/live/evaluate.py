@@ -8,7 +8,7 @@ import time
 
 from engine.live.session import LiveSession
 from train.live.data import interval_time
-from train.live.judge import accuracy, score_session
+from train.live.judge import accuracy, outcomes, score_session
 
 
 def play(llm, session: dict, max_message_chars: int, temperature: float = 0.0, on_step=None) -> list:
@@ -39,5 +39,5 @@ def evaluate(llm, sessions: list, max_message_chars: int, temperature: float = 0
     row = accuracy(scores)
     row.update(trajectory_reward=sum(traj) / len(traj), latency_ms=1000 * sum(latencies) / len(latencies),
                decode_gflops=sum(flops) / len(flops) / 1e9, cached_frac=cached / max(1, cached + prefilled),
-               sessions=len(sessions), time_s=time.perf_counter() - t0)
+               sessions=len(sessions), time_s=time.perf_counter() - t0, outcomes=outcomes(scores))
     return row

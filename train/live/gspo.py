@@ -8,9 +8,18 @@ decision; per trajectory, questions answered in time minus spam and contradictio
 Advantages mix both (train.advantages.multi_turn_advantages): turn_weight * A_turn + (1 - turn_weight)
 * A_trajectory, A_turn normalised across the group's K trajectories at the same interval.
 
-Importance ratios are sequence-level per turn (GSPO on each decision): every turn of every trajectory
-is one row of train.losses.policy_loss with importance_sampling_level="sequence", so a turn's ratio is
-exp(mean over its tokens of logprobs - old_logprobs). Log-probs come from the fused kernel
+Field credit (field_credit, the default): a MEM or ANS decision is two parts, its head (the marker and
+fields, "ANS @amy answer: " or "MEM ") and its body (the message and the end token); an OBS decision is
+all head. The head is credited by the head reward (state, recipient and task, weighted as in the turn
+reward and renormalised), the body by the grounding (the state where there is none): each has its own
+turn advantage (normalised across the K trajectories at the interval), both the same trajectory
+credit. Without it a right recipient shares the sign of a wrong message, and its one or two tokens
+weigh 1/40 of a turn's ratio; with it they weigh about 1/6 of the head's and answer to what they decide.
+
+Importance ratios are sequence-level per part (GSPO on each decision's head and body; per turn without
+field credit): every part of every trajectory is one row of train.losses.policy_loss with
+importance_sampling_level="sequence", so a part's ratio is exp(mean over its tokens of logprobs -
+old_logprobs). Log-probs come from the fused kernel
 (kernels.logprobs.fused_linear_logprobs); old_logprobs are the trainer's own before the update.
 """
 import time
@@ -24,7 +33,8 @@ from engine.live.session import decision_constraint
 from kernels.logprobs import fused_linear_logprobs
 from train.advantages import multi_turn_advantages, token_advantages
 from train.live.data import interval_time
-from train.live.judge import score_session
+from train.live.judge import accuracy, score_session
+from train.live.msft import field_chars
 from train.losses import policy_loss
 from train.nonfinite import NonFiniteGuard
 from train.rollout import Rollouts, collate
@@ -37,11 +47,12 @@ class GSPOOptions:
     num_generations: int = 8
     num_iterations: int = 2  # updates per rollout batch (the ratio moves off 1 from the second)
     temperature: float = 1.0
-    lr: float = 1e-4
+    lr: float = 3e-4
     turn_weight: float = 0.7
     epsilon_low: float = 3e-4  # GSPO's sequence-level clip range
     epsilon_high: float = 4e-4
     reward_weights: tuple = (0.4, 0.2, 0.2, 0.2)  # state, recipient, task, grounding
+    field_credit: bool = True  # a decision's head and body as two rows, each with its own reward
     max_message_chars: int = 96
     lambda_aux: float = 0.01
     max_grad_norm: float = 1.0
@@ -74,16 +85,57 @@ def parse_or_none(text: str):
         return None
 
 
-def rewards_of(sessions: list, groups: list, opts: GSPOOptions) -> tuple:
-    """(per trajectory the turn rewards, per trajectory the trajectory reward), groups of K in order."""
+def rewards_of(sessions: list, groups: list, opts: GSPOOptions, scores_out: list | None = None) -> tuple:
+    """(per trajectory the turn rewards, per trajectory the trajectory reward), groups of K in order.
+    scores_out, when given, receives per trajectory its turns' judge.IntervalScores."""
     turn_rewards, traj_rewards = [], []
     for session, group in zip(sessions, groups):
         for c in group:
             preds = [parse_or_none(t) for t in c.turn_texts]
             score = score_session(preds, session)
+            if scores_out is not None:
+                scores_out.append(score.intervals)
             turn_rewards.append([s.reward(opts.reward_weights) for s in score.intervals])
             traj_rewards.append(score.trajectory_reward(len(preds)))
     return turn_rewards, traj_rewards
+
+
+def part_rewards(score, weights) -> tuple:
+    """(head reward, body reward) of one turn's judge.IntervalScore: the weighted state, recipient and
+    task (renormalised to [0, 1]); the grounding (the state where the gold has none, as in the reward)."""
+    state, recipient, task, grounding = [score.state if x is None else x
+                                         for x in (score.state, score.recipient, score.task, score.grounding)]
+    head = sum(w * float(x) for w, x in zip(weights[:3], (state, recipient, task))) / sum(weights[:3])
+    return head, float(grounding)
+
+
+def head_tokens(tokenizer, token_ids: list, text: str) -> int:
+    """How many of a decision's tokens (token_ids, its end token included) belong to its head: those
+    that start in the marker and fields (msft.field_chars); all of them for OBS, which has no message."""
+    cut = field_chars(text)
+    if cut >= len(text):
+        return len(token_ids)
+    pos = n = 0
+    for t in token_ids:
+        if pos >= cut:
+            break
+        pos += len(tokenizer.decode([t]))
+        n += 1
+    return n
+
+
+def split_turns(tokenizer, comp, head_adv: list, body_adv: list) -> tuple:
+    """A trajectory's turns cut into head and body parts: ([(start, end)] spans in comp.token_ids, one
+    advantage per span); a turn all head (OBS) gives one span."""
+    spans, advs = [], []
+    for (s, e), text, ah, ab in zip(comp.turn_spans, comp.turn_texts, head_adv, body_adv, strict=True):
+        h = s + head_tokens(tokenizer, comp.token_ids[s:e], text)
+        spans.append((s, h))
+        advs.append(ah)
+        if h < e:
+            spans.append((h, e))
+            advs.append(ab)
+    return spans, advs
 
 
 def turn_rows(batch: dict, turn_ids, num_turns: list) -> tuple:
@@ -139,16 +191,23 @@ class SMGSPO:
         groups = self.rollout(sessions, step)
         t_roll = time.perf_counter() - t0
         comps = [c for g in groups for c in g]
-        turn_rewards, traj_rewards = rewards_of(sessions, groups, opts)
-        adv_turns = multi_turn_advantages(turn_rewards, K, opts.turn_weight, trajectory_rewards=traj_rewards)
-        token_adv = [token_advantages(c.turn_spans, a, len(c.token_ids))[0] for c, a in zip(comps, adv_turns)]
+        scores = []
+        turn_rewards, traj_rewards = rewards_of(sessions, groups, opts, scores)
+        if opts.field_credit:
+            parts = [[part_rewards(x, opts.reward_weights) for x in traj] for traj in scores]
+            adv_head, adv_body = (multi_turn_advantages([[p[j] for p in traj] for traj in parts], K, opts.turn_weight,
+                                                        trajectory_rewards=traj_rewards) for j in (0, 1))
+            spans, advs = zip(*(split_turns(self.tokenizer, c, ah, ab) for c, ah, ab in zip(comps, adv_head, adv_body)))
+        else:
+            spans = [c.turn_spans for c in comps]
+            advs = multi_turn_advantages(turn_rewards, K, opts.turn_weight, trajectory_rewards=traj_rewards)
+        token_adv = [token_advantages(sp, a, len(c.token_ids))[0] for c, sp, a in zip(comps, spans, advs)]
         batch = collate(comps, token_adv, self.pad_id)
-        # the same collation with each turn's number for an advantage: which turn a position belongs to
-        numbers = [token_advantages(c.turn_spans, list(range(1, len(c.turn_spans) + 1)), len(c.token_ids))[0]
-                   for c in comps]
+        # the same collation with each part's number for an advantage: which part a position belongs to
+        numbers = [token_advantages(sp, list(range(1, len(sp) + 1)), len(c.token_ids))[0] for c, sp in zip(comps, spans)]
         turn_ids = collate(comps, numbers, self.pad_id)["advantages"].round().long()
         batch = {k: v.to(self.device) for k, v in batch.items()}
-        traj, mask = turn_rows(batch, turn_ids.to(self.device), [len(c.turn_spans) for c in comps])
+        traj, mask = turn_rows(batch, turn_ids.to(self.device), [len(sp) for sp in spans])
         with torch.no_grad():
             old = self._logprobs(batch)[0]
         self.model.train()
@@ -168,8 +227,12 @@ class SMGSPO:
                      "grad_norm": float(grad_norm)}
         self.model.eval()
         flat = [r for t in turn_rewards for r in t]
+        acc = accuracy([x for traj in scores for x in traj])
+        # "reward/..." keys: the metrics logger draws them as the lead page's reward panel
         return {"step": step + 1, "turn_reward": sum(flat) / len(flat),
                 "trajectory_reward": sum(traj_rewards) / len(traj_rewards),
+                "reward/mean": sum(flat) / len(flat),
+                **{f"reward/{k}/mean": acc[k] / 100 for k in ("state", "recipient", "task", "grounding")},
                 "parsed": sum(parse_or_none(t) is not None for c in comps for t in c.turn_texts) / len(flat),
                 **stats, "time/rollout_s": t_roll, "time_s": time.perf_counter() - t0}
 

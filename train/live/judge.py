@@ -12,6 +12,7 @@ Accuracies (the seed's table): state over all intervals, recipient and task over
 
 A prediction that does not parse counts as wrong on every field (it is kept as `None`).
 """
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -114,13 +115,36 @@ def score_session(preds: list, session: dict, deadline: int = 2) -> SessionScore
     return out
 
 
-def accuracy(scores: list) -> dict:
-    """The seed's table over IntervalScores: state, recipient, task accuracy (%) and grounding."""
-    def pct(xs):
-        return 100.0 * sum(xs) / len(xs) if xs else 0.0
+def outcomes(scores: list) -> dict:
+    """Per accuracy the 0/1 outcome of each interval it is over, in order ("state": all intervals,
+    "recipient" and "task": the gold-ANS ones): two stages judged on the same sessions pair up."""
+    return {name: [int(getattr(s, name)) for s in scores if getattr(s, name) is not None]
+            for name in ("state", "recipient", "task")}
 
-    return {"state": pct([s.state for s in scores]),
-            "recipient": pct([s.recipient for s in scores if s.recipient is not None]),
-            "task": pct([s.task for s in scores if s.task is not None]),
-            "grounding": pct([s.grounding for s in scores if s.grounding is not None]),
-            "intervals": len(scores)}
+
+def paired_margin(before: list, after: list) -> tuple:
+    """(mean of after - before, its standard error), in % points, over paired 0/1 outcomes of the same
+    intervals: the noise of a difference between two stages, smaller than either stage's own error when
+    they get the same intervals right."""
+    if len(before) != len(after) or not before:
+        raise ValueError(f"paired outcomes need the same non-zero length, got {len(before)} and {len(after)}")
+    d = [b - a for a, b in zip(before, after)]
+    n = len(d)
+    mean = sum(d) / n
+    var = sum((x - mean) ** 2 for x in d) / (n - 1) if n > 1 else 0.0
+    return 100.0 * mean, 100.0 * math.sqrt(var / n)
+
+
+def accuracy(scores: list) -> dict:
+    """The seed's table over IntervalScores: state, recipient and task accuracy (%) and grounding, each
+    with its binomial standard error (`<name>_se`, % points: 100 * sqrt(p (1 - p) / n)) and how many
+    intervals it is over (`<name>_n`): one decision in n moves it by 100 / n points."""
+    out = {}
+    for name in ("state", "recipient", "task", "grounding"):
+        xs = [getattr(s, name) for s in scores if getattr(s, name) is not None]
+        p = sum(xs) / len(xs) if xs else 0.0
+        out[name] = 100.0 * p
+        out[f"{name}_se"] = 100.0 * math.sqrt(p * (1 - p) / len(xs)) if xs else 0.0
+        out[f"{name}_n"] = len(xs)
+    out["intervals"] = len(scores)
+    return out
