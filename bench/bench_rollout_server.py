@@ -5,34 +5,28 @@ routes add one request each); and the decode throughput of 2 data-parallel engin
 the same requests (on a 2-core CPU the cores compete for the same cores: expect little gain there).
 """
 import asyncio
-import socket
 import time
 
 import pytest
 import torch
+from tiny_tokenizer import make_text_checkpoint
 
 from bench.common import record
 from engine.async_llm import AsyncLLM
 from engine.core.weight_sync import WeightSender
 from engine.loader import load_model
+from engine.net import free_port
 from engine.sampling import SamplingParams
-from tiny_tokenizer import make_text_checkpoint
 
 SIZES = {"quick": [dict(hidden_size=64)], "full": [dict(hidden_size=64), dict(hidden_size=256, num_hidden_layers=6)]}
 THROUGHPUT = {"quick": (16, 8), "full": (64, 32)}  # (requests, max_tokens)
 OPTIONS = dict(dtype=torch.float32, use_tqdm=False, block_size=16, num_kv_blocks=256)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def update_times(engine: AsyncLLM, path: str, model, reps: int) -> tuple[float, float]:
     """Median seconds of an update from disk and of one over a gloo group, alternately."""
     named = list(model.named_parameters())
-    port = _free_port()
+    port = free_port()
     loop = asyncio.get_running_loop()
     join = asyncio.ensure_future(engine.init_weights_update_group("127.0.0.1", port, 1, 2, backend="gloo"))
     sender = await loop.run_in_executor(None, WeightSender, "127.0.0.1", port, 2)

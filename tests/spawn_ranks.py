@@ -5,18 +5,13 @@ The function must be importable (top level of a module); each rank's return valu
 """
 import multiprocessing as mp
 import os
-import socket
 import tempfile
 import time
 import traceback
 
 import torch
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from engine.net import free_port
 
 
 def _entry(fn, rank: int, world_size: int, port: int, args: tuple, result_file: str) -> None:

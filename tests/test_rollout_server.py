@@ -13,16 +13,18 @@ import asyncio
 import concurrent.futures
 import os
 import signal
-import socket
 import urllib.error
 import urllib.request
 
 import pytest
 import torch
 
+from engine.net import free_port
 from fixtures import gone, http_json, require_server_extras
 
 openai = require_server_extras()
+
+from tiny_tokenizer import make_text_checkpoint  # noqa: E402
 
 from engine.async_llm import AsyncLLM  # noqa: E402
 from engine.core.router import Router  # noqa: E402
@@ -31,7 +33,6 @@ from engine.llm import LLM  # noqa: E402
 from engine.loader import load_model  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from engine.server import BackgroundServer  # noqa: E402
-from tiny_tokenizer import make_text_checkpoint  # noqa: E402
 
 MODEL = "tiny"
 OPTIONS = dict(dtype=torch.float32, device="cpu", block_size=16, num_kv_blocks=128, max_model_len=256,
@@ -134,12 +135,6 @@ def test_update_weights_from_disk_on_every_replica(served, ckpts, answers):
     assert greedy(server) == answers["b"]  # the refused checkpoint changed nothing
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_async_llm_update_weights_sends_tensors_to_every_core(served, ckpts, answers):
     engine, server = served
     assert greedy(server)[:4] == answers["b"][:4]  # B's, from the test before
@@ -150,7 +145,7 @@ def test_async_llm_update_weights_sends_tensors_to_every_core(served, ckpts, ans
 
 def test_update_weights_from_distributed(served, ckpts, answers):
     _, server = served
-    sender = join_servers([server.url], "127.0.0.1", _free_port(), backend="gloo", timeout_s=60)
+    sender = join_servers([server.url], "127.0.0.1", free_port(), backend="gloo", timeout_s=60)
     model_b = load_model(ckpts[1], dtype=torch.float32, device="cpu")
     before = served_counts(server)
     push_weights_to_servers([server.url], sender, list(model_b.named_parameters()), timeout_s=60)

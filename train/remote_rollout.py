@@ -24,6 +24,7 @@ import urllib.parse
 import urllib.request
 
 from engine.core.weight_sync import join_servers, push_weights_to_servers
+from engine.net import free_port
 from train.rollout import Completion, _seed
 
 WEIGHT_SYNCS = ("distributed", "disk")
@@ -53,7 +54,7 @@ class RemoteRollouts:
         if weight_sync == "distributed":
             device = next(model.parameters()).device
             self.sender = join_servers(self.urls, "127.0.0.1" if _local(self.urls) else socket.gethostname(),
-                                       _free_port(), backend="nccl" if device.type == "cuda" else "gloo",
+                                       free_port(""), backend="nccl" if device.type == "cuda" else "gloo",
                                        timeout_s=timeout_s, api_key=api_key)
         else:
             self.scratch = tempfile.mkdtemp(prefix="livemoe-weights-")
@@ -131,10 +132,6 @@ def _local(urls: list[str]) -> bool:
     return hosts <= {"127.0.0.1", "localhost", "::1"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def _post(url: str, body: dict, api_key: str | None, timeout_s: float) -> dict:

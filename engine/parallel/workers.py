@@ -28,7 +28,6 @@ import logging
 import os
 import pickle
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -39,6 +38,7 @@ import torch
 from engine.engine_config import EngineConfig, EngineConfigError
 from engine.errors import WorkerError
 from engine.model_runner import ModelRunner
+from engine.net import free_port
 from engine.parallel.tensor_parallel import TensorParallel, check_tensor_parallel
 
 log = logging.getLogger("engine.parallel")
@@ -83,12 +83,6 @@ def load_rank_model(path: str, dtype, device: torch.device, rank: int, size: int
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", rank) if device.type == "cuda" else torch.device("cpu")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_group(device: torch.device, rank: int, size: int, port: int) -> None:

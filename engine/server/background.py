@@ -8,7 +8,6 @@ its own GIL, as in a deployment).
         ...
 """
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +17,7 @@ import urllib.request
 import uvicorn
 
 from engine.async_llm import AsyncLLM
+from engine.net import free_port
 from engine.server.app import build_app
 from engine.server.config import ServerConfig
 
@@ -26,7 +26,7 @@ class BackgroundServer:
     def __init__(self, engine: AsyncLLM, model_name: str, host: str = "127.0.0.1", port: int = 0,
                  log_level: str = "warning", config: ServerConfig | None = None, reasoning_parser: str | None = None):
         self.engine, self.host = engine, host
-        self.port = port or _free_port(host)
+        self.port = port or free_port(host)
         self.app = build_app(engine, model_name, config, bind_host=host, reasoning_parser=reasoning_parser)
         config = uvicorn.Config(self.app, host=host, port=self.port, log_level=log_level, lifespan="off")
         self.server = uvicorn.Server(config)
@@ -59,7 +59,7 @@ class BackgroundServer:
 class ServerProcess:
     def __init__(self, model_path: str, model_name: str, options: list[str] = (), host: str = "127.0.0.1",
                  port: int = 0, env: dict | None = None, log_level: str = "warning"):
-        self.host, self.port = host, port or _free_port(host)
+        self.host, self.port = host, port or free_port(host)
         self.args = [sys.executable, "-m", "engine.serve", "--model", str(model_path), "--served-model-name",
                      model_name, "--host", host, "--port", str(self.port), "--log-level", log_level, *options]
         self.env = {**os.environ, **(env or {})}
@@ -101,9 +101,3 @@ class ServerProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
