@@ -3,7 +3,9 @@ parsed by train.config's machinery (every field a --flag, --config YAML with the
 import os
 from dataclasses import dataclass, field
 
-from train.config import DEFAULT_STUDENT, ConfigError, _choice
+from train.config import DEFAULT_STUDENT, ConfigError, _choice, default_of
+from train.live.gspo import GSPOOptions
+from train.live.msft import MSFTOptions
 
 
 @dataclass(kw_only=True)
@@ -26,30 +28,35 @@ class LiveConfig:
     train_sessions: int = 512
     eval_sessions: int = 64
     num_intervals: int = field(default=6, metadata={"help": "intervals per synthetic session (10 s each)"})
-    max_message_chars: int = field(default=96, metadata={"help": "longest MEM note / ANS message the grammar allows"})
+    max_message_chars: int = field(default=default_of(GSPOOptions, "max_message_chars"),
+                                   metadata={"help": "longest MEM note / ANS message the grammar allows"})
     # MA-MSFT
-    sft_steps: int = 500
-    sft_lr: float = 5e-3
-    sft_batch_size: int = 4
-    marker_weight: float = field(default=3.0, metadata={"help": "loss weight of marker/field tokens (1 = plain)"})
-    recipient_weight: float = field(default=10.0, metadata={"help": "loss weight of the recipient name's tokens "
-                                                                   "(1 = plain)"})
-    balance: float = field(default=1.0, metadata={"help": "class balancing of decisions by kind, 0 (none) .. 1 (full)"})
+    sft_steps: int = default_of(MSFTOptions, "steps")
+    sft_lr: float = default_of(MSFTOptions, "lr")
+    sft_batch_size: int = default_of(MSFTOptions, "batch_size")
+    marker_weight: float = field(default=default_of(MSFTOptions, "marker_weight"),
+                                 metadata={"help": "loss weight of marker/field tokens (1 = plain)"})
+    recipient_weight: float = field(default=default_of(MSFTOptions, "recipient_weight"),
+                                    metadata={"help": "loss weight of the recipient name's tokens (1 = plain)"})
+    balance: float = field(default=default_of(MSFTOptions, "balance"),
+                           metadata={"help": "class balancing of decisions by kind, 0 (none) .. 1 (full)"})
     compare_plain: bool = field(default=False, metadata={"help": "also train plain multi-turn SFT (marker weight 1, "
                                                                  "no balancing) from the same start, as a table "
                                                                  "row (doubles the SFT time)"})
-    max_len: int = 1024
+    max_len: int = default_of(MSFTOptions, "max_len")
     # SM-GSPO
-    gspo_steps: int = 24
-    gspo_lr: float = 3e-4
-    sessions_per_step: int = 2
-    num_generations: int = 8
-    num_iterations: int = 2
-    gspo_temperature: float = 1.0
-    turn_weight: float = field(default=0.7, metadata={"help": "advantage = w * turn + (1 - w) * trajectory credit"})
-    field_credit: bool = field(default=True, metadata={"help": "credit a decision's head (marker, recipient, task) "
-                                                                "and its message apart (train/live/gspo.py)"})
-    lambda_aux: float = 0.01
+    gspo_steps: int = default_of(GSPOOptions, "steps")
+    gspo_lr: float = default_of(GSPOOptions, "lr")
+    sessions_per_step: int = default_of(GSPOOptions, "sessions_per_step")
+    num_generations: int = default_of(GSPOOptions, "num_generations")
+    num_iterations: int = default_of(GSPOOptions, "num_iterations")
+    gspo_temperature: float = default_of(GSPOOptions, "temperature")
+    turn_weight: float = field(default=default_of(GSPOOptions, "turn_weight"),
+                               metadata={"help": "advantage = w * turn + (1 - w) * trajectory credit"})
+    field_credit: bool = field(default=default_of(GSPOOptions, "field_credit"),
+                               metadata={"help": "credit a decision's head (marker, recipient, task) and its "
+                                                 "message apart (train/live/gspo.py)"})
+    lambda_aux: float = default_of(MSFTOptions, "lambda_aux")  # one flag for both stages
 
     def validate(self) -> None:
         _choice("stage", self.stage, ("sft", "gspo", "all"))

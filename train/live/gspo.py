@@ -42,7 +42,7 @@ from train.rollout import Rollouts, collate
 
 @dataclass(kw_only=True)
 class GSPOOptions:
-    steps: int = 20
+    steps: int = 24
     sessions_per_step: int = 2
     num_generations: int = 8
     num_iterations: int = 2  # updates per rollout batch (the ratio moves off 1 from the second)
