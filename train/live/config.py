@@ -10,6 +10,7 @@ from train.live.msft import MSFTOptions
 
 @dataclass(kw_only=True)
 class LiveConfig:
+    """the world, MA-MSFT and SM-GSPO (defaults of the training options: train.live.msft / train.live.gspo)"""
     model: str = field(default=DEFAULT_STUDENT, metadata={"help": "checkpoint to start from (default: the "
                                                                  "committed tiny student)"})
     stage: str = field(default="all", metadata={"help": "sft (MA-MSFT) | gspo (SM-GSPO from --model) | all"})
