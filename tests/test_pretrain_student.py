@@ -119,7 +119,7 @@ def test_lookup_probe_splits_by_question_form_and_scores_the_link(first):
     forms = [k for k in perfect if k.startswith("form=")]
     assert sorted(forms) == sorted(f"form={f}" for f in PROBE_FORMS)
     assert perfect["all"]["n"] == 3 * len(rooms) and all(perfect[f]["n"] == len(rooms) for f in forms)
-    assert all(v["exact"] == 1.0 and v["link"] == 1.0 for v in perfect.values())
+    assert all(v["exact"] == v["link"] == v["name"] == v["value"] == 1.0 for v in perfect.values())
     # the token after the answer's first "link" is the link number: wrong there, wrong link and answer
     head = tok("<|im_start|>assistant\nlink", add_special_tokens=False)["input_ids"]
 
@@ -127,7 +127,12 @@ def test_lookup_probe_splits_by_question_form_and_scores_the_link(first):
         return max(i for i in range(len(ids) - len(head) + 1) if ids[i:i + len(head)] == head) + len(head)
 
     wrong = lookup_probe(_Oracle(len(tok), wrong_at=link_position), rooms, tok)
-    assert all(v["exact"] == 0.0 and v["link"] == 0.0 for v in wrong.values())
+    assert all(v["exact"] == v["link"] == 0.0 and v["name"] == v["value"] == 1.0 for v in wrong.values())
+    # one position before the "." that ends the answer: the value's last token
+    dot = tok(".", add_special_tokens=False)["input_ids"]
+    wrong = lookup_probe(_Oracle(len(tok), wrong_at=lambda ids: max(i for i, t in enumerate(ids) if [t] == dot) - 1),
+                         rooms, tok)
+    assert all(v["exact"] == v["value"] == 0.0 and v["link"] == v["name"] == 1.0 for v in wrong.values())
 
 
 def test_model_shape_flags_and_the_report_probe(tmp_path, first):

@@ -102,14 +102,31 @@ PROBE_FORMS = {"name": "what is the {attr} of the {name}?", "name2": "how about 
                "link": "what is the {attr} of link {link}?"}
 
 
+def answer_spans(p, attr, tok) -> dict:
+    """Token spans of the link number, the name and the value in the tokens of fact(p, attr); refuses a
+    tokenizer that merges across the parts (the spans would not be where the parts are)."""
+    parts = [("", "link"), ("link", f" {p.link}"), ("name", f" {p.name}"), ("", f": {attr} is"),
+             ("value", f" {p.attributes[attr]}"), ("", ".")]
+    ids, spans = [], {}
+    for label, text in parts:
+        piece = tok(text, add_special_tokens=False)["input_ids"]
+        if label:
+            spans[label] = (len(ids), len(ids) + len(piece))
+        ids += piece
+    if ids != tok(fact(p, attr), add_special_tokens=False)["input_ids"]:
+        raise ValueError(f"the tokenizer merges across the parts of {fact(p, attr)!r}; no spans for the probe")
+    return spans
+
+
 @torch.no_grad()
 def lookup_probe(model, rooms, tok, seed=0) -> dict:
-    """Held-out single-question lookup by question form and by attribute: exact whole answer, and the
-    link (the answer's first fact token) right. Every room is asked once in each form about one fact."""
+    """Held-out single-question lookup by question form and by attribute, teacher-forced: the whole answer
+    exact, and each of its link number, name and value right. Every room is asked once in each form
+    about one fact."""
     from train.data import build_messages
 
     rng = random.Random(seed)
-    cases = []  # (form, attribute, ids, mask, index of the link token in ids)
+    cases = []  # (form, attribute, ids, mask, {part: (start, end) in ids})
     for room in rooms:
         p = rng.choice(products_of(room))
         attr = rng.choice(sorted(p.attributes))
@@ -118,24 +135,26 @@ def lookup_probe(model, rooms, tok, seed=0) -> dict:
             msgs = system + [{"role": "user", "content": q.format(attr=attr, name=p.name, link=p.link)},
                              {"role": "assistant", "content": fact(p, attr)}]
             ids, mask = encode_conversation(msgs, tok)
-            cases.append((form, attr, ids, mask, mask.index(1) + 1))  # answer "link N ...": N follows "link"
+            at = mask.index(1)  # the answer's first token
+            spans = {k: (at + a, at + b) for k, (a, b) in answer_spans(p, attr, tok).items()}
+            cases.append((form, attr, ids, mask, spans))
     model.eval()
-    out = {}
+    counts = {}  # key -> [n, exact, link, name, value]
     for i in range(0, len(cases), 64):
         chunk = cases[i:i + 64]
         ids, mask = pad_batch([(c[2], c[3]) for c in chunk], tok)
         pred = model(input_ids=ids).logits[:, :-1].argmax(-1)
-        target, w = ids[:, 1:], mask[:, 1:]
-        exact = ((pred == target) | (w == 0)).all(dim=1)
-        for row, (form, attr, _, _, at) in enumerate(chunk):
-            link_ok = bool(pred[row, at - 1] == ids[row, at])
+        right = torch.cat([torch.ones_like(ids[:, :1], dtype=torch.bool), pred == ids[:, 1:]], dim=1)  # at ids
+        exact = (right | (mask == 0)).all(dim=1)
+        for row, (form, attr, _, _, spans) in enumerate(chunk):
+            parts = [int(right[row, a:b].all()) for a, b in (spans["link"], spans["name"], spans["value"])]
             for key in (f"form={form}", f"attr={attr}", "all"):
-                o = out.setdefault(key, [0, 0, 0])
-                o[0] += 1
-                o[1] += int(exact[row])
-                o[2] += int(link_ok)
+                o = counts.setdefault(key, [0] * 5)
+                for j, v in enumerate([1, int(exact[row]), *parts]):
+                    o[j] += v
     model.train()
-    return {k: {"n": n, "exact": round(e / n, 3), "link": round(lk / n, 3)} for k, (n, e, lk) in sorted(out.items())}
+    return {k: {"n": c[0], **{name: round(v / c[0], 3) for name, v in zip(("exact", "link", "name", "value"), c[1:])}}
+            for k, c in sorted(counts.items())}
 
 
 def lr_factor(step: int, minutes: float, args) -> float:
