@@ -14,6 +14,11 @@ fresh warm-up and schedule; the report keeps the earlier run's report under "ini
 chain of commands that made a checkpoint stays on record. The learning rate decays (cosine, to a tenth)
 over whichever budget ends first, --steps or --max_minutes, so a run stopped by the clock still ends
 at the low learning rate that the last points of a run gain most from.
+
+Recipe options: --curriculum_steps grows the product lists from 2 to the world's range (shorter lists,
+shorter sequences early); --hidden_size/--layers/--heads/--kv_heads/--head_dim change the model's shape
+(a new model only). The report's final_lookup_probe says which hop of a lookup fails: asked by name or by
+link, the whole answer exact and its link, name and value spans each right (teacher-forced).
 """
 import argparse
 import json
