@@ -73,3 +73,77 @@ def test_bad_arguments_are_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--output_dir", str(tmp_path / "o"), "--steps", "0"])
     assert "--steps must be >= 1" in capsys.readouterr().err
+
+
+def test_curriculum_grows_the_product_lists_to_the_worlds_range():
+    from train.pretrain_student import curriculum_products
+    from train.synthetic.world import WorldConfig, make_rooms
+
+    world = WorldConfig()
+    assert world.num_products == (4, 6)
+    args = SimpleNamespace(curriculum_steps=300)
+    ranges = [curriculum_products(s, args, world) for s in (0, 59, 60, 120, 180, 240, 299, 300, 10_000)]
+    assert ranges == [(2, 2), (2, 2), (3, 3), (4, 4), (4, 5), (4, 6), (4, 6), (4, 6), (4, 6)]
+    assert curriculum_products(0, SimpleNamespace(curriculum_steps=0), world) == (4, 6)  # off
+    for lo_hi in ((2, 2), (4, 5)):
+        rooms = make_rooms(32, seed=3, cfg=WorldConfig(num_products=lo_hi))
+        counts = {len(r["documents"]) for r in rooms}
+        assert counts and min(counts) >= lo_hi[0] and max(counts) <= lo_hi[1]
+
+
+class _Oracle(torch.nn.Module):
+    """Predicts every next token of the batch it is given (optionally one position wrong)."""
+
+    def __init__(self, vocab, wrong_at=None):
+        super().__init__()
+        self.vocab, self.wrong_at = vocab, wrong_at
+
+    def forward(self, input_ids):
+        nxt = torch.cat([input_ids[:, 1:], input_ids[:, -1:]], dim=1).clone()
+        if self.wrong_at is not None:
+            for row in range(len(nxt)):
+                at = self.wrong_at(input_ids[row].tolist())
+                nxt[row, at - 1] = (nxt[row, at - 1] + 1) % self.vocab
+        return SimpleNamespace(logits=torch.nn.functional.one_hot(nxt, self.vocab).float())
+
+
+def test_lookup_probe_splits_by_question_form_and_scores_the_link(first):
+    from transformers import AutoTokenizer
+
+    from train.pretrain_student import PROBE_FORMS, lookup_probe
+    from train.synthetic.world import make_rooms
+
+    tok = AutoTokenizer.from_pretrained(str(first))
+    rooms = make_rooms(6, seed=5)
+    perfect = lookup_probe(_Oracle(len(tok)), rooms, tok)
+    forms = [k for k in perfect if k.startswith("form=")]
+    assert sorted(forms) == sorted(f"form={f}" for f in PROBE_FORMS)
+    assert perfect["all"]["n"] == 3 * len(rooms) and all(perfect[f]["n"] == len(rooms) for f in forms)
+    assert all(v["exact"] == v["link"] == v["name"] == v["value"] == 1.0 for v in perfect.values())
+    # the token after the answer's first "link" is the link number: wrong there, wrong link and answer
+    head = tok("<|im_start|>assistant\nlink", add_special_tokens=False)["input_ids"]
+
+    def link_position(ids):
+        return max(i for i in range(len(ids) - len(head) + 1) if ids[i:i + len(head)] == head) + len(head)
+
+    wrong = lookup_probe(_Oracle(len(tok), wrong_at=link_position), rooms, tok)
+    assert all(v["exact"] == v["link"] == 0.0 and v["name"] == v["value"] == 1.0 for v in wrong.values())
+    # one position before the "." that ends the answer: the value's last token
+    dot = tok(".", add_special_tokens=False)["input_ids"]
+    wrong = lookup_probe(_Oracle(len(tok), wrong_at=lambda ids: max(i for i, t in enumerate(ids) if [t] == dot) - 1),
+                         rooms, tok)
+    assert all(v["exact"] == v["value"] == 0.0 and v["link"] == v["name"] == 1.0 for v in wrong.values())
+
+
+def test_model_shape_flags_and_the_report_probe(tmp_path, first):
+    from transformers import AutoConfig
+
+    out = tmp_path / "wide"
+    main(["--output_dir", str(out), *FEW, "--heads", "8", "--kv_heads", "8", "--head_dim", "8",
+          "--curriculum_steps", "2"])
+    cfg = AutoConfig.from_pretrained(str(out))
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (8, 8, 8)
+    report = json.loads((out / "pretrain_report.json").read_text())
+    assert report["final_lookup_probe"]["all"]["n"] == 3 * 8 and report["args"]["curriculum_steps"] == 2
+    with pytest.raises(SystemExit, match="model's shape is the checkpoint's; drop --heads"):
+        main(["--output_dir", str(tmp_path / "x"), "--init_from", str(first), "--heads", "8"])

@@ -14,6 +14,11 @@ fresh warm-up and schedule; the report keeps the earlier run's report under "ini
 chain of commands that made a checkpoint stays on record. The learning rate decays (cosine, to a tenth)
 over whichever budget ends first, --steps or --max_minutes, so a run stopped by the clock still ends
 at the low learning rate that the last points of a run gain most from.
+
+Recipe options: --curriculum_steps grows the product lists from 2 to the world's range (shorter lists,
+shorter sequences early); --hidden_size/--layers/--heads/--kv_heads/--head_dim change the model's shape
+(a new model only). The report's final_lookup_probe says which hop of a lookup fails: asked by name or by
+link, the whole answer exact and its link, name and value spans each right (teacher-forced).
 """
 import argparse
 import json
@@ -27,7 +32,7 @@ import torch
 
 from train.synthetic.corpus import lookup_conversation, tokenizer_corpus
 from train.synthetic.tokenizer import train_tokenizer
-from train.synthetic.world import WorldConfig, make_rooms
+from train.synthetic.world import WorldConfig, fact, make_rooms, products_of
 
 MODEL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
@@ -61,7 +66,10 @@ def encode_conversation(msgs, tok) -> tuple:
 
 
 def batch(rooms, rng, tok, turns):
-    seqs = [encode_conversation(lookup_conversation(r, rng, turns), tok) for r in rooms]
+    return pad_batch([encode_conversation(lookup_conversation(r, rng, turns), tok) for r in rooms], tok)
+
+
+def pad_batch(seqs, tok):
     n = max(len(s[0]) for s in seqs)
     ids = torch.full((len(seqs), n), tok.pad_token_id)
     mask = torch.zeros((len(seqs), n))
@@ -92,17 +100,97 @@ def lookup_accuracy(model, rooms, tok, seed=0):
     return acc.item()
 
 
+# the probe's question forms: asked by the product's name (the student must find the link that precedes the
+# name in the list) or by its link (the name and the attribute follow the link); train.synthetic.world's
+# attribute_question draws from these three
+PROBE_FORMS = {"name": "what is the {attr} of the {name}?", "name2": "how about the {attr} of the {name}?",
+               "link": "what is the {attr} of link {link}?"}
+
+
+def answer_spans(p, attr, tok) -> dict:
+    """Token spans of the link number, the name and the value in the tokens of fact(p, attr); refuses a
+    tokenizer that merges across the parts (the spans would not be where the parts are)."""
+    parts = [("", "link"), ("link", f" {p.link}"), ("name", f" {p.name}"), ("", f": {attr} is"),
+             ("value", f" {p.attributes[attr]}"), ("", ".")]
+    ids, spans = [], {}
+    for label, text in parts:
+        piece = tok(text, add_special_tokens=False)["input_ids"]
+        if label:
+            spans[label] = (len(ids), len(ids) + len(piece))
+        ids += piece
+    if ids != tok(fact(p, attr), add_special_tokens=False)["input_ids"]:
+        raise ValueError(f"the tokenizer merges across the parts of {fact(p, attr)!r}; no spans for the probe")
+    return spans
+
+
+@torch.no_grad()
+def lookup_probe(model, rooms, tok, seed=0) -> dict:
+    """Held-out single-question lookup by question form and by attribute, teacher-forced: the whole answer
+    exact, and each of its link number, name and value right. Every room is asked once in each form
+    about one fact."""
+    from train.data import build_messages
+
+    rng = random.Random(seed)
+    cases = []  # (form, attribute, ids, mask, {part: (start, end) in ids})
+    for room in rooms:
+        p = rng.choice(products_of(room))
+        attr = rng.choice(sorted(p.attributes))
+        system = build_messages({**room, "history": [], "question": "?"})[:1]
+        for form, q in PROBE_FORMS.items():
+            msgs = system + [{"role": "user", "content": q.format(attr=attr, name=p.name, link=p.link)},
+                             {"role": "assistant", "content": fact(p, attr)}]
+            ids, mask = encode_conversation(msgs, tok)
+            at = mask.index(1)  # the answer's first token
+            spans = {k: (at + a, at + b) for k, (a, b) in answer_spans(p, attr, tok).items()}
+            cases.append((form, attr, ids, mask, spans))
+    model.eval()
+    counts = {}  # key -> [n, exact, link, name, value]
+    for i in range(0, len(cases), 64):
+        chunk = cases[i:i + 64]
+        ids, mask = pad_batch([(c[2], c[3]) for c in chunk], tok)
+        pred = model(input_ids=ids).logits[:, :-1].argmax(-1)
+        right = torch.cat([torch.ones_like(ids[:, :1], dtype=torch.bool), pred == ids[:, 1:]], dim=1)  # at ids
+        exact = (right | (mask == 0)).all(dim=1)
+        for row, (form, attr, _, _, spans) in enumerate(chunk):
+            parts = [int(right[row, a:b].all()) for a, b in (spans["link"], spans["name"], spans["value"])]
+            for key in (f"form={form}", f"attr={attr}", "all"):
+                o = counts.setdefault(key, [0] * 5)
+                for j, v in enumerate([1, int(exact[row]), *parts]):
+                    o[j] += v
+    model.train()
+    return {k: {"n": c[0], **{name: round(v / c[0], 3) for name, v in zip(("exact", "link", "name", "value"), c[1:])}}
+            for k, c in sorted(counts.items())}
+
+
 def lr_factor(step: int, minutes: float, args) -> float:
     """Linear warm-up, then cosine from 1 to 0.1 over whichever of --steps and --max_minutes ends first."""
     progress = min(1.0, max(step / args.steps, minutes / args.max_minutes))
     return min(1.0, (step + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def curriculum_products(step: int, args, world: WorldConfig) -> tuple:
+    """Products per room at `step`: from 2 (short lists, short sequences: lookup is learned sooner) up to
+    the world's own range, one product more every --curriculum_steps / (steps of the ramp), then the world's."""
+    lo, hi = world.num_products
+    if step >= args.curriculum_steps or hi <= 2:
+        return lo, hi
+    top = 2 + (hi - 2 + 1) * step // args.curriculum_steps
+    return min(lo, top), min(hi, top)
+
+
+ARCH_FLAGS = {"hidden_size": "hidden_size", "layers": "num_hidden_layers", "heads": "num_attention_heads",
+              "kv_heads": "num_key_value_heads", "head_dim": "head_dim"}
+
+
 def load_start(args):
     """(tokenizer, model, earlier report or None): a fresh tokenizer and random init, or --init_from's."""
+    arch = {field: getattr(args, flag) for flag, field in ARCH_FLAGS.items() if getattr(args, flag) is not None}
     if not args.init_from:
         tok = train_tokenizer(tokenizer_corpus(), vocab_size=args.vocab_size)
-        return tok, init_student(tok, seed=args.seed), None
+        return tok, init_student(tok, seed=args.seed, **arch), None
+    if arch:
+        raise SystemExit(f"--init_from {args.init_from}: the model's shape is the checkpoint's; "
+                         f"drop {', '.join('--' + f for f in ARCH_FLAGS if getattr(args, f) is not None)}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not os.path.isfile(os.path.join(args.init_from, "config.json")):
@@ -131,6 +219,10 @@ def main(argv=None):
     ap.add_argument("--eval_every", type=int, default=250)
     ap.add_argument("--heldout_rooms", type=int, default=256, help="held-out rooms of the lookup exact-match")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--curriculum_steps", type=int, default=0,
+                    help="ramp products per room from 2 up to the world's range over this many steps (0: off)")
+    for flag, field in ARCH_FLAGS.items():
+        ap.add_argument(f"--{flag}", type=int, default=None, help=f"model {field} (default {MODEL[field]})")
     # one thread: on a shared 2-core machine two threads per process oversubscribe and run ~5x slower
     ap.add_argument("--threads", type=int, default=1)
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -138,6 +230,11 @@ def main(argv=None):
     for name in ("steps", "batch_size", "turns", "warmup", "eval_every", "heldout_rooms", "threads"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    for name in ARCH_FLAGS:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.curriculum_steps < 0:
+        ap.error(f"--curriculum_steps must be >= 0, got {args.curriculum_steps}")
     if args.lr <= 0 or args.max_minutes <= 0:
         ap.error("--lr and --max_minutes must be > 0")
     torch.set_num_threads(args.threads)
@@ -160,7 +257,8 @@ def main(argv=None):
     for step in range(1, args.steps + 1):
         for group in opt.param_groups:
             group["lr"] = args.lr * lr_factor(step - 1, (time.time() - t0) / 60, args)
-        rooms = make_rooms(args.batch_size, seed=rng.randrange(1 << 30), cfg=wcfg)
+        step_cfg = WorldConfig(num_products=curriculum_products(step - 1, args, wcfg))
+        rooms = make_rooms(args.batch_size, seed=rng.randrange(1 << 30), cfg=step_cfg)
         ids, mask = batch(rooms, rng, tok, args.turns)
         loss, aux, acc = answer_loss(model, ids, mask, aux_coef=cfg.router_aux_loss_coef)
         (loss + cfg.router_aux_loss_coef * aux).backward()
@@ -177,11 +275,13 @@ def main(argv=None):
             save(model, tok, args, argv, n_params, step, t0, history, earlier)  # usable at any time, even if stopped
         if minutes > args.max_minutes:
             break
-    save(model, tok, args, argv, n_params, step, t0, history, earlier)
+    probe = lookup_probe(model, held_out, tok)
+    save(model, tok, args, argv, n_params, step, t0, history, earlier, probe)
+    print(json.dumps(probe))
     print(f"saved {args.output_dir}: held-out lookup exact {history[-1]['heldout_lookup_exact'] if history else None}")
 
 
-def save(model, tok, args, argv, n_params, step, t0, history, earlier=None):
+def save(model, tok, args, argv, n_params, step, t0, history, earlier=None, probe=None):
     os.makedirs(args.output_dir, exist_ok=True)
     model.save_pretrained(args.output_dir)
     tok.save_pretrained(args.output_dir)
@@ -189,6 +289,8 @@ def save(model, tok, args, argv, n_params, step, t0, history, earlier=None):
               "parameters": n_params, "steps": step, "minutes": round((time.time() - t0) / 60, 2),
               "final_heldout_lookup_exact": history[-1]["heldout_lookup_exact"] if history else None,
               "history": history}
+    if probe is not None:
+        report["final_lookup_probe"] = probe
     if earlier is not None:
         report["init_report"] = earlier
     with open(os.path.join(args.output_dir, "pretrain_report.json"), "w") as f:
