@@ -155,20 +155,22 @@ def _two_product_room():
                           {"link": 31, "name": "green tea", "category": "tea", "attributes": {"price": "39 yuan"}}]}
 
 
-def test_recall_sequence_is_a_compact_list_then_each_fact_asked_before_any_twice():
+def test_recall_sequence_is_a_compact_list_then_questions_on_its_facts():
     import random
 
     from train.data import SYSTEM_PROMPT
     from train.synthetic.corpus import recall_sequence
     from train.synthetic.world import make_rooms, products_of
 
-    msgs = recall_sequence(_two_product_room(), random.Random(0), queries=5)
+    msgs = recall_sequence(_two_product_room(), random.Random(0), queries=40)
     assert msgs[0] == {"role": "system", "content": SYSTEM_PROMPT + "\nproducts:\nlink 7: wool scarf. color: red.\n"
                                                     "link 31: green tea. price: 39 yuan."}
-    assert [m["role"] for m in msgs[1:]] == ["user", "assistant"] * 5
+    assert [m["role"] for m in msgs[1:]] == ["user", "assistant"] * 40
     answers = [m["content"] for m in msgs[2::2]]
-    facts = {"link 7 wool scarf: color is red.", "link 31 green tea: price is 39 yuan."}
-    assert set(answers[:2]) == facts and set(answers[2:4]) == facts and answers[4] in facts
+    assert set(answers) == {"link 7 wool scarf: color is red.", "link 31 green tea: price is 39 yuan."}
+    # drawn independently, not in rounds of each fact once (rounds taught "not the link just answered"): some
+    # round of two would hold one fact twice
+    assert any(answers[i] == answers[i + 1] for i in range(0, 40, 2))
     for q, a in zip(msgs[1::2], msgs[2::2]):  # the question asks about the product and attribute answered
         link, name, attr = ("7", "wool scarf", "color") if "wool" in a["content"] else ("31", "green tea", "price")
         assert q["content"] in (f"what is the {attr} of the {name}?", f"how about the {attr} of the {name}?",
