@@ -147,3 +147,95 @@ def test_model_shape_flags_and_the_report_probe(tmp_path, first):
     assert report["final_lookup_probe"]["all"]["n"] == 3 * 8 and report["args"]["curriculum_steps"] == 2
     with pytest.raises(SystemExit, match="model's shape is the checkpoint's; drop --heads"):
         main(["--output_dir", str(tmp_path / "x"), "--init_from", str(first), "--heads", "8"])
+
+
+def _two_product_room():
+    return {"id": "r", "question": "?", "history": [],
+            "documents": [{"link": 7, "name": "wool scarf", "category": "scarf", "attributes": {"color": "red"}},
+                          {"link": 31, "name": "green tea", "category": "tea", "attributes": {"price": "39 yuan"}}]}
+
+
+def test_recall_sequence_is_a_compact_list_then_questions_on_its_facts():
+    import random
+
+    from train.data import SYSTEM_PROMPT
+    from train.synthetic.corpus import recall_sequence
+    from train.synthetic.world import make_rooms, products_of
+
+    msgs = recall_sequence(_two_product_room(), random.Random(0), queries=40)
+    assert msgs[0] == {"role": "system", "content": SYSTEM_PROMPT + "\nproducts:\nlink 7: wool scarf. color: red.\n"
+                                                    "link 31: green tea. price: 39 yuan."}
+    assert [m["role"] for m in msgs[1:]] == ["user", "assistant"] * 40
+    answers = [m["content"] for m in msgs[2::2]]
+    assert set(answers) == {"link 7 wool scarf: color is red.", "link 31 green tea: price is 39 yuan."}
+    # drawn independently, not in rounds of each fact once (rounds taught "not the link just answered"): some
+    # round of two would hold one fact twice
+    assert any(answers[i] == answers[i + 1] for i in range(0, 40, 2))
+    for q, a in zip(msgs[1::2], msgs[2::2]):  # the question asks about the product and attribute answered
+        link, name, attr = ("7", "wool scarf", "color") if "wool" in a["content"] else ("31", "green tea", "price")
+        assert q["content"] in (f"what is the {attr} of the {name}?", f"how about the {attr} of the {name}?",
+                                f"what is the {attr} of link {link}?")
+    # a world room: one listed attribute per product, its value the product's own
+    room = make_rooms(1, seed=4)[0]
+    msgs = recall_sequence(room, random.Random(1), queries=12)
+    lines = msgs[0]["content"].split("\n")[2:]
+    products = products_of(room)
+    assert len(lines) == len(products) >= 4
+    for line, p in zip(lines, products):
+        head, attr_part = line.split(". ", 1)
+        assert head == f"link {p.link}: {p.name}" and attr_part.count(":") == 1
+        attr, value = attr_part.rstrip(".").split(": ")
+        assert p.attributes[attr] == value
+    assert len(msgs) == 1 + 2 * 12
+
+
+def test_recall_drill_loss_mask_covers_exactly_the_answers(first):
+    import random
+
+    from transformers import AutoTokenizer
+
+    from train.pretrain_student import encode_conversation
+    from train.synthetic.corpus import recall_sequence
+
+    tok = AutoTokenizer.from_pretrained(str(first))
+    msgs = recall_sequence(_two_product_room(), random.Random(2), queries=3)
+    ids, mask = encode_conversation(msgs, tok)
+    assert len(ids) == len(mask) and sum(mask) > 0
+    masked = tok.decode([t for t, m in zip(ids, mask) if m], skip_special_tokens=False)
+    assert masked == "".join(m["content"] + "<|im_end|>" for m in msgs[2::2])
+
+
+def test_recall_steps_are_the_warm_up_then_the_fraction_spread_evenly():
+    from train.pretrain_student import is_recall_step
+
+    def kinds(warm, frac, n):
+        return [is_recall_step(s, SimpleNamespace(recall_steps=warm, recall_fraction=frac)) for s in range(1, n + 1)]
+
+    assert kinds(3, 0.0, 6) == [True] * 3 + [False] * 3
+    assert kinds(0, 0.5, 6) == [False, True] * 3
+    assert kinds(2, 1.0, 5) == [True] * 5
+    for frac in (0.25, 0.3, 0.75):
+        mix = kinds(10, frac, 1010)
+        assert all(mix[:10]) and sum(mix[10:]) == int(1000 * frac)
+        assert max(sum(mix[10 + i:20 + i]) for i in range(990)) <= int(10 * frac) + 1  # spread, not bunched
+
+
+def test_recall_flags_run_and_are_refused_when_bad(tmp_path, capsys):
+    out = tmp_path / "recall"
+    main(["--output_dir", str(out), *FEW, "--recall_steps", "1", "--recall_fraction", "0.5", "--recall_queries", "4"])
+    report = json.loads((out / "pretrain_report.json").read_text())
+    # step 1 is the warm-up's, step 2 a conversation, step 3 a drill
+    assert [(h["step"], h["recall_steps"]) for h in report["history"]] == [(2, 1), (3, 2)]
+    assert report["args"]["recall_queries"] == 4 and all(h["cpu_minutes"] >= 0 for h in report["history"])
+    for bad, says in ((["--recall_queries", "4"], "--recall_queries needs recall drills"),
+                      (["--recall_fraction", "1.5"], "--recall_fraction must be in [0, 1]"),
+                      (["--recall_steps", "-1"], "--recall_steps must be >= 0"),
+                      (["--recall_steps", "2", "--recall_queries", "0"], "--recall_queries must be >= 1")):
+        with pytest.raises(SystemExit):
+            main(["--output_dir", str(tmp_path / "bad"), *bad])
+        assert says in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--recall_steps" in text and "one attribute each, 2 to 6 products" in text and "default 8" in text

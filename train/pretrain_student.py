@@ -17,8 +17,11 @@ at the low learning rate that the last points of a run gain most from.
 
 Recipe options: --curriculum_steps grows the product lists from 2 to the world's range (shorter lists,
 shorter sequences early); --hidden_size/--layers/--heads/--kv_heads/--head_dim change the model's shape
-(a new model only). The report's final_lookup_probe says which hop of a lookup fails: asked by name or by
-link, the whole answer exact and its link, name and value spans each right (teacher-forced).
+(a new model only); --recall_steps / --recall_fraction train a warm-up and then a share of the steps on
+recall drills (train.synthetic.corpus.recall_sequence: a compact product list, then --recall_queries lookups
+in the world's own question and answer format). The report's final_lookup_probe says which hop of a
+lookup fails: asked by name or by link, the whole answer exact and its link, name and value spans each
+right (teacher-forced).
 """
 import argparse
 import json
@@ -30,7 +33,7 @@ import time
 
 import torch
 
-from train.synthetic.corpus import lookup_conversation, tokenizer_corpus
+from train.synthetic.corpus import RECALL_PRODUCTS, lookup_conversation, recall_sequence, tokenizer_corpus
 from train.synthetic.tokenizer import train_tokenizer
 from train.synthetic.world import WorldConfig, fact, make_rooms, products_of
 
@@ -67,6 +70,20 @@ def encode_conversation(msgs, tok) -> tuple:
 
 def batch(rooms, rng, tok, turns):
     return pad_batch([encode_conversation(lookup_conversation(r, rng, turns), tok) for r in rooms], tok)
+
+
+def recall_batch(rooms, rng, tok, queries):
+    return pad_batch([encode_conversation(recall_sequence(r, rng, queries), tok) for r in rooms], tok)
+
+
+def is_recall_step(step: int, args) -> bool:
+    """Whether 1-based `step` trains on recall drills (train.synthetic.corpus.recall_sequence) instead of
+    lookup conversations: every step of the --recall_steps warm-up, then a --recall_fraction of the steps,
+    spread evenly (a whole batch of one kind: the drills are shorter, and mixing kinds would pad them)."""
+    if step <= args.recall_steps:
+        return True
+    k = step - args.recall_steps
+    return math.floor(k * args.recall_fraction) > math.floor((k - 1) * args.recall_fraction)
 
 
 def pad_batch(seqs, tok):
@@ -221,6 +238,13 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--curriculum_steps", type=int, default=0,
                     help="ramp products per room from 2 up to the world's range over this many steps (0: off)")
+    ap.add_argument("--recall_steps", type=int, default=0,
+                    help="warm-up: the first this many steps train on recall drills only (0: none)")
+    ap.add_argument("--recall_fraction", type=float, default=0.0,
+                    help="after the warm-up, this fraction of the steps (0-1) trains on recall drills: a compact "
+                         "product list (one attribute each, 2 to 6 products) then --recall_queries questions")
+    ap.add_argument("--recall_queries", type=int, default=None,
+                    help="questions per recall drill (default 8; needs --recall_steps or --recall_fraction)")
     for flag, field in ARCH_FLAGS.items():
         ap.add_argument(f"--{flag}", type=int, default=None, help=f"model {field} (default {MODEL[field]})")
     # one thread: on a shared 2-core machine two threads per process oversubscribe and run ~5x slower
@@ -235,11 +259,22 @@ def main(argv=None):
             ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.curriculum_steps < 0:
         ap.error(f"--curriculum_steps must be >= 0, got {args.curriculum_steps}")
+    if args.recall_steps < 0:
+        ap.error(f"--recall_steps must be >= 0, got {args.recall_steps}")
+    if not 0 <= args.recall_fraction <= 1:
+        ap.error(f"--recall_fraction must be in [0, 1], got {args.recall_fraction}")
+    if args.recall_queries is not None:
+        if args.recall_steps == 0 and args.recall_fraction == 0:
+            ap.error("--recall_queries needs recall drills: give --recall_steps or --recall_fraction")
+        if args.recall_queries < 1:
+            ap.error(f"--recall_queries must be >= 1, got {args.recall_queries}")
+    else:
+        args.recall_queries = 8
     if args.lr <= 0 or args.max_minutes <= 0:
         ap.error("--lr and --max_minutes must be > 0")
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    t0 = time.time()
+    t0, cpu0 = time.time(), time.process_time()
     tok, model, earlier = load_start(args)
     cfg = model.config
     n_params = sum(p.numel() for p in model.parameters())
@@ -248,7 +283,8 @@ def main(argv=None):
     rng = random.Random(args.seed)
     wcfg = WorldConfig()
     held_out = make_rooms(args.heldout_rooms, seed=10_000 + args.seed, cfg=wcfg, prefix="heldout")
-    history, step, loss_ema = [], 0, None
+    recall_cfg = WorldConfig(num_products=RECALL_PRODUCTS)
+    history, step, loss_ema, recall_done = [], 0, None, 0
     if earlier is not None:  # where the earlier run left off, on this run's held-out rooms
         history.append({"step": 0, "heldout_lookup_exact": round(lookup_accuracy(model, held_out, tok), 3),
                         "minutes": 0.0})
@@ -257,9 +293,14 @@ def main(argv=None):
     for step in range(1, args.steps + 1):
         for group in opt.param_groups:
             group["lr"] = args.lr * lr_factor(step - 1, (time.time() - t0) / 60, args)
-        step_cfg = WorldConfig(num_products=curriculum_products(step - 1, args, wcfg))
-        rooms = make_rooms(args.batch_size, seed=rng.randrange(1 << 30), cfg=step_cfg)
-        ids, mask = batch(rooms, rng, tok, args.turns)
+        if is_recall_step(step, args):
+            rooms = make_rooms(args.batch_size, seed=rng.randrange(1 << 30), cfg=recall_cfg)
+            ids, mask = recall_batch(rooms, rng, tok, args.recall_queries)
+            recall_done += 1
+        else:
+            step_cfg = WorldConfig(num_products=curriculum_products(step - 1, args, wcfg))
+            rooms = make_rooms(args.batch_size, seed=rng.randrange(1 << 30), cfg=step_cfg)
+            ids, mask = batch(rooms, rng, tok, args.turns)
         loss, aux, acc = answer_loss(model, ids, mask, aux_coef=cfg.router_aux_loss_coef)
         (loss + cfg.router_aux_loss_coef * aux).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -270,6 +311,7 @@ def main(argv=None):
             acc_h = lookup_accuracy(model, held_out, tok)
             history.append({"step": step, "loss": round(loss_ema, 4), "train_exact": round(acc.item(), 3),
                             "heldout_lookup_exact": round(acc_h, 3), "minutes": round(minutes, 2),
+                            "cpu_minutes": round((time.process_time() - cpu0) / 60, 2), "recall_steps": recall_done,
                             "lr": round(opt.param_groups[0]["lr"], 6)})
             print(json.dumps(history[-1]), flush=True)
             save(model, tok, args, argv, n_params, step, t0, history, earlier)  # usable at any time, even if stopped
