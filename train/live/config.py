@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from train.config import DEFAULT_STUDENT, ConfigError, _choice, default_of
 from train.live.gspo import GSPOOptions
 from train.live.msft import MSFTOptions
+from train.live.options import StageOptions
 
 
 @dataclass(kw_only=True)
@@ -57,7 +58,7 @@ class LiveConfig:
     field_credit: bool = field(default=default_of(GSPOOptions, "field_credit"),
                                metadata={"help": "credit a decision's head (marker, recipient, task) and its "
                                                  "message apart (train/live/gspo.py)"})
-    lambda_aux: float = default_of(MSFTOptions, "lambda_aux")  # one flag for both stages
+    lambda_aux: float = default_of(StageOptions, "lambda_aux")  # one flag for both stages
 
     def validate(self) -> None:
         _choice("stage", self.stage, ("sft", "gspo", "all"))

@@ -35,13 +35,14 @@ from train.advantages import multi_turn_advantages, token_advantages
 from train.live.data import interval_time
 from train.live.judge import accuracy, score_session
 from train.live.msft import field_chars
+from train.live.options import StageOptions
 from train.losses import policy_loss
 from train.nonfinite import NonFiniteGuard
 from train.rollout import Rollouts, collate
 
 
 @dataclass(kw_only=True)
-class GSPOOptions:
+class GSPOOptions(StageOptions):
     steps: int = 24
     sessions_per_step: int = 2
     num_generations: int = 8
@@ -54,10 +55,6 @@ class GSPOOptions:
     reward_weights: tuple = (0.4, 0.2, 0.2, 0.2)  # state, recipient, task, grounding
     field_credit: bool = True  # a decision's head and body as two rows, each with its own reward
     max_message_chars: int = 96
-    lambda_aux: float = 0.01
-    max_grad_norm: float = 1.0
-    seed: int = 0
-    max_nonfinite_steps: int = 5
 
     def __post_init__(self):
         for name in ("steps", "sessions_per_step", "num_generations", "num_iterations"):

@@ -28,13 +28,14 @@ import torch
 
 from engine.live.decision import KINDS
 from train.live.data import encode_session
+from train.live.options import StageOptions
 from train.live.world import decision_text
 from train.nonfinite import NonFiniteGuard
 from train.rft import collate, make_scheduler, sft_step_loss
 
 
 @dataclass(kw_only=True)
-class MSFTOptions:
+class MSFTOptions(StageOptions):
     marker_weight: float = 3.0
     recipient_weight: float = 10.0
     balance: float = 1.0
@@ -42,11 +43,7 @@ class MSFTOptions:
     steps: int = 500
     batch_size: int = 4
     warmup_steps: int = 10
-    max_grad_norm: float = 1.0
-    lambda_aux: float = 0.01
     max_len: int = 1024
-    seed: int = 0
-    max_nonfinite_steps: int = 5
 
     def __post_init__(self):
         for name in ("marker_weight", "recipient_weight"):
