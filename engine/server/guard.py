@@ -41,7 +41,7 @@ class RequestGuard:
             else:
                 if body is None:
                     return  # the client left while sending
-                receive = _replay(body, receive)
+                receive = replay(body, receive)
         if refusal is not None:
             status, content = refusal
             response = JSONResponse(content, status_code=status,
@@ -92,7 +92,7 @@ def _host_name(host: str) -> str:
     return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
-def _replay(body: bytes, receive):
+def replay(body: bytes, receive):
     """A receive that gives the buffered body once, then the client's own messages (its disconnect)."""
     sent = False
 
