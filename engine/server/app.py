@@ -70,7 +70,7 @@ def build_app(engine: AsyncLLM, model_name: str, config: ServerConfig | None = N
     server = OpenAIServer(engine, model_name, config, reasoning_parser)
     docs = dict(openapi_url="/openapi.json", docs_url="/docs") if config.enable_docs else dict(openapi_url=None,
                                                                                                 docs_url=None)
-    app = FastAPI(title="livemoe", redoc_url=None, **docs)
+    app = GuardedApp(title="livemoe", redoc_url=None, **docs)
     app.state.server = server
 
     @app.exception_handler(RequestValidationError)
@@ -123,10 +123,25 @@ def build_app(engine: AsyncLLM, model_name: str, config: ServerConfig | None = N
 
     app.include_router(live_router(server))
     add_admin_routes(app, engine)
-    if hot_routes:  # inside the guard (added after it: middleware added last runs first)
-        app.add_middleware(HotRoutes, server=server, on_error=error_response)
-    app.add_middleware(RequestGuard, config=config, host_names=config.host_names(bind_host))
+    inner = app.fastapi_call
+    if hot_routes:
+        inner = HotRoutes(inner, server, on_error=error_response)
+    app.front = RequestGuard(inner, config=config, host_names=config.host_names(bind_host))
     return app
+
+
+class GuardedApp(FastAPI):
+    """FastAPI behind `front`: the RequestGuard, then the hot routes, then FastAPI's own middleware stack and
+    routes. In front of that stack rather than in it, the hot routes skip its layers too (error and
+    telemetry middleware, each wrapping every event's send)."""
+
+    front = None  # set by build_app
+
+    async def __call__(self, scope, receive, send) -> None:
+        await self.front(scope, receive, send)
+
+    async def fastapi_call(self, scope, receive, send) -> None:
+        await super().__call__(scope, receive, send)
 
 
 def error_response(exc: Exception, path: str) -> JSONResponse:

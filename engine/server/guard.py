@@ -33,10 +33,11 @@ class RequestGuard:
         refusal = self._refusal(scope, headers)
         if refusal is None and scope["method"] in ("POST", "PUT", "PATCH"):
             try:
-                body = await asyncio.wait_for(self._read_body(receive), self.config.body_timeout_s)
+                async with asyncio.timeout(self.config.body_timeout_s):  # (wait_for would start a task per request)
+                    body = await self._read_body(receive)
             except BodyTooLarge:
                 refusal = _too_large(self.config.max_body_bytes)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 refusal = 408, error_body(f"the request body did not arrive within {self.config.body_timeout_s:g} s")
             else:
                 if body is None:
