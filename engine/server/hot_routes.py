@@ -1,9 +1,10 @@
-"""The generation routes, POST /v1/completions and /v1/chat/completions, on a lean path: an ASGI
-middleware inside the RequestGuard (so host, API key and body limits apply first) that validates the
-body with the same pydantic models and calls the same OpenAIServer methods as the FastAPI routes, without
-FastAPI's routing, dependency solving, exception middleware and per-request exit stacks. At 32 streams
-those layers were most of the API server's CPU per request, which a burst of requests pays in series
-before the last of them reaches the engine (bench/results/2026-12-01-cpu-serve-lean).
+"""The generation routes, POST /v1/completions and /v1/chat/completions, on a lean path: an ASGI layer
+between the RequestGuard (so host, API key and body limits apply first) and FastAPI's middleware stack
+(app.GuardedApp), which validates the body with the same pydantic models and calls the same OpenAIServer
+methods as the FastAPI routes, without FastAPI's routing, dependency solving, error, exception and
+telemetry middleware and per-request exit stacks. Those layers were a third of the API server's CPU per
+request, which a burst of requests pays in series before the last of them reaches the engine
+(bench/results/2026-12-01-cpu-serve-lean).
 
 Only what validates goes this way: a body that is not JSON, is sent without `Content-Type:
 application/json`, or fails the model's validation goes on to the FastAPI route, whose 400 names the
