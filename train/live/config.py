@@ -59,6 +59,9 @@ class LiveConfig:
                         metadata={"help": "the parts of a decision credited apart, each by its own reward: turn "
                                           "(whole decision) | head (marker+fields, message) | field (marker, "
                                           "recipient, task, message; train/live/gspo.py)"})
+    gspo_balance: float = field(default=default_of(GSPOOptions, "balance"),
+                                metadata={"help": "SM-GSPO: advantages scaled by the class weight of the gold "
+                                                  "decision (kind, and an ANS's task), 0 (none) .. 1 (full)"})
     lambda_aux: float = default_of(StageOptions, "lambda_aux")  # one flag for both stages
 
     def validate(self) -> None:
@@ -81,7 +84,7 @@ class LiveConfig:
         for name in ("sft_lr", "gspo_lr", "gspo_temperature", "marker_weight", "recipient_weight"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"--{name} must be > 0, got {getattr(self, name)}")
-        for name in ("balance", "turn_weight"):
+        for name in ("balance", "gspo_balance", "turn_weight"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ConfigError(f"--{name} must be in [0, 1], got {getattr(self, name)}")
         if self.threads < 0 or self.lambda_aux < 0:
