@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from engine import load_model, load_tokenizer
 from train.live.data import encode_session
-from train.live.gspo import (GSPOOptions, part_advantages, part_rewards, part_starts, per_turn_policy_loss,
+from train.live.gspo import (GSPOOptions, decision_class, part_advantages, part_rewards, part_starts, per_turn_policy_loss,
                              rewards_of, split_tokens, split_turns, turn_rows)
 from train.live.msft import MSFTOptions, class_weights, encode_example, train_msft
 from train.live.world import LiveWorldConfig, decision_text, make_sessions
@@ -243,6 +243,24 @@ def test_credit_modes_cover_every_token_and_bad_credit_is_refused(tiny):
         GSPOOptions(credit="token")
 
 
+def test_balance_scales_each_interval_by_its_gold_class(tiny):
+    tok = load_tokenizer(tiny)
+    comps = _comps(tok, [["ANS @amy welcome: welcome, amy!", "OBS"], ["OBS", "ANS @amy thank: hi"]])
+    assert [decision_class(iv) for iv in WELCOME_SESSION["intervals"]] == ["ANS welcome", "OBS"]
+    scores = []
+    opts = GSPOOptions(num_generations=2, turn_weight=1.0, credit="turn")
+    _, traj = rewards_of([WELCOME_SESSION], [comps], opts, scores)
+    plain = part_advantages(scores, traj, opts)
+    weighted = part_advantages(scores, traj, opts, [[3.0, 0.5], [3.0, 0.5]])
+    assert [a["turn"] for t in plain for a in t] == pytest.approx([0.7071, 0.7071, -0.7071, -0.7071], abs=1e-3)
+    assert [a["turn"] for t in weighted for a in t] == pytest.approx([2.1213, 0.3536, -2.1213, -0.3536], abs=1e-3)
+    # the weights of train_gspo: N / (K n_class) ** balance over the training intervals, MA-MSFT's formula
+    w = class_weights([decision_class(iv) for iv in WELCOME_SESSION["intervals"] * 3 + [WELCOME_SESSION["intervals"][1]]], 1.0)
+    assert w == pytest.approx({"ANS welcome": 7 / (2 * 3), "OBS": 7 / (2 * 4)})
+    with pytest.raises(ValueError, match="balance must be in"):
+        GSPOOptions(balance=1.5)
+
+
 def test_per_turn_sequence_ratios_match_plain_pytorch():
     torch.manual_seed(0)
     T = 9
@@ -294,3 +312,11 @@ def test_a_few_sm_gspo_steps_play_parse_and_update(tiny):
         assert r["ratio"] > 0 and 0.0 <= r["adv_nonzero"] <= 1.0
     changed = sum(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert changed > 0
+    # a step honours the class weights: every class weighed 0, no part has an advantage and the loss is 0
+    from train.live.gspo import SMGSPO, decision_class
+
+    classes = {decision_class(iv) for s in sessions for iv in s["intervals"]}
+    trainer = SMGSPO(model, tok, GSPOOptions(**{**vars(opts), "lambda_aux": 0.0}), {c: 0.0 for c in classes},
+                     num_kv_blocks=256)
+    row = trainer.step(sessions[:1], 0)
+    assert row["adv_nonzero"] == 0.0 and row["loss"] == 0.0
