@@ -25,11 +25,16 @@ How the comparison is kept fair:
   so any fixed per-token or per-request serving cost looks large against it; the "gpu-step" model is
   sized so that its CPU step at 32 streams is ~10-30 ms, in the range of a real MoE's decode step on a GPU.
 
+`LIVEMOE_BENCH_SERVE_CASES=tiny:32:64,gpu-step:32:32` runs only those cases of the mode (model:streams:max_tokens,
+each one of the mode's), on `--engine-core process` alone and without the openai-client arm: a short run for
+comparing two versions of the server under the same load.
+
 CPU: the tiny random Qwen3-MoE (quick and full) and the gpu-step MoE (full), with a byte-level BPE
 tokenizer, one thread each; GPU: the same models.
 """
 import asyncio
 import json
+import os
 import statistics
 import time
 
@@ -165,24 +170,43 @@ async def openai_stream(url: str, n: int, max_tokens: int) -> list[Stream]:
         await client.close()
 
 
+def selected(bench_mode: str) -> tuple[list, list[str], int | None]:
+    """The mode's cases, engine cores and openai-client stream count, or the LIVEMOE_BENCH_SERVE_CASES subset."""
+    chosen = os.environ.get("LIVEMOE_BENCH_SERVE_CASES")
+    if not chosen:
+        return CASES[bench_mode], ENGINE_CORES[bench_mode], OPENAI_CLIENT_STREAMS[bench_mode]
+    cases = []
+    for item in chosen.split(","):
+        try:
+            model, n, max_tokens = item.split(":")
+            case = (model, int(n), int(max_tokens))
+        except ValueError:
+            raise ValueError(f"LIVEMOE_BENCH_SERVE_CASES: {item!r} is not model:streams:max_tokens") from None
+        if case not in CASES[bench_mode]:
+            raise ValueError(f"LIVEMOE_BENCH_SERVE_CASES: {item!r} is not a case of the {bench_mode} mode "
+                             f"({CASES[bench_mode]})")
+        cases.append(case)
+    return cases, ["process"], None
+
+
 def test_serve_latency(benchmark, bench_mode, device, tmp_path):
+    cases, engine_cores, openai_streams = selected(bench_mode)
     threads = torch.get_num_threads()
     torch.set_num_threads(1 if device == "cpu" else threads)  # small matmuls: OpenMP spinning only hurts
     options = dict(block_size=16, num_kv_blocks=512)
     flags = ["--dtype", "float32", "--device", device] + [f"--{k.replace('_', '-')}={v}" for k, v in options.items()]
     env = {"OMP_NUM_THREADS": "1"} if device == "cpu" else {}
-    cases = CASES[bench_mode]
     try:
         for model in dict.fromkeys(c[0] for c in cases):
             moe, overrides = MODELS[model]
             path, _ = make_text_checkpoint(tmp_path / model, moe=moe, **overrides)
             engine = AsyncLLM(path, dtype=torch.float32, device=device, use_tqdm=False, **options)
-            cores = ENGINE_CORES[bench_mode] if model == "tiny" else ["process"]
+            cores = engine_cores if model == "tiny" else ["process"]
             for core in cores:
                 with ServerProcess(path, SERVED_NAME, flags + ["--engine-core", core], env=env) as server:
                     arms = {"direct": lambda n, t: direct(engine, n, t),
                             "server": lambda n, t: sse_stream(server.host, server.port, n, t)}
-                    if core == "process":
+                    if core == "process" and openai_streams is not None:
                         arms["openai"] = lambda n, t: openai_stream(server.url, n, t)
                     for arm in arms.values():  # warm up every path (first-call costs)
                         asyncio.run(arm(2, 4))
@@ -190,7 +214,7 @@ def test_serve_latency(benchmark, bench_mode, device, tmp_path):
                         if m != model:
                             continue
                         measured = {k: v for k, v in arms.items() if k != "openai"
-                                    or n == OPENAI_CLIENT_STREAMS[bench_mode]}
+                                    or n == openai_streams}
                         for arm in measured.values():  # a new batch size's one-time costs (first shapes, allocator)
                             asyncio.run(arm(n, max_tokens))
                         samples = {k: [] for k in measured}

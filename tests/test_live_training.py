@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from engine import load_model, load_tokenizer
 from train.live.data import encode_session
-from train.live.gspo import GSPOOptions, part_rewards, per_turn_policy_loss, rewards_of, split_turns, turn_rows
+from train.live.gspo import (GSPOOptions, decision_class, part_advantages, part_rewards, part_starts, per_turn_policy_loss,
+                             rewards_of, split_tokens, split_turns, turn_rows)
 from train.live.msft import MSFTOptions, class_weights, encode_example, train_msft
 from train.live.world import LiveWorldConfig, decision_text, make_sessions
 from train.rft import collate, sft_step_loss
@@ -139,17 +140,7 @@ def test_gspo_rewards_and_advantages_on_hand_computed_cases():
         assert adv[i] == pytest.approx([0.5 * t1[i] + 0.5 * tr[i], 0.5 * t2[i] + 0.5 * tr[i]], abs=1e-3)
 
 
-def test_field_credit_splits_head_and_body_with_their_own_rewards(tiny):
-    from train.advantages import multi_turn_advantages
-
-    tok = load_tokenizer(tiny)
-    session = {"intervals": [
-        {"decision": {"kind": "ANS", "recipient": "amy", "task": "welcome", "message": "welcome, amy!"},
-         "facts": ["amy"], "questions": []},
-        {"decision": {"kind": "OBS", "recipient": None, "task": None, "message": None}, "facts": []}]}
-    texts = [["ANS @amy welcome: welcome, amy!", "OBS"],
-             ["ANS @bob welcome: welcome, amy!", "OBS"],  # only the recipient wrong
-             ["ANS @amy welcome: hello", "OBS"]]  # only the message wrong (not grounded)
+def _comps(tok, texts):
     comps = []
     for tt in texts:
         ids, spans = [], []
@@ -158,27 +149,116 @@ def test_field_credit_splits_head_and_body_with_their_own_rewards(tiny):
             spans.append((len(ids), len(ids) + len(enc)))
             ids += enc
         comps.append(Completion([], ids, [0.0] * len(ids), tt[-1], "stop", turn_spans=spans, turn_texts=tt))
+    return comps
+
+
+WELCOME_SESSION = {"intervals": [
+    {"decision": {"kind": "ANS", "recipient": "amy", "task": "welcome", "message": "welcome, amy!"},
+     "facts": ["amy"], "questions": []},
+    {"decision": {"kind": "OBS", "recipient": None, "task": None, "message": None}, "facts": []}]}
+
+
+def test_head_credit_splits_head_and_body_with_their_own_rewards(tiny):
+    tok = load_tokenizer(tiny)
+    texts = [["ANS @amy welcome: welcome, amy!", "OBS"],
+             ["ANS @bob welcome: welcome, amy!", "OBS"],  # only the recipient wrong
+             ["ANS @amy welcome: hello", "OBS"]]  # only the message wrong (not grounded)
+    comps = _comps(tok, texts)
     scores = []
-    rewards_of([session], [comps], GSPOOptions(), scores)
-    parts = [[part_rewards(x, (0.4, 0.2, 0.2, 0.2)) for x in traj] for traj in scores]
+    opts = GSPOOptions(num_generations=3, turn_weight=1.0, credit="head")
+    _, traj = rewards_of([WELCOME_SESSION], [comps], opts, scores)
+    parts = [[part_rewards(x, (0.4, 0.2, 0.2, 0.2)) for x in t] for t in scores]
     # head: (.4 state + .2 recipient + .2 task) / .8; body: grounding (OBS: the state)
-    assert [p for t in parts for p in t] == [pytest.approx(x) for x in [(1.0, 1.0), (1.0, 1.0), (0.75, 1.0), (1.0, 1.0), (1.0, 0.0), (1.0, 1.0)]]
-    head = [[p[0] for p in t] for t in parts]
-    body = [[p[1] for p in t] for t in parts]
-    a_head = multi_turn_advantages(head, 3, 1.0)
-    a_body = multi_turn_advantages(body, 3, 1.0)
+    assert [(p["head"], p["body"]) for t in parts for p in t] == [
+        pytest.approx(x) for x in [(1.0, 1.0), (1.0, 1.0), (0.75, 1.0), (1.0, 1.0), (1.0, 0.0), (1.0, 1.0)]]
+    advs = part_advantages(scores, traj, opts)
     # heads 1, .75, 1 -> mean .9167, std .1443: the wrong recipient alone is pushed down
-    assert [a[0] for a in a_head] == pytest.approx([0.5774, -1.1547, 0.5774], abs=1e-3)
+    assert [a[0]["head"] for a in advs] == pytest.approx([0.5774, -1.1547, 0.5774], abs=1e-3)
     # bodies 1, 1, 0: the ungrounded message alone is pushed down, its right recipient is not
-    assert [a[0] for a in a_body] == pytest.approx([0.5774, 0.5774, -1.1547], abs=1e-3)
-    spans, advs = split_turns(tok, comps[1], a_head[1], a_body[1])
+    assert [a[0]["body"] for a in advs] == pytest.approx([0.5774, 0.5774, -1.1547], abs=1e-3)
+    spans, got = split_turns(tok, comps[1], advs[1], "head")
     offsets = tok(texts[1][0], add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
     head_len = sum(a < len("ANS @bob welcome: ") for a, _ in offsets)  # the tokens that start in the head
     ans_len = len(offsets) + 1  # the end token goes with the message
     assert 0 < head_len < len(offsets)
     # ANS: head and body (the end token in the body); OBS: all head, its end token too
     assert spans == [(0, head_len), (head_len, ans_len), (ans_len, ans_len + 4)]
-    assert advs == pytest.approx([a_head[1][0], a_body[1][0], a_head[1][1]])
+    assert got == pytest.approx([advs[1][0]["head"], advs[1][0]["body"], advs[1][1]["head"]])
+
+
+def test_field_credit_moves_each_field_by_its_own_score(tiny):
+    tok = load_tokenizer(tiny)
+    texts = [["ANS @amy welcome: welcome, amy!", "OBS"],
+             ["ANS @amyx welcome: welcome, amy!", "OBS"],  # only the recipient wrong (a name one letter long)
+             ["ANS @amy thank: welcome, amy!", "OBS"],  # only the task wrong
+             ["OBS", "ANS @amy thank: hi"]]  # both states wrong
+    comps = _comps(tok, texts)
+    scores = []
+    opts = GSPOOptions(num_generations=4, turn_weight=1.0, credit="field")
+    _, traj = rewards_of([WELCOME_SESSION], [comps], opts, scores)
+    advs = part_advantages(scores, traj, opts)
+    first = [a[0] for a in advs]
+    # state 1, 1, 1, 0 -> mean .75, std .5: only the OBS is pushed down, the three ANS markers alike up
+    assert [a["state"] for a in first] == pytest.approx([0.5, 0.5, 0.5, -1.5], abs=1e-3)
+    # recipient 1, 0, 1, 0 (the OBS has none: wrong, as its state): the name "amyx" down, "amy" up
+    assert [a["recipient"] for a in first] == pytest.approx([0.866, -0.866, 0.866, -0.866], abs=1e-3)
+    # task 1, 1, 0, 0; grounding 1, 1, 1, 0: the wrong task does not touch its grounded message
+    assert [a["task"] for a in first] == pytest.approx([0.866, 0.866, -0.866, -0.866], abs=1e-3)
+    assert [a["grounding"] for a in first] == pytest.approx([0.5, 0.5, 0.5, -1.5], abs=1e-3)
+    text = texts[1][0]
+    spans, got = split_turns(tok, comps[1], advs[1], "field")
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    starts, pos = [], 0
+    for t in ids:
+        starts.append(pos)
+        pos += len(tok.decode([t]))
+    assert pos == len(text)
+
+    def count(a, b):  # tokens that start in [a, b)
+        return sum(a <= x < b for x in starts)
+
+    bounds = [0, 5, text.index(" welcome"), text.index(": ") + 1, len(text) + 1]
+    n = [count(a, b) for a, b in zip(bounds, bounds[1:])]
+    assert len(n) == 4 and all(x > 0 for x in n) and sum(n) == len(ids)
+    n[-1] += 1  # the end token goes with the message
+    ends = [sum(n[:i + 1]) for i in range(4)]
+    assert spans[:4] == list(zip([0] + ends[:3], ends))
+    assert got[:4] == pytest.approx([advs[1][0][f] for f in ("state", "recipient", "task", "grounding")])
+    assert got[1] < 0 < got[0] and got[2] > 0  # the wrong name alone is pushed down
+    assert spans[4:] == [(ends[3], ends[3] + 4)] and got[4] == pytest.approx(advs[1][1]["state"])  # OBS: one part
+
+
+def test_credit_modes_cover_every_token_and_bad_credit_is_refused(tiny):
+    tok = load_tokenizer(tiny)
+    for text in ("ANS @amy answer: link 3 tea: price is 9 yuan.", "MEM link 3 tea: price is 9 yuan.", "OBS",
+                 "ANS @amy"):  # the last cut short by the token budget
+        ids = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        for credit in ("turn", "head", "field"):
+            parts = split_tokens(tok, ids, part_starts(text, credit))
+            assert len(parts) > 0 and sum(n for n, _ in parts) == len(ids), (text, credit, parts)
+        assert [name for _, name in split_tokens(tok, ids, part_starts(text, "turn"))] == ["turn"]
+    assert [x for _, x in part_starts("ANS @amy answer: hi", "field")] == ["state", "recipient", "task", "grounding"]
+    assert [x for _, x in part_starts("MEM link 3 tea: price is 9 yuan.", "field")] == ["state", "grounding"]
+    with pytest.raises(ValueError, match="credit must be one of"):
+        GSPOOptions(credit="token")
+
+
+def test_balance_scales_each_interval_by_its_gold_class(tiny):
+    tok = load_tokenizer(tiny)
+    comps = _comps(tok, [["ANS @amy welcome: welcome, amy!", "OBS"], ["OBS", "ANS @amy thank: hi"]])
+    assert [decision_class(iv) for iv in WELCOME_SESSION["intervals"]] == ["ANS welcome", "OBS"]
+    scores = []
+    opts = GSPOOptions(num_generations=2, turn_weight=1.0, credit="turn")
+    _, traj = rewards_of([WELCOME_SESSION], [comps], opts, scores)
+    plain = part_advantages(scores, traj, opts)
+    weighted = part_advantages(scores, traj, opts, [[3.0, 0.5], [3.0, 0.5]])
+    assert [a["turn"] for t in plain for a in t] == pytest.approx([0.7071, 0.7071, -0.7071, -0.7071], abs=1e-3)
+    assert [a["turn"] for t in weighted for a in t] == pytest.approx([2.1213, 0.3536, -2.1213, -0.3536], abs=1e-3)
+    # the weights of train_gspo: N / (K n_class) ** balance over the training intervals, MA-MSFT's formula
+    w = class_weights([decision_class(iv) for iv in WELCOME_SESSION["intervals"] * 3 + [WELCOME_SESSION["intervals"][1]]], 1.0)
+    assert w == pytest.approx({"ANS welcome": 7 / (2 * 3), "OBS": 7 / (2 * 4)})
+    with pytest.raises(ValueError, match="balance must be in"):
+        GSPOOptions(balance=1.5)
 
 
 def test_per_turn_sequence_ratios_match_plain_pytorch():
@@ -205,6 +285,14 @@ def test_per_turn_sequence_ratios_match_plain_pytorch():
     g1, = torch.autograd.grad(loss, lp)
     g2, = torch.autograd.grad(ref, lp)
     assert torch.allclose(g1, g2, atol=1e-6)
+    # one pass (num_iterations 1) skips the old log-probs: on-policy, the same loss and gradient as with
+    # old = the current values, which differ from the off-policy ones above
+    on, _ = per_turn_policy_loss(lp, None, adv, traj, mask, opts)
+    same, _ = per_turn_policy_loss(lp, lp.detach(), adv, traj, mask, opts)
+    assert float(on.detach()) == pytest.approx(float(same.detach()), rel=1e-6)
+    g_on, = torch.autograd.grad(on, lp)
+    g_same, = torch.autograd.grad(same, lp)
+    assert torch.allclose(g_on, g_same, atol=1e-7) and not torch.allclose(g_on, g1, atol=1e-6)
 
 
 def test_a_few_sm_gspo_steps_play_parse_and_update(tiny):
@@ -221,6 +309,14 @@ def test_a_few_sm_gspo_steps_play_parse_and_update(tiny):
     for r in rows:
         assert r["parsed"] == 1.0  # every rolled-out decision held to the grammar
         assert math.isfinite(r["loss"]) and 0.0 <= r["turn_reward"] <= 1.0 and 0.0 <= r["trajectory_reward"] <= 1.0
-        assert r["ratio"] > 0
+        assert r["ratio"] > 0 and 0.0 <= r["adv_nonzero"] <= 1.0
     changed = sum(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert changed > 0
+    # a step honours the class weights: every class weighed 0, no part has an advantage and the loss is 0
+    from train.live.gspo import SMGSPO, decision_class
+
+    classes = {decision_class(iv) for s in sessions for iv in s["intervals"]}
+    trainer = SMGSPO(model, tok, GSPOOptions(**{**vars(opts), "lambda_aux": 0.0}), {c: 0.0 for c in classes},
+                     num_kv_blocks=256)
+    row = trainer.step(sessions[:1], 0)
+    assert row["adv_nonzero"] == 0.0 and row["loss"] == 0.0

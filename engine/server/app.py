@@ -14,6 +14,9 @@ parallelism): /health then says which replica died, and /metrics labels the engi
 Requests while the engine sleeps, or when every core is dead, get a 503. The weight and memory routes
 of rollout servers for RL (/update_weights_from_disk, /sleep, ...) are in admin.py.
 
+The two generation routes are served on a lean path (hot_routes.py) with the same validation and handlers
+as their FastAPI routes here, which answer whatever that path does not take (a body that does not validate).
+
 Templates and tokenizers run on a small thread pool, off the event loop, so a long prompt does not
 stall other streams or /health; a text that cannot fit the context is refused from its length alone.
 
@@ -29,7 +32,6 @@ from concurrent.futures import ThreadPoolExecutor
 import time
 import uuid
 
-import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -42,6 +44,7 @@ from engine.sampling import RequestError, SamplingParams
 from engine.server.admin import add_admin_routes
 from engine.server.config import ServerConfig
 from engine.server.guard import RequestGuard
+from engine.server.hot_routes import HotRoutes
 from engine.server.live import live_router
 from engine.server.metrics import ServerMetrics
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
@@ -58,41 +61,33 @@ class ModelNotFound(RequestError):
 
 
 def build_app(engine: AsyncLLM, model_name: str, config: ServerConfig | None = None,
-              bind_host: str = "127.0.0.1", reasoning_parser: str | None = None) -> FastAPI:
+              bind_host: str = "127.0.0.1", reasoning_parser: str | None = None, hot_routes: bool = True) -> FastAPI:
     """bind_host: where the server listens (loopback: only loopback Host names are answered by default).
-    reasoning_parser: qwen3 or deepseek_r1 splits chat outputs' <think> blocks into reasoning_content."""
+    reasoning_parser: qwen3 or deepseek_r1 splits chat outputs' <think> blocks into reasoning_content.
+    hot_routes: serve the two generation routes on the lean path (hot_routes.py); False: through FastAPI's
+    routing alone (the same answers, at more CPU per request; the tests compare the two)."""
     config = ServerConfig() if config is None else config
     server = OpenAIServer(engine, model_name, config, reasoning_parser)
     docs = dict(openapi_url="/openapi.json", docs_url="/docs") if config.enable_docs else dict(openapi_url=None,
                                                                                                 docs_url=None)
-    app = FastAPI(title="livemoe", redoc_url=None, **docs)
+    app = GuardedApp(title="livemoe", redoc_url=None, **docs)
     app.state.server = server
-    app.add_middleware(RequestGuard, config=config, host_names=config.host_names(bind_host))
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(request: Request, exc: RequestValidationError):
         return JSONResponse(error_body(_describe(exc.errors())), status_code=400)
 
     @app.exception_handler(RequestError)
-    async def bad_request(request: Request, exc: RequestError):
-        if isinstance(exc, ModelNotFound):  # as OpenAI and vLLM answer
-            return JSONResponse(error_body(str(exc), "model_not_found"), status_code=404)
-        return JSONResponse(error_body(str(exc)), status_code=400)
-
     @app.exception_handler(EngineSleepingError)
     @app.exception_handler(EngineDeadError)
-    async def unavailable(request: Request, exc: Exception):
-        return JSONResponse(error_body(str(exc), kind="service_unavailable"), status_code=503)
+    @app.exception_handler(Exception)
+    async def request_failed(request: Request, exc: Exception):
+        return error_response(exc, request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         return JSONResponse(error_body(str(exc.detail), kind="not_found_error" if exc.status_code == 404 else
                                        "invalid_request_error"), status_code=exc.status_code)
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception):
-        log.exception("internal error on %s", request.url.path)
-        return JSONResponse(error_body(f"internal error: {exc!r}", kind="internal_error"), status_code=500)
 
     @app.get("/health")
     async def health():
@@ -120,61 +115,84 @@ def build_app(engine: AsyncLLM, model_name: str, config: ServerConfig | None = N
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        server.check_model(body.model)
-        server.check_available()
-        texts = body.prompts()
-        server.check_count("prompts", len(texts), config.max_prompts, "--max-prompts")
-        for p in texts:
-            server.check_text_fits(len(p) if isinstance(p, str) else 0)
-        prompts = await server.tokenize(texts)
-        params = body.sampling_params(room=min(server.room(ids) for ids in prompts))
-        server.check_limits(params, prompts)
-        await server.compile_constraint(body)
-        return await server.respond(request, body, prompts, params, chat=False)
+        return await server.completions(body, request.receive)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        server.check_model(body.model)
-        server.check_available()
-        messages = [m.as_template_input() for m in body.messages]
-        server.check_text_fits(sum(len(m["content"]) for m in messages))
-        # the template renders the tools (Qwen3's lists them in the system turn)
-        tools = [{"type": "function", "function": f} for f in body.tool_functions()] \
-            if body.tool_mode() != "none" else None
-        ids = await server.off_loop(lambda: chat_prompt_ids(server.tokenizer, messages, body.special_tokens_in_content,
-                                                            tools))
-        params = server.answer_only_constraint(body.sampling_params(room=server.room(ids)))
-        server.check_limits(params, [ids])
-        await server.compile_constraint(body)
-        return await server.respond(request, body, [ids], params, chat=True)
+        return await server.chat_completions(body, request.receive)
 
     app.include_router(live_router(server))
     add_admin_routes(app, engine)
+    inner = app.fastapi_call
+    if hot_routes:
+        inner = HotRoutes(inner, server, on_error=error_response)
+    app.front = RequestGuard(inner, config=config, host_names=config.host_names(bind_host))
     return app
 
 
+class GuardedApp(FastAPI):
+    """FastAPI behind `front`: the RequestGuard, then the hot routes, then FastAPI's own middleware stack and
+    routes. In front of that stack rather than in it, the hot routes skip its layers too (error and
+    telemetry middleware, each wrapping every event's send)."""
+
+    front = None  # set by build_app
+
+    async def __call__(self, scope, receive, send) -> None:
+        await self.front(scope, receive, send)
+
+    async def fastapi_call(self, scope, receive, send) -> None:
+        await super().__call__(scope, receive, send)
+
+
+def error_response(exc: Exception, path: str) -> JSONResponse:
+    """The answer to a request that raised: 400 for a bad request (404 for an unknown model), 503 while the
+    engine sleeps or is dead, else 500 (logged). The FastAPI routes and the hot routes (hot_routes.py)
+    both answer with it."""
+    if isinstance(exc, ModelNotFound):  # as OpenAI and vLLM answer
+        return JSONResponse(error_body(str(exc), "model_not_found"), status_code=404)
+    if isinstance(exc, RequestError):
+        return JSONResponse(error_body(str(exc)), status_code=400)
+    if isinstance(exc, (EngineSleepingError, EngineDeadError)):
+        return JSONResponse(error_body(str(exc), kind="service_unavailable"), status_code=503)
+    log.error("internal error on %s", path, exc_info=exc)
+    return JSONResponse(error_body(f"internal error: {exc!r}", kind="internal_error"), status_code=500)
+
+
 class SSEResponse(StreamingResponse):
-    """A StreamingResponse that always watches for the client leaving and always cleans up (closes
-    its body iterator, then calls on_close), whatever the ASGI spec version of the server."""
+    """A StreamingResponse that always watches for the client leaving and always cleans up (closes its body
+    iterator, then calls on_close), whatever the ASGI spec version of the server. The watch is one task
+    that cancels the stream when the client's disconnect arrives (cheaper per request than the task group
+    of Starlette's own; a write to a closed connection also ends the stream)."""
 
     def __init__(self, content, on_close, **kw):
         super().__init__(content, **kw)
         self.on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:
-        try:
-            async with anyio.create_task_group() as tg:
-                async def stream_then_stop():
-                    try:
-                        await self.stream_response(send)
-                    except OSError:  # the client left while we were sending
-                        pass
-                    tg.cancel_scope.cancel()
+        streaming = asyncio.current_task()
+        sent_all = False
 
-                tg.start_soon(stream_then_stop)
-                await self.listen_for_disconnect(receive)
-                tg.cancel_scope.cancel()
+        def client_left(watch: asyncio.Future) -> None:
+            if not sent_all and not watch.cancelled():
+                streaming.cancel()
+
+        watch = asyncio.ensure_future(_client_gone(receive))
+        watch.add_done_callback(client_left)
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for chunk in self.body_iterator:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            sent_all = True
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:  # the client left while we were sending
+            pass
+        except asyncio.CancelledError:
+            if not (watch.done() and not watch.cancelled()):
+                raise  # cancelled from outside, not by the client leaving
+            streaming.uncancel()
         finally:
+            sent_all = True
+            watch.cancel()
             await self.body_iterator.aclose()
             self.on_close()  # also when the client left before the body iterator ever started
 
@@ -300,9 +318,42 @@ class OpenAIServer:
             self._token_text[token_id] = text
         return text
 
+    # -- the generation routes ------------------------------------------------------------------
+
+    async def completions(self, body: CompletionRequest, receive):
+        """POST /v1/completions with a validated body; receive: the request's ASGI receive (a client that
+        leaves is noticed on it)."""
+        self.check_model(body.model)
+        self.check_available()
+        texts = body.prompts()
+        self.check_count("prompts", len(texts), self.config.max_prompts, "--max-prompts")
+        for p in texts:
+            self.check_text_fits(len(p) if isinstance(p, str) else 0)
+        prompts = await self.tokenize(texts)
+        params = body.sampling_params(room=min(self.room(ids) for ids in prompts))
+        self.check_limits(params, prompts)
+        await self.compile_constraint(body)
+        return await self.respond(receive, body, prompts, params, chat=False)
+
+    async def chat_completions(self, body: ChatCompletionRequest, receive):
+        """POST /v1/chat/completions with a validated body (as completions)."""
+        self.check_model(body.model)
+        self.check_available()
+        messages = [m.as_template_input() for m in body.messages]
+        self.check_text_fits(sum(len(m["content"]) for m in messages))
+        # the template renders the tools (Qwen3's lists them in the system turn)
+        tools = [{"type": "function", "function": f} for f in body.tool_functions()] \
+            if body.tool_mode() != "none" else None
+        ids = await self.off_loop(lambda: chat_prompt_ids(self.tokenizer, messages, body.special_tokens_in_content,
+                                                          tools))
+        params = self.answer_only_constraint(body.sampling_params(room=self.room(ids)))
+        self.check_limits(params, [ids])
+        await self.compile_constraint(body)
+        return await self.respond(receive, body, [ids], params, chat=True)
+
     # -- running --------------------------------------------------------------------------------
 
-    async def respond(self, request: Request, body, prompts: list[list[int]], params: SamplingParams, chat: bool):
+    async def respond(self, receive, body, prompts: list[list[int]], params: SamplingParams, chat: bool):
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         streams: list[RequestStream] = []
         try:
@@ -316,7 +367,7 @@ class OpenAIServer:
         if body.stream:
             return SSEResponse(run.events(), run.close, media_type="text/event-stream")
         collect = asyncio.ensure_future(run.collect())
-        left = asyncio.ensure_future(_client_gone(request))
+        left = asyncio.ensure_future(_client_gone(receive))
         try:
             await asyncio.wait({collect, left}, return_when=asyncio.FIRST_COMPLETED)
             if collect.done():
@@ -328,8 +379,8 @@ class OpenAIServer:
             run.close()
 
 
-async def _client_gone(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
+async def _client_gone(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
         pass
 
 

@@ -24,10 +24,12 @@ from engine.server.config import ServerConfig
 
 class BackgroundServer:
     def __init__(self, engine: AsyncLLM, model_name: str, host: str = "127.0.0.1", port: int = 0,
-                 log_level: str = "warning", config: ServerConfig | None = None, reasoning_parser: str | None = None):
+                 log_level: str = "warning", config: ServerConfig | None = None, reasoning_parser: str | None = None,
+                 hot_routes: bool = True):
         self.engine, self.host = engine, host
         self.port = port or free_port(host)
-        self.app = build_app(engine, model_name, config, bind_host=host, reasoning_parser=reasoning_parser)
+        self.app = build_app(engine, model_name, config, bind_host=host, reasoning_parser=reasoning_parser,
+                             hot_routes=hot_routes)
         config = uvicorn.Config(self.app, host=host, port=self.port, log_level=log_level, lifespan="off")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="livemoe-http", daemon=True)

@@ -33,15 +33,16 @@ class RequestGuard:
         refusal = self._refusal(scope, headers)
         if refusal is None and scope["method"] in ("POST", "PUT", "PATCH"):
             try:
-                body = await asyncio.wait_for(self._read_body(receive), self.config.body_timeout_s)
+                async with asyncio.timeout(self.config.body_timeout_s):  # (wait_for would start a task per request)
+                    body = await self._read_body(receive)
             except BodyTooLarge:
                 refusal = _too_large(self.config.max_body_bytes)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 refusal = 408, error_body(f"the request body did not arrive within {self.config.body_timeout_s:g} s")
             else:
                 if body is None:
                     return  # the client left while sending
-                receive = _replay(body, receive)
+                receive = replay(body, receive)
         if refusal is not None:
             status, content = refusal
             response = JSONResponse(content, status_code=status,
@@ -92,7 +93,7 @@ def _host_name(host: str) -> str:
     return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
-def _replay(body: bytes, receive):
+def replay(body: bytes, receive):
     """A receive that gives the buffered body once, then the client's own messages (its disconnect)."""
     sent = False
 

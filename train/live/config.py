@@ -4,7 +4,7 @@ import os
 from dataclasses import dataclass, field
 
 from train.config import DEFAULT_STUDENT, ConfigError, _choice, default_of
-from train.live.gspo import GSPOOptions
+from train.live.gspo import CREDITS, GSPOOptions
 from train.live.msft import MSFTOptions
 from train.live.options import StageOptions
 
@@ -55,14 +55,19 @@ class LiveConfig:
     gspo_temperature: float = default_of(GSPOOptions, "temperature")
     turn_weight: float = field(default=default_of(GSPOOptions, "turn_weight"),
                                metadata={"help": "advantage = w * turn + (1 - w) * trajectory credit"})
-    field_credit: bool = field(default=default_of(GSPOOptions, "field_credit"),
-                               metadata={"help": "credit a decision's head (marker, recipient, task) and its "
-                                                 "message apart (train/live/gspo.py)"})
+    credit: str = field(default=default_of(GSPOOptions, "credit"),
+                        metadata={"help": "the parts of a decision credited apart, each by its own reward: turn "
+                                          "(whole decision) | head (marker+fields, message) | field (marker, "
+                                          "recipient, task, message; train/live/gspo.py)"})
+    gspo_balance: float = field(default=default_of(GSPOOptions, "balance"),
+                                metadata={"help": "SM-GSPO: advantages scaled by the class weight of the gold "
+                                                  "decision (kind, and an ANS's task), 0 (none) .. 1 (full)"})
     lambda_aux: float = default_of(StageOptions, "lambda_aux")  # one flag for both stages
 
     def validate(self) -> None:
         _choice("stage", self.stage, ("sft", "gspo", "all"))
         _choice("device", self.device, ("auto", "cpu", "cuda"))
+        _choice("credit", self.credit, CREDITS)
         for name, path in (("model", self.model), ("replay", self.replay)):
             if path is not None and not os.path.isdir(path):
                 raise ConfigError(f"--{name} {path}: no such checkpoint directory")
@@ -79,7 +84,7 @@ class LiveConfig:
         for name in ("sft_lr", "gspo_lr", "gspo_temperature", "marker_weight", "recipient_weight"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"--{name} must be > 0, got {getattr(self, name)}")
-        for name in ("balance", "turn_weight"):
+        for name in ("balance", "gspo_balance", "turn_weight"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ConfigError(f"--{name} must be in [0, 1], got {getattr(self, name)}")
         if self.threads < 0 or self.lambda_aux < 0:

@@ -8,19 +8,24 @@ decision; per trajectory, questions answered in time minus spam and contradictio
 Advantages mix both (train.advantages.multi_turn_advantages): turn_weight * A_turn + (1 - turn_weight)
 * A_trajectory, A_turn normalised across the group's K trajectories at the same interval.
 
-Field credit (field_credit, the default): a MEM or ANS decision is two parts, its head (the marker and
-fields, "ANS @amy answer: " or "MEM ") and its body (the message and the end token); an OBS decision is
-all head. The head is credited by the head reward (state, recipient and task, weighted as in the turn
-reward and renormalised), the body by the grounding (the state where there is none): each has its own
-turn advantage (normalised across the K trajectories at the interval), both the same trajectory
-credit. Without it a right recipient shares the sign of a wrong message, and its one or two tokens
-weigh 1/40 of a turn's ratio; with it they weigh about 1/6 of the head's and answer to what they decide.
+Credit (`credit`): which parts of a decision are rows with their own reward and advantage (part_starts).
+  field (the default)  the marker ("ANS @", "MEM", "OBS") answers to the state, the recipient's name to
+         the recipient, the task (from the space that ends the name) to the task, the message (and the
+         end token) to the grounding: each token moves with the one score the judge gives what it
+         decides, the three accuracies of the table each on their own tokens. A field the gold decision
+         lacks scores as the state (a name where none was due is wrong).
+  head   the marker and fields together (the weighted state, recipient and task, renormalised) and the
+         message (the grounding): a right name still shares the sign of a wrong task or marker.
+  turn   the whole decision, the weighted turn reward: a right recipient shares the sign of a wrong
+         message, and its one or two tokens weigh 1/40 of the turn's ratio.
+Each part's rewards are normalised across the K trajectories at the same interval, mixed with the one
+trajectory credit of its trajectory.
 
-Importance ratios are sequence-level per part (GSPO on each decision's head and body; per turn without
-field credit): every part of every trajectory is one row of train.losses.policy_loss with
-importance_sampling_level="sequence", so a part's ratio is exp(mean over its tokens of logprobs -
-old_logprobs). Log-probs come from the fused kernel
-(kernels.logprobs.fused_linear_logprobs); old_logprobs are the trainer's own before the update.
+Importance ratios are sequence-level per part (GSPO on each): every part of every trajectory is one
+row of train.losses.policy_loss with importance_sampling_level="sequence", so a part's ratio is
+exp(mean over its tokens of logprobs - old_logprobs). Log-probs come from the fused kernel
+(kernels.logprobs.fused_linear_logprobs); old_logprobs are the trainer's own before the update
+(num_iterations > 1; one pass is on-policy, ratio 1, and skips that forward).
 """
 import time
 from dataclasses import dataclass
@@ -34,26 +39,31 @@ from kernels.logprobs import fused_linear_logprobs
 from train.advantages import multi_turn_advantages, token_advantages
 from train.live.data import interval_time
 from train.live.judge import accuracy, score_session
-from train.live.msft import field_chars
+from train.live.msft import class_weights, field_chars
 from train.live.options import StageOptions
 from train.losses import policy_loss
 from train.nonfinite import NonFiniteGuard
 from train.rollout import Rollouts, collate
 
+CREDITS = ("turn", "head", "field")
+FIELDS = ("state", "recipient", "task", "grounding")
+
 
 @dataclass(kw_only=True)
 class GSPOOptions(StageOptions):
     steps: int = 24
-    sessions_per_step: int = 2
+    sessions_per_step: int = 8
     num_generations: int = 8
-    num_iterations: int = 2  # updates per rollout batch (the ratio moves off 1 from the second)
+    num_iterations: int = 1  # updates per rollout batch (the ratio moves off 1 from the second; GSPO's clip then
+    # stops most parts: measured 60-70% clipped at pass 2)
     temperature: float = 1.0
     lr: float = 3e-4
     turn_weight: float = 0.7
     epsilon_low: float = 3e-4  # GSPO's sequence-level clip range
     epsilon_high: float = 4e-4
     reward_weights: tuple = (0.4, 0.2, 0.2, 0.2)  # state, recipient, task, grounding
-    field_credit: bool = True  # a decision's head and body as two rows, each with its own reward
+    credit: str = "field"  # the parts of a decision that are GSPO rows with their own reward (part_starts)
+    balance: float = 1.0  # advantages scaled by the gold decision's class weight, 0 (none) .. 1 (full)
     max_message_chars: int = 96
 
     def __post_init__(self):
@@ -66,6 +76,10 @@ class GSPOOptions(StageOptions):
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if not 0 <= self.turn_weight <= 1:
             raise ValueError(f"turn_weight must be in [0, 1], got {self.turn_weight}")
+        if not 0 <= self.balance <= 1:
+            raise ValueError(f"balance must be in [0, 1], got {self.balance}")
+        if self.credit not in CREDITS:
+            raise ValueError(f"credit must be one of {CREDITS}, got {self.credit!r}")
 
 
 def session_turns(session: dict, tokenizer) -> tuple:
@@ -97,42 +111,87 @@ def rewards_of(sessions: list, groups: list, opts: GSPOOptions, scores_out: list
     return turn_rewards, traj_rewards
 
 
-def part_rewards(score, weights) -> tuple:
-    """(head reward, body reward) of one turn's judge.IntervalScore: the weighted state, recipient and
-    task (renormalised to [0, 1]); the grounding (the state where the gold has none, as in the reward)."""
-    state, recipient, task, grounding = [score.state if x is None else x
-                                         for x in (score.state, score.recipient, score.task, score.grounding)]
-    head = sum(w * float(x) for w, x in zip(weights[:3], (state, recipient, task))) / sum(weights[:3])
-    return head, float(grounding)
+def part_starts(text: str, credit: str) -> list:
+    """[(first character, part name)] of a decision's text, in order, under a credit mode:
+    turn   the whole decision, one part ("turn")
+    head   the marker and fields ("head": "ANS @amy answer: ", "MEM ", all of "OBS") and the message ("body")
+    field  the marker ("state": "ANS @", "MEM", "OBS"), the recipient's name ("recipient"), the task from
+           the space that ends the name ("task": " answer:"), the message from its space ("grounding")
+    A decision the grammar cut short keeps the parts it reached."""
+    if credit == "turn":
+        return [(0, "turn")]
+    if credit == "head":
+        cut = field_chars(text) if text.startswith("MEM") or ": " in text[4:] else len(text)
+        return [(0, "head")] + ([(cut, "body")] if cut < len(text) else [])
+    if text.startswith("MEM "):
+        return [(0, "state"), (3, "grounding")]
+    if not text.startswith("ANS @"):
+        return [(0, "state")]
+    out = [(0, "state"), (5, "recipient")]
+    name_end = text.find(" ", 5)
+    if name_end > 5:
+        out.append((name_end, "task"))
+        colon = text.find(": ", name_end)
+        if colon >= 0:
+            out.append((colon + 1, "grounding"))
+    return out
 
 
-def head_tokens(tokenizer, token_ids: list, text: str) -> int:
-    """How many of a decision's tokens (token_ids, its end token included) belong to its head: those
-    that start in the marker and fields (msft.field_chars); all of them for OBS, which has no message."""
-    cut = field_chars(text)
-    if cut >= len(text):
-        return len(token_ids)
-    pos = n = 0
+def split_tokens(tokenizer, token_ids: list, starts: list) -> list:
+    """[(number of tokens, part name)] of a decision's tokens (its end token included, which goes with
+    the last part): a token belongs to the part its first character is in; parts without a token drop."""
+    counts = [0] * len(starts)
+    pos, j = 0, 0
     for t in token_ids:
-        if pos >= cut:
-            break
+        while j + 1 < len(starts) and pos >= starts[j + 1][0]:
+            j += 1
+        counts[j] += 1
         pos += len(tokenizer.decode([t]))
-        n += 1
-    return n
+    return [(n, name) for n, (_, name) in zip(counts, starts) if n]
 
 
-def split_turns(tokenizer, comp, head_adv: list, body_adv: list) -> tuple:
-    """A trajectory's turns cut into head and body parts: ([(start, end)] spans in comp.token_ids, one
-    advantage per span); a turn all head (OBS) gives one span."""
+def part_rewards(score, weights) -> dict:
+    """Each part's reward of one turn's judge.IntervalScore, by part name: "turn" the weighted turn
+    reward; "head" the weighted state, recipient and task (renormalised to [0, 1]) and "body" the
+    grounding; per field its own 0/1 (a field the gold decision lacks counts as the state, as in the
+    turn reward, so a recipient or message where none was due is wrong)."""
+    fields = {f: float(score.state if getattr(score, f) is None else getattr(score, f)) for f in FIELDS}
+    head = sum(w * fields[f] for w, f in zip(weights[:3], FIELDS[:3])) / sum(weights[:3])
+    return {"turn": score.reward(weights), "head": head, "body": fields["grounding"], **fields}
+
+
+def split_turns(tokenizer, comp, turn_advs: list, credit: str) -> tuple:
+    """A trajectory's turns cut into parts (part_starts): ([(start, end)] spans in comp.token_ids, one
+    advantage per span). turn_advs: per turn {part name: advantage}."""
     spans, advs = [], []
-    for (s, e), text, ah, ab in zip(comp.turn_spans, comp.turn_texts, head_adv, body_adv, strict=True):
-        h = s + head_tokens(tokenizer, comp.token_ids[s:e], text)
-        spans.append((s, h))
-        advs.append(ah)
-        if h < e:
-            spans.append((h, e))
-            advs.append(ab)
+    for (s, e), text, adv in zip(comp.turn_spans, comp.turn_texts, turn_advs, strict=True):
+        for n, name in split_tokens(tokenizer, comp.token_ids[s:e], part_starts(text, credit)):
+            spans.append((s, s + n))
+            advs.append(adv[name])
+            s += n
+        assert s == e, (s, e)
     return spans, advs
+
+
+def decision_class(interval: dict) -> str:
+    """The class an interval's gold decision balances in: its kind, and an ANS's task ("ANS thank")."""
+    d = interval["decision"]
+    return d["kind"] if d["kind"] != "ANS" else f"ANS {d['task']}"
+
+
+def part_advantages(scores: list, traj_rewards: list, opts, turn_weights: list | None = None) -> list:
+    """Per trajectory, per turn {part name: advantage}: each part name's rewards normalised across the
+    group's K trajectories at the same interval, mixed with the trajectory credit
+    (train.advantages.multi_turn_advantages), times the turn's weight (turn_weights: per trajectory a
+    weight per turn, default 1)."""
+    names = {"turn": ("turn",), "head": ("head", "body"), "field": FIELDS}[opts.credit]
+    rewards = [[part_rewards(x, opts.reward_weights) for x in traj] for traj in scores]
+    by_name = {n: multi_turn_advantages([[r[n] for r in traj] for traj in rewards], opts.num_generations,
+                                        opts.turn_weight, trajectory_rewards=traj_rewards) for n in names}
+    if turn_weights is None:
+        turn_weights = [[1.0] * len(traj) for traj in scores]
+    return [[{n: w * by_name[n][i][t] for n in names} for t, w in enumerate(turn_weights[i])]
+            for i in range(len(scores))]
 
 
 def turn_rows(batch: dict, turn_ids, num_turns: list) -> tuple:
@@ -148,15 +207,19 @@ def turn_rows(batch: dict, turn_ids, num_turns: list) -> tuple:
 
 
 def per_turn_policy_loss(logprobs, old_logprobs, advantages, traj, mask, opts: GSPOOptions):
-    """policy_loss over one row per turn: GSPO's sequence-level ratio on each decision."""
-    return policy_loss(logprobs[traj], old_logprobs[traj], advantages[traj], mask,
+    """policy_loss over one row per turn (or part): GSPO's sequence-level ratio on each; old_logprobs
+    None = on-policy (ratio 1)."""
+    old = None if old_logprobs is None else old_logprobs[traj]
+    return policy_loss(logprobs[traj], old, advantages[traj], mask,
                        importance_sampling_level="sequence", loss_type="grpo",
                        epsilon_low=opts.epsilon_low, epsilon_high=opts.epsilon_high)
 
 
 class SMGSPO:
-    def __init__(self, model, tokenizer, opts: GSPOOptions, **engine_options):
+    def __init__(self, model, tokenizer, opts: GSPOOptions, class_weight: dict | None = None, **engine_options):
+        """class_weight: decision_class -> the weight of its intervals' advantages (default: all 1)."""
         self.model, self.tokenizer, self.opts = model, tokenizer, opts
+        self.class_weight = class_weight or {}
         self.rollouts = Rollouts(model, tokenizer, num_generations=opts.num_generations,
                                  max_new_tokens=max_decision_chars(max_message_chars=opts.max_message_chars) + 1,
                                  temperature=opts.temperature, seed=opts.seed, **engine_options)
@@ -183,21 +246,17 @@ class SMGSPO:
         return lp, router_logits
 
     def step(self, sessions: list, step: int) -> dict:
-        opts, K = self.opts, self.opts.num_generations
+        opts = self.opts
         t0 = time.perf_counter()
         groups = self.rollout(sessions, step)
         t_roll = time.perf_counter() - t0
         comps = [c for g in groups for c in g]
         scores = []
         turn_rewards, traj_rewards = rewards_of(sessions, groups, opts, scores)
-        if opts.field_credit:
-            parts = [[part_rewards(x, opts.reward_weights) for x in traj] for traj in scores]
-            adv_head, adv_body = (multi_turn_advantages([[p[j] for p in traj] for traj in parts], K, opts.turn_weight,
-                                                        trajectory_rewards=traj_rewards) for j in (0, 1))
-            spans, advs = zip(*(split_turns(self.tokenizer, c, ah, ab) for c, ah, ab in zip(comps, adv_head, adv_body)))
-        else:
-            spans = [c.turn_spans for c in comps]
-            advs = multi_turn_advantages(turn_rewards, K, opts.turn_weight, trajectory_rewards=traj_rewards)
+        weights = [[self.class_weight.get(decision_class(iv), 1.0) for iv in s["intervals"]]
+                   for s in sessions for _ in range(opts.num_generations)]
+        turn_advs = part_advantages(scores, traj_rewards, opts, weights)
+        spans, advs = zip(*(split_turns(self.tokenizer, c, a, opts.credit) for c, a in zip(comps, turn_advs)))
         token_adv = [token_advantages(sp, a, len(c.token_ids))[0] for c, sp, a in zip(comps, spans, advs)]
         batch = collate(comps, token_adv, self.pad_id)
         # the same collation with each part's number for an advantage: which part a position belongs to
@@ -205,8 +264,10 @@ class SMGSPO:
         turn_ids = collate(comps, numbers, self.pad_id)["advantages"].round().long()
         batch = {k: v.to(self.device) for k, v in batch.items()}
         traj, mask = turn_rows(batch, turn_ids.to(self.device), [len(sp) for sp in spans])
-        with torch.no_grad():
-            old = self._logprobs(batch)[0]
+        old = None  # one pass is on-policy: its ratio is exactly 1, no forward needed for old log-probs
+        if opts.num_iterations > 1:
+            with torch.no_grad():
+                old = self._logprobs(batch)[0]
         self.model.train()
         stats = {}
         for it in range(opts.num_iterations):
@@ -223,6 +284,7 @@ class SMGSPO:
             stats = {"loss": float(loss.detach()), "ratio": float(lm["ratio/mean"]), "clip": float(lm["clip_ratio/region_mean"]),
                      "grad_norm": float(grad_norm)}
         self.model.eval()
+        part_advs = [a for x in advs for a in x]
         flat = [r for t in turn_rewards for r in t]
         acc = accuracy([x for traj in scores for x in traj])
         # "reward/..." keys: the metrics logger draws them as the lead page's reward panel
@@ -231,15 +293,21 @@ class SMGSPO:
                 "reward/mean": sum(flat) / len(flat),
                 **{f"reward/{k}/mean": acc[k] / 100 for k in ("state", "recipient", "task", "grounding")},
                 "parsed": sum(parse_or_none(t) is not None for c in comps for t in c.turn_texts) / len(flat),
+                # parts whose advantage is not 0: the rest (all K alike at that interval) teach nothing
+                "adv_nonzero": sum(abs(a) > 1e-6 for a in part_advs) / len(part_advs),
                 **stats, "time/rollout_s": t_roll, "time_s": time.perf_counter() - t0}
 
 
 def train_gspo(model, tokenizer, sessions: list, opts: GSPOOptions, log=print, on_step=None,
                **engine_options) -> dict:
-    trainer = SMGSPO(model, tokenizer, opts, **engine_options)
+    # the rare decisions (a thank, a correction, a MEM) weigh as much as the frequent OBS, as in MA-MSFT:
+    # unweighted, the many OBS and welcome intervals pull the shared weights toward silence and welcome
+    class_weight = class_weights([decision_class(iv) for s in sessions for iv in s["intervals"]], opts.balance)
+    trainer = SMGSPO(model, tokenizer, opts, class_weight, **engine_options)
     rng = torch.Generator().manual_seed(opts.seed)
     history = []
-    log(f"SM-GSPO: {opts.steps} steps x {opts.sessions_per_step} sessions x {opts.num_generations} trajectories")
+    log(f"SM-GSPO: {opts.steps} steps x {opts.sessions_per_step} sessions x {opts.num_generations} trajectories, "
+        f"class weights { {k: round(v, 3) for k, v in sorted(class_weight.items())} }")
     for step in range(opts.steps):
         idx = torch.randint(len(sessions), (opts.sessions_per_step,), generator=rng).tolist()
         row = trainer.step([sessions[i] for i in idx], step)
