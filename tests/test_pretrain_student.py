@@ -239,3 +239,41 @@ def test_recall_flags_run_and_are_refused_when_bad(tmp_path, capsys):
         main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "--recall_steps" in text and "one attribute each, 2 to 6 products" in text and "default 8" in text
+
+
+def test_widen_attention_computes_what_the_checkpoint_computed(first):
+    from transformers import AutoModelForCausalLM
+
+    from train.pretrain_student import widen_attention
+
+    narrow = AutoModelForCausalLM.from_pretrained(str(first), dtype=torch.float32).eval()
+    h, kv = narrow.config.num_attention_heads, narrow.config.num_key_value_heads
+    assert kv < h  # the default student shares KV heads: the copies are exercised
+    wide = widen_attention(narrow, 2 * h).eval()
+    assert (wide.config.num_attention_heads, wide.config.num_key_value_heads) == (2 * h, 2 * h)
+    assert sum(p.numel() for p in wide.parameters()) > sum(p.numel() for p in narrow.parameters())
+    ids = torch.randint(0, narrow.config.vocab_size, (2, 37))
+    with torch.no_grad():
+        torch.testing.assert_close(wide(ids).logits, narrow(ids).logits, rtol=1e-5, atol=1e-5)
+    # the new heads are silent but trainable: their output columns get a gradient
+    wide.train()
+    wide(ids).logits.sum().backward()
+    o = wide.model.layers[0].self_attn.o_proj.weight
+    d = wide.config.head_dim
+    assert torch.all(o[:, h * d:] == 0) and o.grad[:, h * d:].abs().sum() > 0
+    with pytest.raises(SystemExit, match="cannot remove heads"):
+        widen_attention(narrow, h - 1)
+
+
+def test_widen_heads_needs_init_from(tmp_path):
+    with pytest.raises(SystemExit):
+        main(["--output_dir", str(tmp_path), "--widen_heads", "8", *FEW])
+
+
+def test_init_from_with_widen_heads_writes_the_wider_model(first, tmp_path):
+    from transformers import AutoConfig
+
+    main(["--output_dir", str(tmp_path), "--init_from", str(first), "--widen_heads", "8", *FEW[:2], *FEW[4:]])
+    cfg = AutoConfig.from_pretrained(str(tmp_path))
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (8, 8)
+    assert json.loads((tmp_path / "pretrain_report.json").read_text())["args"]["widen_heads"] == 8

@@ -92,13 +92,16 @@ def _compose(room: dict, mode: str, rng: random.Random) -> tuple:
     kind = meta["kind"]
     if kind in ("attribute", "repeat"):
         p, attr = by_link[meta["link"]], meta["attribute"]
-        thought = f"the viewer asks the {attr} of the {p.name}. link {p.link} is the {p.name}. its {attr} is {p.attributes[attr]}."
+        extra = next((a for a in ("price", *p.attributes) if a != attr and a in p.attributes), None)
+        # each fact the answer needs, looked up in the thought in the phrasing of a pre-trained student's bare
+        # answer right after the question it answers, so RFT builds on the one lookup the student can already do
+        asked = f"link {p.link}" if f"link {p.link}" in room["question"] else f"the {p.name}"
+        thought = f"the viewer asks the {attr} of {asked}. " + " ".join(fact(p, a) for a in (attr, extra) if a)
         if kind == "repeat":
             thought += " this was answered before."
         if mode == "deflect":
             return thought, DEFLECTION
         value = _wrong_value(products, p, attr, rng) if mode == "wrong_link" else p.attributes[attr]
-        extra = next((a for a in ("price", *p.attributes) if a != attr and a in p.attributes), None)
         response = f"link {p.link} {p.name}: {attr} is {value}."
         if extra:
             response += f" {extra} is {p.attributes[extra]}."
@@ -107,11 +110,11 @@ def _compose(room: dict, mode: str, rng: random.Random) -> tuple:
         return thought, response
     if kind == "missing":
         asked = meta["name"]
+        alts = related(products, meta["category"])[:2]
         thought = f"the viewer looks for {asked}. " + " ".join(f"link {p.link} is {p.name}." for p in products) \
-            + f" none is {asked}."
+            + f" none is {asked}. " + " ".join(fact(a, "price") for a in alts)
         if mode == "deflect":  # correct but unhelpful: the seed's Table 1, bottom left
             return thought, f"there is no {asked} in the list. {DEFLECTION}"
-        alts = related(products, meta["category"])[:2]
         if mode == "wrong_link":  # passes a listed link off as the asked product
             p = alts[0]
             return thought, f"link {p.link} {asked}: price is {p.attributes['price']}."
@@ -119,8 +122,7 @@ def _compose(room: dict, mode: str, rng: random.Random) -> tuple:
     # recommend
     cat, key, value = meta["category"], meta["attribute"], meta["value"]
     in_cat = [p for p in products if p.category == cat]
-    thought = f"the viewer wants a {cat} with {key} {value}. " + " ".join(
-        f"link {p.link} {key} is {p.attributes[key]}." for p in in_cat)
+    thought = f"the viewer wants a {cat} with {key} {value}. " + " ".join(fact(p, key) for p in in_cat)
     if mode == "deflect":
         return thought, DEFLECTION
     matches = [p for p in in_cat if p.link in meta["matches"]]
@@ -131,6 +133,6 @@ def _compose(room: dict, mode: str, rng: random.Random) -> tuple:
             return thought, f"link {p.link} {p.name}: {key} is {value}. price is {p.attributes['price']}."
     if matches:
         p = matches[0]
-        return thought + f" link {p.link} fits.", fact(p, key) + " " + fact(p, "price")
+        return thought + f" link {p.link} fits. {fact(p, 'price')}", fact(p, key) + " " + fact(p, "price")
     return thought + f" none is {value}.", f"there is no {value} {cat} in the list. " + " ".join(
         fact(p, key) for p in in_cat)
