@@ -104,8 +104,12 @@ def test_multi_turn_two_ranks_equal_one_process(student, tmp_path):
     for key in ("reward/mean", "reward/std", "reward/varied/mean", "tpr/mean", "tpr/max", "zero_variance_groups"):
         assert [r[key] for r in rows] == [r[key] for r in ref_rows], key
     for key in ("loss", "grad_norm", "kl"):
-        torch.testing.assert_close(torch.tensor([r[key] for r in rows]), torch.tensor([r[key] for r in ref_rows]),
-                                   rtol=1e-5, atol=1e-9, msg=key)
+        # step 1 from the same weights: reduction order only; step 2 from weights that differ by the near-eps
+        # AdamW effect below (up to 6.7e-4 on a few elements), which moves its grad norm by ~1e-5 relative
+        # (seen 1.4e-5); a lost share or a wrong normaliser moves it by far more than 1e-4
+        for step, rtol in ((0, 1e-5), (1, 1e-4)):
+            torch.testing.assert_close(torch.tensor(rows[step][key]), torch.tensor(ref_rows[step][key]), rtol=rtol,
+                                       atol=1e-9, msg=f"{key} at step {step + 1}")
     assert all(r["grad_norm"] > 0 for r in rows) and rows[0]["tpr/max"] > 10  # more than one turn's tokens
     ref = engine.load_model(str(one / "final"), dtype=torch.float32).state_dict()
     got = engine.load_model(str(two / "final"), dtype=torch.float32).state_dict()
