@@ -188,7 +188,7 @@ def write_report(args: ExperimentArgs, title: str, columns: list, rows: list, no
     markdown_table."""
     os.makedirs(args.output_dir, exist_ok=True)
     minutes = (time.time() - args.started) / 60
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     parts = [f"# {args.name}: {title}", "",
              f"- command: `{args.command}`",
              f"- date: {date}, {minutes:.1f} minutes wall",
