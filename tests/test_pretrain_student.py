@@ -265,15 +265,48 @@ def test_widen_attention_computes_what_the_checkpoint_computed(first):
         widen_attention(narrow, h - 1)
 
 
-def test_widen_heads_needs_init_from(tmp_path):
+def test_widen_hidden_computes_what_the_checkpoint_computed(first):
+    from transformers import AutoModelForCausalLM
+
+    from train.pretrain_student import widen_hidden
+
+    narrow = AutoModelForCausalLM.from_pretrained(str(first), dtype=torch.float32).eval()
+    d = narrow.config.hidden_size
+    wide = widen_hidden(narrow, d + 24).eval()  # an odd widening: nothing assumes a doubling
+    assert wide.config.hidden_size == d + 24
+    ids = torch.randint(0, narrow.config.vocab_size, (2, 37))
+    with torch.no_grad():
+        out_n, out_w = narrow(ids, output_hidden_states=True), wide(ids, output_hidden_states=True)
+    # exact but for the per-head q/k norms' eps (scaled with the hidden norms'): 1e-6 relative, logits ~10
+    torch.testing.assert_close(out_w.logits, out_n.logits, rtol=1e-5, atol=1e-4)
+    assert len(out_w.hidden_states) == len(out_n.hidden_states) > 1
+    for h_w, h_n in zip(out_w.hidden_states, out_n.hidden_states):
+        assert torch.all(h_w[..., d:] == 0)  # the new dimensions start silent
+        torch.testing.assert_close(h_w[..., :d], h_n, rtol=1e-5, atol=1e-4)
+    # ... and trainable: what writes them gets a gradient there
+    wide.train()
+    wide(ids).logits.square().sum().backward()
+    assert wide.model.embed_tokens.weight.grad[:, d:].abs().sum() > 0
+    assert wide.model.layers[0].self_attn.o_proj.weight.grad[d:].abs().sum() > 0
+    assert wide.model.layers[1].mlp.experts.down_proj.grad[:, d:].abs().sum() > 0
+    with pytest.raises(SystemExit, match="must grow it"):
+        widen_hidden(narrow, d)
+
+
+@pytest.mark.parametrize("flag", ["--widen_heads", "--widen_hidden"])
+def test_widening_needs_init_from(tmp_path, flag, capsys):
     with pytest.raises(SystemExit):
-        main(["--output_dir", str(tmp_path), "--widen_heads", "8", *FEW])
+        main(["--output_dir", str(tmp_path), flag, "8", *FEW])
+    assert f"{flag} needs --init_from" in capsys.readouterr().err
 
 
 def test_init_from_with_widen_heads_writes_the_wider_model(first, tmp_path):
     from transformers import AutoConfig
 
-    main(["--output_dir", str(tmp_path), "--init_from", str(first), "--widen_heads", "8", *FEW[:2], *FEW[4:]])
+    hidden = AutoConfig.from_pretrained(str(first)).hidden_size + 8
+    main(["--output_dir", str(tmp_path), "--init_from", str(first), "--widen_heads", "8", "--widen_hidden",
+          str(hidden), *FEW[:2], *FEW[4:]])
     cfg = AutoConfig.from_pretrained(str(tmp_path))
-    assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (8, 8)
-    assert json.loads((tmp_path / "pretrain_report.json").read_text())["args"]["widen_heads"] == 8
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size) == (8, 8, hidden)
+    args = json.loads((tmp_path / "pretrain_report.json").read_text())["args"]
+    assert (args["widen_heads"], args["widen_hidden"]) == (8, hidden)

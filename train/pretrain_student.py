@@ -233,6 +233,49 @@ def widen_attention(model, heads: int):
     return wide
 
 
+@torch.no_grad()
+def widen_hidden(model, hidden: int):
+    """The same model with a `hidden`-wide residual stream, computing what it computed (to ~1e-6): the old
+    weights fill the leading rows/columns; what writes the residual stream (embeddings, o_proj, the experts'
+    down_proj) writes zeros to the new dimensions, so they stay zero until trained; what reads it (q/k/v, the
+    router, the experts' gate_up_proj, lm_head) gets random new columns that read those zeros; each hidden
+    RMSNorm's weight is scaled by sqrt(old / new), since zero dimensions lower the root mean square by that
+    factor. Issue 19: the 64-wide student binds a value to the wrong product of its list (a price read right
+    35% of the time) and plateaued there."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = model.config
+    d = cfg.hidden_size
+    if hidden <= d:
+        raise SystemExit(f"--widen_hidden {hidden}: the checkpoint's hidden size is already {d}; widening "
+                         "must grow it")
+    torch.manual_seed(0)
+    # the eps scaled too, so the hidden norms' sqrt(mean(x^2) + eps) is exactly sqrt(d / hidden) times the old
+    # (the trained embeddings' mean square is as low as 1.7e-4: eps matters); the per-head q/k norms share the
+    # eps, a 1e-6 change there against mean squares near 1
+    wide = AutoModelForCausalLM.from_config(type(cfg)(**{**cfg.to_dict(), "hidden_size": hidden,
+                                                         "rms_norm_eps": cfg.rms_norm_eps * d / hidden}))
+    old, new = model.state_dict(), wide.state_dict()
+    assert old.keys() == new.keys(), "widening changed the parameter names"
+    scale = math.sqrt(d / hidden)
+    for name, t in new.items():
+        o = old[name]
+        if name.endswith(("layernorm.weight", "model.norm.weight")):
+            t.copy_(torch.cat([o, o.new_full((hidden - d,), o.mean().item())]) * scale)
+            continue
+        assert t.dim() == o.dim() and all(a >= b for a, b in zip(t.shape, o.shape)), name
+        t[tuple(slice(0, n) for n in o.shape)] = o
+        if name.endswith("embed_tokens.weight"):
+            t[:, d:] = 0
+        elif name.endswith("o_proj.weight"):
+            t[d:] = 0
+        elif name.endswith("experts.down_proj"):  # (experts, hidden, intermediate)
+            t[:, d:] = 0
+        else:  # readers of the residual stream: the hidden size is their last dimension
+            assert t.shape[:-1] == o.shape[:-1] and "bias" not in name, f"{name}: not a known reader or writer"
+    return wide
+
+
 def load_start(args):
     """(tokenizer, model, earlier report or None): a fresh tokenizer and random init, or --init_from's."""
     arch = {field: getattr(args, flag) for flag, field in ARCH_FLAGS.items() if getattr(args, flag) is not None}
@@ -255,6 +298,8 @@ def load_start(args):
     model = AutoModelForCausalLM.from_pretrained(args.init_from, dtype=torch.float32)
     if args.widen_heads:
         model = widen_attention(model, args.widen_heads)
+    if args.widen_hidden:
+        model = widen_hidden(model, args.widen_hidden)
     return tok, model, earlier
 
 
@@ -285,6 +330,9 @@ def main(argv=None):
     ap.add_argument("--widen_heads", type=int, default=None,
                     help="with --init_from: first widen the attention to this many query heads and as many KV "
                          "heads, computing exactly what the checkpoint computed (the new heads start silent)")
+    ap.add_argument("--widen_hidden", type=int, default=None,
+                    help="with --init_from: first widen the residual stream (hidden size) to this, computing what "
+                         "the checkpoint computed (the new dimensions start at zero)")
     for flag, field in ARCH_FLAGS.items():
         ap.add_argument(f"--{flag}", type=int, default=None, help=f"model {field} (default {MODEL[field]})")
     # one thread: on a shared 2-core machine two threads per process oversubscribe and run ~5x slower
@@ -312,6 +360,8 @@ def main(argv=None):
         args.recall_queries = 8
     if args.widen_heads is not None and (args.init_from is None or args.widen_heads < 1):
         ap.error("--widen_heads needs --init_from (a random init takes --heads and --kv_heads) and must be >= 1")
+    if args.widen_hidden is not None and (args.init_from is None or args.widen_hidden < 1):
+        ap.error("--widen_hidden needs --init_from (a random init takes --hidden_size) and must be >= 1")
     if args.lr <= 0 or args.max_minutes <= 0:
         ap.error("--lr and --max_minutes must be > 0")
     torch.set_num_threads(args.threads)
