@@ -137,7 +137,7 @@ def run(cfg: LiveConfig) -> dict:
         opts = GSPOOptions(steps=cfg.gspo_steps, sessions_per_step=cfg.sessions_per_step,
                            num_generations=cfg.num_generations, num_iterations=cfg.num_iterations,
                            temperature=cfg.gspo_temperature, lr=cfg.gspo_lr, turn_weight=cfg.turn_weight,
-                           credit=cfg.credit, balance=cfg.gspo_balance,
+                           credit=cfg.credit, balance=cfg.gspo_balance, scale_rewards=cfg.gspo_scale_rewards,
                            max_message_chars=cfg.max_message_chars, lambda_aux=cfg.lambda_aux, seed=cfg.seed)
         _stage_train(cfg, "gspo", lambda on_step: train_gspo(model, tokenizer, train, opts, log, on_step,
                                                              num_kv_blocks=512))

@@ -3,6 +3,7 @@ parsed by train.config's machinery (every field a --flag, --config YAML with the
 import os
 from dataclasses import dataclass, field
 
+from train.advantages import SCALE_REWARDS
 from train.config import DEFAULT_STUDENT, ConfigError, _choice, default_of
 from train.live.gspo import CREDITS, GSPOOptions
 from train.live.msft import MSFTOptions
@@ -62,12 +63,16 @@ class LiveConfig:
     gspo_balance: float = field(default=default_of(GSPOOptions, "balance"),
                                 metadata={"help": "SM-GSPO: advantages scaled by the class weight of the gold "
                                                   "decision (kind, and an ANS's task), 0 (none) .. 1 (full)"})
+    gspo_scale_rewards: str = field(default=default_of(GSPOOptions, "scale_rewards"),
+                                    metadata={"help": "SM-GSPO advantages: group (centred, divided by the group's "
+                                                      "std) | batch | none (centred only)"})
     lambda_aux: float = default_of(StageOptions, "lambda_aux")  # one flag for both stages
 
     def validate(self) -> None:
         _choice("stage", self.stage, ("sft", "gspo", "all"))
         _choice("device", self.device, ("auto", "cpu", "cuda"))
         _choice("credit", self.credit, CREDITS)
+        _choice("gspo_scale_rewards", self.gspo_scale_rewards, SCALE_REWARDS)
         for name, path in (("model", self.model), ("replay", self.replay)):
             if path is not None and not os.path.isdir(path):
                 raise ConfigError(f"--{name} {path}: no such checkpoint directory")

@@ -36,7 +36,7 @@ from engine.live.decision import TASKS, DecisionFormatError, max_decision_chars,
 from engine.live.layout import encode, interval_segment, render_events, system_segment
 from engine.live.session import decision_constraint
 from kernels.logprobs import fused_linear_logprobs
-from train.advantages import multi_turn_advantages, token_advantages
+from train.advantages import SCALE_REWARDS, multi_turn_advantages, token_advantages
 from train.live.data import interval_time
 from train.live.judge import accuracy, score_session
 from train.live.msft import class_weights, field_chars
@@ -64,6 +64,7 @@ class GSPOOptions(StageOptions):
     reward_weights: tuple = (0.4, 0.2, 0.2, 0.2)  # state, recipient, task, grounding
     credit: str = "field"  # the parts of a decision that are GSPO rows with their own reward (part_starts)
     balance: float = 1.0  # advantages scaled by the gold decision's class weight, 0 (none) .. 1 (full)
+    scale_rewards: str = "group"  # train.advantages: "group" divides each part's centred rewards by their std
     max_message_chars: int = 96
 
     def __post_init__(self):
@@ -78,6 +79,8 @@ class GSPOOptions(StageOptions):
             raise ValueError(f"turn_weight must be in [0, 1], got {self.turn_weight}")
         if not 0 <= self.balance <= 1:
             raise ValueError(f"balance must be in [0, 1], got {self.balance}")
+        if self.scale_rewards not in SCALE_REWARDS:
+            raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {self.scale_rewards!r}")
         if self.credit not in CREDITS:
             raise ValueError(f"credit must be one of {CREDITS}, got {self.credit!r}")
 
@@ -187,7 +190,8 @@ def part_advantages(scores: list, traj_rewards: list, opts, turn_weights: list |
     names = {"turn": ("turn",), "head": ("head", "body"), "field": FIELDS}[opts.credit]
     rewards = [[part_rewards(x, opts.reward_weights) for x in traj] for traj in scores]
     by_name = {n: multi_turn_advantages([[r[n] for r in traj] for traj in rewards], opts.num_generations,
-                                        opts.turn_weight, trajectory_rewards=traj_rewards) for n in names}
+                                        opts.turn_weight, scale_rewards=opts.scale_rewards,
+                                        trajectory_rewards=traj_rewards) for n in names}
     if turn_weights is None:
         turn_weights = [[1.0] * len(traj) for traj in scores]
     return [[{n: w * by_name[n][i][t] for n in names} for t, w in enumerate(turn_weights[i])]
