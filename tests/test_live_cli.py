@@ -37,6 +37,7 @@ def test_all_stages_then_replay(tmp_path, capsys):
     (["--balance", "2"], "--balance must be in"),
     (["--gspo_balance", "-0.5"], "--gspo_balance must be in"),
     (["--credit", "token"], "--credit must be one of"),
+    (["--gspo_scale_rewards", "std"], "--gspo_scale_rewards must be one of"),
     (["--replay", "/no/such/dir"], "--replay /no/such/dir: no such checkpoint"),
     (["--data", "/no/such.jsonl"], "--data /no/such.jsonl: no such file"),
 ])

@@ -261,6 +261,22 @@ def test_balance_scales_each_interval_by_its_gold_class(tiny):
         GSPOOptions(balance=1.5)
 
 
+def test_scale_rewards_none_only_centres_each_intervals_rewards(tiny):
+    tok = load_tokenizer(tiny)
+    comps = _comps(tok, [["ANS @amy welcome: welcome, amy!", "OBS"], ["OBS", "ANS @amy thank: hi"]])
+    scores = []
+    opts = GSPOOptions(num_generations=2, turn_weight=1.0, credit="turn", scale_rewards="none")
+    rewards, traj = rewards_of([WELCOME_SESSION], [comps], opts, scores)
+    centred = part_advantages(scores, traj, opts)
+    assert len(rewards) == len(centred) == 2 and all(len(r) == 2 for r in rewards)
+    for t in range(2):
+        mean = (rewards[0][t] + rewards[1][t]) / 2
+        assert rewards[0][t] != rewards[1][t]  # each interval has a spread to centre
+        assert [centred[i][t]["turn"] for i in range(2)] == pytest.approx([rewards[i][t] - mean for i in range(2)])
+    with pytest.raises(ValueError, match="scale_rewards must be one of"):
+        GSPOOptions(scale_rewards="std")
+
+
 def test_per_turn_sequence_ratios_match_plain_pytorch():
     torch.manual_seed(0)
     T = 9
