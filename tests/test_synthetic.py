@@ -88,3 +88,36 @@ def test_bad_rates_are_rejected():
 def test_scripted_teacher_refuses_other_data():
     with pytest.raises(ValueError, match="not a room of the synthetic world"):
         ScriptedTeacher().sample([{"id": "m", "documents": ["p"], "question": "q", "meta": {"kind": "musique"}}])
+
+
+def test_teacher_supplements_with_a_listed_attribute_before_the_price():
+    """A good attribute answer states the asked fact and one more: the product's first attribute besides
+    the asked one and the price (the student reads a price worst, issue 19); missing-product and
+    recommendation answers name products without prices."""
+    from train.judges import extract_claims
+    from train.synthetic.teacher import supplement
+    from train.synthetic.world import products_of
+
+    rooms = make_rooms(200, seed=11)
+    t = ScriptedTeacher(seed=0)
+    seen = {"attribute": 0, "missing": 0, "recommend": 0}
+    for r in rooms:
+        kind = r["meta"]["kind"]
+        if kind not in seen:
+            continue
+        seen[kind] += 1
+        products = products_of(r)
+        claims = extract_claims(split_thought(t.answer(r, 0, "good", False))[1], products)
+        attrs = [(link, c[1]) for link, cs in claims.links.items() for c in cs if c[0] == "attr"]
+        assert not claims.false
+        if kind == "attribute":
+            p = next(q for q in products if q.link == r["meta"]["link"])
+            extra = supplement(p, r["meta"]["attribute"])
+            assert extra != "price" and attrs == [(p.link, r["meta"]["attribute"]), (p.link, extra)]
+        else:
+            assert all(a != "price" for _, a in attrs)
+    assert all(n >= 20 for n in seen.values()), seen
+    p = products_of(rooms[0])[0]
+    only_price = type(p)(p.link, p.name, p.category, {"color": "red", "price": "19 yuan"})
+    assert supplement(only_price, "color") == "price" and supplement(only_price, "price") == "color"
+    assert supplement(type(p)(1, "x", "y", {"price": "19 yuan"}), "price") is None

@@ -5,6 +5,9 @@ each drawn independently per candidate at a configured rate:
   wrong_link  an attribute taken from the wrong link (the seed's Table 1, top left)   -> incorrect
   deflect     a bare deflection to customer service (Table 1, bottom left)           -> unhelpful
   verbose     long meta-reasoning that restates the rules (Table 8, the RFT thought)  -> long, still judged fine
+              (after the lookup, so the facts the answer repeats stay right after the question: placed
+              before it, the RFT student lost the question behind it, 0 of 61 verbose attribute answers
+              correct against 19 of 75 short ones, issue 19)
 Deterministic in (seed, room id, candidate index): rerunning a teacher pass gives the same data.
 """
 import random
@@ -14,7 +17,7 @@ from dataclasses import dataclass
 from train.synthetic.world import CATALOG, KINDS, PRICES, Product, fact, products_of, related
 
 META_RULES = [
-    "okay, i need to process the viewer question.",
+    "okay, now i need to check this against the rules.",
     "first i must check the product information.",
     "the rules say the response must not exceed the product information.",
     "the rules say i must not send the viewer to customer service without any help.",
@@ -63,9 +66,21 @@ class ScriptedTeacher:
         if verbose is None:
             verbose = v < self.rates.verbose
         thought, response = _compose(room, mode, rng)
-        if verbose:
-            thought = _verbose(room, rng) + " " + thought
+        if verbose:  # after the lookup: the facts the answer copies stay in one place, right after the question
+            thought = thought + " " + _verbose(room, rng)
         return f"<think>{thought}</think>{response}"
+
+
+def supplement(p: Product, attr: str):
+    """The fact a helpful answer adds to the asked one (Appendix B: proactively offers supplementary
+    information): the product's first listed attribute besides the asked one and the price; the price only
+    when nothing else is listed. Why not the price first, as the world's reference answers do: every fact
+    the teacher states is one more lookup the student must get right for RFT to pass its answer on, and the
+    student reads a price (12 values, last in each product's line) right about a third of the time against
+    75-100% for an attribute listed first (issue 19: with the price as supplement RFT cut correctness from
+    26 to 6 points)."""
+    others = [a for a in p.attributes if a not in (attr, "price")]
+    return others[0] if others else ("price" if attr != "price" and "price" in p.attributes else None)
 
 
 def _verbose(room: dict, rng: random.Random) -> str:
@@ -92,13 +107,13 @@ def _compose(room: dict, mode: str, rng: random.Random) -> tuple:
     kind = meta["kind"]
     if kind in ("attribute", "repeat"):
         p, attr = by_link[meta["link"]], meta["attribute"]
-        extra = next((a for a in ("price", *p.attributes) if a != attr and a in p.attributes), None)
-        # each fact the answer needs, looked up in the thought in the phrasing of a pre-trained student's bare
-        # answer right after the question it answers, so RFT builds on the one lookup the student can already do
-        asked = f"link {p.link}" if f"link {p.link}" in room["question"] else f"the {p.name}"
-        thought = f"the viewer asks the {attr} of {asked}. " + " ".join(fact(p, a) for a in (attr, extra) if a)
+        extra = supplement(p, attr)
+        # each fact the answer needs, looked up first thing in the thought in the phrasing of a pre-trained
+        # student's bare answer, so RFT builds on the one lookup the student can already do, in the context it
+        # learned it in (right after the question); a repeat says so first
+        thought = " ".join(fact(p, a) for a in (attr, extra) if a)
         if kind == "repeat":
-            thought += " this was answered before."
+            thought = "this was answered before. " + thought
         if mode == "deflect":
             return thought, DEFLECTION
         value = _wrong_value(products, p, attr, rng) if mode == "wrong_link" else p.attributes[attr]
@@ -110,15 +125,15 @@ def _compose(room: dict, mode: str, rng: random.Random) -> tuple:
         return thought, response
     if kind == "missing":
         asked = meta["name"]
-        alts = related(products, meta["category"])[:2]
+        alt = related(products, meta["category"])[0]  # one alternative: each name offered is one more lookup
+        offer = f"link {alt.link} is the {alt.name}."
         thought = f"the viewer looks for {asked}. " + " ".join(f"link {p.link} is {p.name}." for p in products) \
-            + f" none is {asked}. " + " ".join(fact(a, "price") for a in alts)
+            + f" none is {asked}. " + offer
         if mode == "deflect":  # correct but unhelpful: the seed's Table 1, bottom left
             return thought, f"there is no {asked} in the list. {DEFLECTION}"
         if mode == "wrong_link":  # passes a listed link off as the asked product
-            p = alts[0]
-            return thought, f"link {p.link} {asked}: price is {p.attributes['price']}."
-        return thought, f"there is no {asked} in the list. " + " ".join(fact(a, "price") for a in alts)
+            return thought, f"link {alt.link} is the {asked}."
+        return thought, f"there is no {asked} in the list. {offer}"
     # recommend
     cat, key, value = meta["category"], meta["attribute"], meta["value"]
     in_cat = [p for p in products if p.category == cat]
@@ -130,9 +145,9 @@ def _compose(room: dict, mode: str, rng: random.Random) -> tuple:
         wrong = [p for p in in_cat if p not in matches] or [p for p in products if p not in matches]
         if wrong:
             p = rng.choice(wrong)
-            return thought, f"link {p.link} {p.name}: {key} is {value}. price is {p.attributes['price']}."
+            return thought, f"link {p.link} {p.name}: {key} is {value}."
     if matches:
         p = matches[0]
-        return thought + f" link {p.link} fits. {fact(p, 'price')}", fact(p, key) + " " + fact(p, "price")
+        return thought + f" link {p.link} fits.", fact(p, key)
     return thought + f" none is {value}.", f"there is no {value} {cat} in the list. " + " ".join(
         fact(p, key) for p in in_cat)
