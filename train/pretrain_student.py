@@ -17,7 +17,8 @@ at the low learning rate that the last points of a run gain most from.
 
 Recipe options: --curriculum_steps grows the product lists from 2 to the world's range (shorter lists,
 shorter sequences early); --hidden_size/--layers/--heads/--kv_heads/--head_dim change the model's shape
-(a new model only); --recall_steps / --recall_fraction train a warm-up and then a share of the steps on
+(a new model only; --widen_heads / --widen_hidden grow an --init_from checkpoint's attention or residual
+stream, computing what it computed); --recall_steps / --recall_fraction train a warm-up and then a share of the steps on
 recall drills (train.synthetic.corpus.recall_sequence: a compact product list, then --recall_queries lookups
 in the world's own question and answer format). The report's final_lookup_probe says which hop of a
 lookup fails: asked by name or by link, the whole answer exact and its link, name and value spans each
