@@ -170,6 +170,16 @@ async def openai_stream(url: str, n: int, max_tokens: int) -> list[Stream]:
         await client.close()
 
 
+# the engine's options, the same for the direct arm's AsyncLLM and the served one (server_flags)
+ENGINE_OPTIONS = dict(block_size=16, num_kv_blocks=512)
+
+
+def server_flags(device: str) -> list[str]:
+    """`python -m engine.serve` flags for the served arm: fp32 on `device`, ENGINE_OPTIONS."""
+    return ["--dtype", "float32", "--device", device] + [f"--{k.replace('_', '-')}={v}"
+                                                         for k, v in ENGINE_OPTIONS.items()]
+
+
 def selected(bench_mode: str) -> tuple[list, list[str], int | None]:
     """The mode's cases, engine cores and openai-client stream count, or the LIVEMOE_BENCH_SERVE_CASES subset."""
     chosen = os.environ.get("LIVEMOE_BENCH_SERVE_CASES")
@@ -193,14 +203,13 @@ def test_serve_latency(benchmark, bench_mode, device, tmp_path):
     cases, engine_cores, openai_streams = selected(bench_mode)
     threads = torch.get_num_threads()
     torch.set_num_threads(1 if device == "cpu" else threads)  # small matmuls: OpenMP spinning only hurts
-    options = dict(block_size=16, num_kv_blocks=512)
-    flags = ["--dtype", "float32", "--device", device] + [f"--{k.replace('_', '-')}={v}" for k, v in options.items()]
+    flags = server_flags(device)
     env = {"OMP_NUM_THREADS": "1"} if device == "cpu" else {}
     try:
         for model in dict.fromkeys(c[0] for c in cases):
             moe, overrides = MODELS[model]
             path, _ = make_text_checkpoint(tmp_path / model, moe=moe, **overrides)
-            engine = AsyncLLM(path, dtype=torch.float32, device=device, use_tqdm=False, **options)
+            engine = AsyncLLM(path, dtype=torch.float32, device=device, use_tqdm=False, **ENGINE_OPTIONS)
             cores = engine_cores if model == "tiny" else ["process"]
             for core in cores:
                 with ServerProcess(path, SERVED_NAME, flags + ["--engine-core", core], env=env) as server:

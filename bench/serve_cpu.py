@@ -19,13 +19,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))  # tiny_tokenizer
-from bench.bench_serve import SERVED_NAME, direct, sse_stream  # noqa: E402
+from bench.bench_serve import ENGINE_OPTIONS, SERVED_NAME, direct, server_flags, sse_stream  # noqa: E402
 from engine.async_llm import AsyncLLM  # noqa: E402
 from engine.server import ServerProcess  # noqa: E402
 from tiny_tokenizer import make_text_checkpoint  # noqa: E402
-
-OPTIONS = dict(block_size=16, num_kv_blocks=512)
-
 
 def cpu_seconds(pid: int) -> float:
     """CPU time of all the process's threads (schedstat: nanoseconds, unlike /proc/PID/stat's ticks)."""
@@ -59,13 +56,15 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--spy", default=None, help="py-spy raw output file for the API server (needs py-spy)")
     args = p.parse_args(argv)
+    for name in ("streams", "tokens", "rounds"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     torch.set_num_threads(1)
     n, tokens, me = args.streams, args.tokens, os.getpid()
     path, _ = make_text_checkpoint(os.path.join(tempfile.mkdtemp(), "tiny"), moe=True)
-    engine = AsyncLLM(path, dtype=torch.float32, device="cpu", use_tqdm=False, **OPTIONS)
-    flags = ["--dtype", "float32", "--device", "cpu"] + [f"--{k.replace('_', '-')}={v}" for k, v in OPTIONS.items()]
+    engine = AsyncLLM(path, dtype=torch.float32, device="cpu", use_tqdm=False, **ENGINE_OPTIONS)
     rows = {"server": [], "direct": []}
-    with ServerProcess(path, SERVED_NAME, flags, env={"OMP_NUM_THREADS": "1"}) as server:
+    with ServerProcess(path, SERVED_NAME, server_flags("cpu"), env={"OMP_NUM_THREADS": "1"}) as server:
         api = server.proc.pid
         cores = children(api)
         for _ in range(3):  # first-call costs

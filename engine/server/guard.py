@@ -34,7 +34,7 @@ class RequestGuard:
         if refusal is None and scope["method"] in ("POST", "PUT", "PATCH"):
             try:
                 async with asyncio.timeout(self.config.body_timeout_s):  # (wait_for would start a task per request)
-                    body = await self._read_body(receive)
+                    body = await read_body(receive, self.config.max_body_bytes)
             except BodyTooLarge:
                 refusal = _too_large(self.config.max_body_bytes)
             except TimeoutError:
@@ -68,17 +68,6 @@ class RequestGuard:
                 return _too_large(self.config.max_body_bytes)
         return None
 
-    async def _read_body(self, receive) -> bytes | None:
-        body = bytearray()
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return None
-            body += message.get("body", b"")
-            if len(body) > self.config.max_body_bytes:
-                raise BodyTooLarge
-            if not message.get("more_body", False):
-                return bytes(body)
 
 
 def _too_large(limit: int) -> tuple[int, dict]:
@@ -91,6 +80,20 @@ def _host_name(host: str) -> str:
     if host.startswith("["):
         return host[1:host.find("]")] if "]" in host else host
     return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+async def read_body(receive, limit: int | None = None) -> bytes | None:
+    """A request's whole body from its ASGI receive, or None if the client left; BodyTooLarge past `limit`."""
+    body = bytearray()
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        body += message.get("body", b"")
+        if limit is not None and len(body) > limit:
+            raise BodyTooLarge
+        if not message.get("more_body", False):
+            return bytes(body)
 
 
 def replay(body: bytes, receive):

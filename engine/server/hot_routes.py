@@ -15,7 +15,7 @@ import json
 
 from pydantic import ValidationError
 
-from engine.server.guard import replay
+from engine.server.guard import read_body, replay
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest
 
 JSON_CONTENT_TYPE = b"application/json"
@@ -35,7 +35,7 @@ class HotRoutes:
             route = self.routes.get(scope["path"])
         if route is None:
             return await self.app(scope, receive, send)
-        body = await _read_body(receive)
+        body = await read_body(receive)  # the guard has read it (and held it to its limit): one message
         if body is None:
             return  # the client left while sending
         model, handler = route
@@ -60,14 +60,3 @@ def _validated(model, body: bytes, headers):
     except (ValueError, ValidationError):  # (a JSONDecodeError or UnicodeDecodeError is a ValueError)
         return None
 
-
-async def _read_body(receive) -> bytes | None:
-    """The whole body (the guard has read it: it comes in one message), or None if the client left."""
-    chunks = []
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            return b"".join(chunks)
