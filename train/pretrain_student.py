@@ -200,6 +200,15 @@ ARCH_FLAGS = {"hidden_size": "hidden_size", "layers": "num_hidden_layers", "head
               "kv_heads": "num_key_value_heads", "head_dim": "head_dim"}
 
 
+def _resized(model, **changes):
+    """A random-init model (seed 0) of `model`'s config with `changes`: a widening's start, into which it
+    copies the old weights."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(type(model.config)(**{**model.config.to_dict(), **changes}))
+
+
 @torch.no_grad()
 def widen_attention(model, heads: int):
     """The same model with `heads` query heads and as many KV heads (no grouped-query sharing), computing
@@ -207,16 +216,12 @@ def widen_attention(model, heads: int):
     shared; the new heads start random with zero output projections, so they change nothing until trained.
     Issue 19: at 4 query heads over 2 KV heads the student never learned to find a product's link from its
     name (at chance over 29 CPU-minutes of drills); widened to 8 + 8 it did within ~16 more."""
-    from transformers import AutoModelForCausalLM
-
     cfg = model.config
     h, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     if heads < max(h, kv):
         raise SystemExit(f"--widen_heads {heads}: the checkpoint has {h} query and {kv} KV heads; widening "
                          "cannot remove heads")
-    torch.manual_seed(0)
-    wide = AutoModelForCausalLM.from_config(type(cfg)(**{**cfg.to_dict(), "num_attention_heads": heads,
-                                                         "num_key_value_heads": heads}))
+    wide = _resized(model, num_attention_heads=heads, num_key_value_heads=heads)
     old, new = model.state_dict(), wide.state_dict()
     for name, t in new.items():
         if name in old and old[name].shape == t.shape:
@@ -244,19 +249,15 @@ def widen_hidden(model, hidden: int):
     factor. Issue 19: the 64-wide student binds a value to the wrong product of its list (a price read right
     35% of the time) and plateaued there; widened to 128, 35 CPU-minutes did not move it either (the
     student's README, round 4)."""
-    from transformers import AutoModelForCausalLM
-
     cfg = model.config
     d = cfg.hidden_size
     if hidden <= d:
         raise SystemExit(f"--widen_hidden {hidden}: the checkpoint's hidden size is already {d}; widening "
                          "must grow it")
-    torch.manual_seed(0)
     # the eps scaled too, so the hidden norms' sqrt(mean(x^2) + eps) is exactly sqrt(d / hidden) times the old
     # (the trained embeddings' mean square is as low as 1.7e-4: eps matters); the per-head q/k norms share the
     # eps, a 1e-6 change there against mean squares near 1
-    wide = AutoModelForCausalLM.from_config(type(cfg)(**{**cfg.to_dict(), "hidden_size": hidden,
-                                                         "rms_norm_eps": cfg.rms_norm_eps * d / hidden}))
+    wide = _resized(model, hidden_size=hidden, rms_norm_eps=cfg.rms_norm_eps * d / hidden)
     old, new = model.state_dict(), wide.state_dict()
     assert old.keys() == new.keys(), "widening changed the parameter names"
     scale = math.sqrt(d / hidden)

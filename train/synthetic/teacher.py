@@ -86,8 +86,12 @@ def supplement(p: Product, attr: str):
 def _verbose(room: dict, rng: random.Random) -> str:
     products = products_of(room)
     rules = rng.sample(META_RULES[1:], k=rng.randint(3, len(META_RULES) - 1))
-    browse = " ".join(f"link {p.link} is {p.name}." for p in products)
-    return " ".join([META_RULES[0], *rules, "browsing the product list.", browse])
+    return " ".join([META_RULES[0], *rules, "browsing the product list.", _browse(products)])
+
+
+def _browse(products: list) -> str:
+    """Every listed product by link and name, as a thought walks the list."""
+    return " ".join(f"link {p.link} is {p.name}." for p in products)
 
 
 def _wrong_value(products: list, p: Product, attr: str, rng: random.Random) -> str:
@@ -127,8 +131,7 @@ def _compose(room: dict, mode: str, rng: random.Random) -> tuple:
         asked = meta["name"]
         alt = related(products, meta["category"])[0]  # one alternative: each name offered is one more lookup
         offer = f"link {alt.link} is the {alt.name}."
-        thought = f"the viewer looks for {asked}. " + " ".join(f"link {p.link} is {p.name}." for p in products) \
-            + f" none is {asked}. " + offer
+        thought = f"the viewer looks for {asked}. {_browse(products)} none is {asked}. {offer}"
         if mode == "deflect":  # correct but unhelpful: the seed's Table 1, bottom left
             return thought, f"there is no {asked} in the list. {DEFLECTION}"
         if mode == "wrong_link":  # passes a listed link off as the asked product
