@@ -42,6 +42,7 @@ def test_saved_config_reads_back(tmp_path):
     (["--judge", "llm"], "--judge llm needs --judge_url"),
     (["--resume", "/no/ckpt"], "--resume '/no/ckpt'"),
     (["--eval_every", "-1"], "--eval_every must be >= 0"),
+    (["--rehearsal", "-0.5"], "--rehearsal must be >= 0"),
     (["--eval_every", "5", "--eval_rooms", "0"], "--eval_every needs held-out inputs"),
     (["--tensorboard", "perhaps"], None),  # argparse's own error: exits
 ])

@@ -3,6 +3,7 @@
 import contextlib
 import json
 import os
+import random
 import shutil
 
 import pytest
@@ -134,6 +135,47 @@ def tiny_cfg(student, out, **kw):
     base = dict(model=student, output_dir=str(out), train_rooms=12, eval_rooms=4, k=2, max_steps=2, batch_size=4,
                 eval_max_new_tokens=8, progress=False, warmup_steps=1, lr=1e-2)
     return RFTConfig(**{**base, **kw})
+
+
+def test_rehearsal_examples_train_the_pretraining_answers_after_the_rooms_turns(loaded):
+    from train.pretrain_student import QUESTIONS_PER_CONVERSATION, encode_conversation
+    from train.rft import REHEARSAL_SKIP, rehearsal_examples
+    from train.synthetic.corpus import lookup_conversation
+
+    _, tok = loaded
+    rooms = make_rooms(3, seed=5)
+    cfg = RFTConfig(model="m", rehearsal=0.5, max_len=4096)
+    examples = rehearsal_examples(cfg, tok, rooms, 5)
+    assert len(examples) == 5 and examples == rehearsal_examples(cfg, tok, rooms, 5)  # deterministic
+    # the same conversations rebuilt by hand: the weights are the pre-training answer mask, shifted to
+    # "predict the next token", with the first REHEARSAL_SKIP answers (and the product list) left out
+    rng = random.Random(f"rehearsal/{cfg.seed}")
+    for i, ex in enumerate(examples):
+        msgs = lookup_conversation(rooms[i % 3], rng, QUESTIONS_PER_CONVERSATION)
+        ids, mask = encode_conversation(msgs, tok)
+        assert ex["input_ids"] == ids and len(ex["weights"]) == len(ids) - 1
+        answers = [j for j, m in enumerate(msgs) if m["role"] == "assistant"]
+        assert len(answers) == QUESTIONS_PER_CONVERSATION > REHEARSAL_SKIP
+        first_trained = len(encode_conversation(msgs[:answers[REHEARSAL_SKIP]], tok)[0])
+        trained = [j + 1 for j, w in enumerate(ex["weights"]) if w]
+        assert trained and min(trained) > first_trained
+        assert trained == [j for j, m in enumerate(mask) if m and j > first_trained]
+        # what is trained decodes to the later bare answers, each with its end token
+        later = [msgs[j]["content"] + "<|im_end|>" for j in answers[REHEARSAL_SKIP:]]
+        assert tok.decode([ids[j] for j in trained]) == "".join(later)
+
+
+def test_rehearsal_mixes_into_the_sft_data_and_needs_the_synthetic_world(student, tmp_path, capsys):
+    out = tmp_path / "run"
+    result = run(tiny_cfg(student, out, rehearsal=1.0, eval_rooms=0))
+    kept = len((out / "selected.jsonl").read_text().splitlines())
+    assert kept > 0 and result["examples"] == 2 * kept  # as many rehearsal conversations as selected answers
+    assert f"SFT: {2 * kept} examples ({kept} of them rehearsal" in capsys.readouterr().out
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps(make_rooms(1, seed=0)[0]) + "\n")
+    assert main(["--model", student, "--output_dir", str(tmp_path / "x"), "--data", str(data),
+                 "--rehearsal", "0.5"]) == 2
+    assert "--rehearsal replays the synthetic world" in capsys.readouterr().err
 
 
 def test_end_to_end_tiny_run_checkpoint_loads_in_transformers(student, tmp_path, capsys):

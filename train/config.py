@@ -157,10 +157,17 @@ class RFTConfig(RunConfig):
     markers: str = opt("<think>,</think>", "comma-separated marker strings, one token each")
     eval_every: int = opt(0, "every N optimizer steps (and at step 0) log eval_loss: the SFT loss on the "
                              "judge-selected teacher answers to the held-out inputs (0 = never)")
+    rehearsal: float = opt(0.0, "pre-training lookup conversations of the training rooms mixed into the SFT data, "
+                                "as a share of the selected examples (synthetic world only; 0 = none): "
+                                "rehearsal against forgetting, as InstructGPT mixes pre-training into PPO")
 
     def validate(self) -> None:
         super().validate()
         check_at_least(self, 1, "k", "grad_accum", "max_len")
+        check_at_least(self, 0, "rehearsal")
+        if self.rehearsal and self.data:
+            raise ConfigError("--rehearsal replays the synthetic world's pre-training lookups: it needs the "
+                              "synthetic rooms (no --data)")
         check_at_least(self, 0, "eval_every")
         if self.eval_every and not self.eval_data and (self.data or self.eval_rooms == 0):
             raise ConfigError("--eval_every needs held-out inputs: --eval_data with --data, or --eval_rooms > 0")

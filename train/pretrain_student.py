@@ -44,6 +44,9 @@ MODEL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_att
              rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, router_aux_loss_coef=0.01)
 
 
+QUESTIONS_PER_CONVERSATION = 8  # the committed student's pre-training conversations (and RFT's --rehearsal)
+
+
 def init_student(tok, seed: int = 0, **overrides):
     """A random-init tiny Qwen3-MoE (transformers) sized for `tok`; overrides change MODEL's fields."""
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
@@ -313,7 +316,7 @@ def main(argv=None):
                                                       "(default: a new tokenizer and a random init)")
     ap.add_argument("--steps", type=int, default=3600)
     ap.add_argument("--batch_size", type=int, default=8)
-    ap.add_argument("--turns", type=int, default=8, help="questions per pre-training conversation")
+    ap.add_argument("--turns", type=int, default=QUESTIONS_PER_CONVERSATION, help="questions per pre-training conversation")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--vocab_size", type=int, default=1024)

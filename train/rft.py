@@ -31,6 +31,7 @@ from train.data import build_prompt, load_inputs, load_jsonl, write_jsonl
 from train.judges import make_judge
 from train.nonfinite import NonFiniteGuard
 from train.selection import require_nonempty, select
+from train.synthetic.world import WorldConfig
 
 
 def log(msg: str) -> None:
@@ -79,6 +80,7 @@ def teacher_stage(cfg: RFTConfig, records: list, judge, prefix: str = "") -> lis
 
 
 # ------------------------------------------------------------------------------------------ SFT data
+REHEARSAL_SKIP = WorldConfig().max_history + 1  # a room's own question is at most this many turns in
 def marker_token_ids(tokenizer, markers: str) -> list:
     ids = []
     for m in filter(None, (s.strip() for s in markers.split(","))):
@@ -189,6 +191,27 @@ def encode_examples(cfg: RFTConfig, tokenizer, kept: list, what: str) -> list:
     return examples
 
 
+def rehearsal_examples(cfg: RFTConfig, tokenizer, rooms: list, n: int) -> list:
+    """n pre-training lookup conversations of `rooms` (train.synthetic.corpus: the bare-answer lookups the base
+    student learned) as SFT examples: what RFT would otherwise overwrite (issue 19). The loss is on the answers
+    after the first REHEARSAL_SKIP only: a room's question comes after at most that many answered ones, so
+    there the only target is the teacher's form (with the bare answers rehearsed at the same turns, the
+    student answered half the attribute questions bare: no thought, no supplement, unhelpful)."""
+    from train.pretrain_student import QUESTIONS_PER_CONVERSATION, encode_conversation
+    from train.synthetic.corpus import lookup_conversation
+
+    rng = random.Random(f"rehearsal/{cfg.seed}")
+    out = []
+    for i in range(n):
+        msgs = lookup_conversation(rooms[i % len(rooms)], rng, QUESTIONS_PER_CONVERSATION)
+        ids, mask = encode_conversation(msgs, tokenizer)
+        skipped = len(encode_conversation(msgs[:1 + 2 * REHEARSAL_SKIP], tokenizer)[0])
+        ids, mask = ids[:cfg.max_len], ([0] * skipped + mask[skipped:])[:cfg.max_len]
+        if any(mask[1:]):
+            out.append({"input_ids": ids, "weights": [float(m) for m in mask[1:]]})
+    return out
+
+
 @torch.no_grad()
 def heldout_loss(model, examples: list, pad_id: int, batch_size: int, device, autocast) -> float:
     """The SFT loss (weighted mean over every completion token, no aux term) of `examples`."""
@@ -200,18 +223,19 @@ def heldout_loss(model, examples: list, pad_id: int, batch_size: int, device, au
     return float(loss)
 
 
-def train(cfg: RFTConfig, model, tokenizer, kept: list, device, resume_from=None, dist=None, eval_kept=()) -> dict:
-    """The SFT loop; with cfg.eval_every, logs eval_loss on `eval_kept`. Returns {"steps", "loss", "examples",
-    "tokens"}. `dist` (train.distributed): every rank builds the same global step and computes its share (and
+def train(cfg: RFTConfig, model, tokenizer, kept: list, device, resume_from=None, dist=None, eval_kept=(),
+          rehearsal=()) -> dict:
+    """The SFT loop; with cfg.eval_every, logs eval_loss on `eval_kept`; `rehearsal`: encoded examples shuffled in
+    with the selected ones (rehearsal_examples). Returns {"steps", "loss", "examples", "tokens"}. `dist` (train.distributed): every rank builds the same global step and computes its share (and
     the whole held-out loss, every rank alike); None in one process."""
     dist = dist or distributed.single_process()
-    examples = encode_examples(cfg, tokenizer, kept, "training")
+    examples = encode_examples(cfg, tokenizer, kept, "training") + list(rehearsal)
     eval_examples = encode_examples(cfg, tokenizer, eval_kept, "held-out") if cfg.eval_every else []
     lengths = [len(e["input_ids"]) for e in examples]
     per_epoch = len(epoch_batches(lengths, cfg.batch_size, cfg.batching, 0))
     total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * per_epoch / cfg.grad_accum))
     dist.check_batch_sizes(cfg.batch_size, len(examples))
-    log(f"SFT: {len(examples)} examples ({sum(lengths)} tokens, {sum(sum(w > 0 for w in e['weights']) for e in examples)}"
+    log(f"SFT: {len(examples)} examples ({len(rehearsal)} of them rehearsal, {sum(lengths)} tokens, {sum(sum(w > 0 for w in e['weights']) for e in examples)}"
         f" target tokens), {per_epoch} micro-batches per epoch, {total_steps} optimizer steps")
 
     if cfg.gradient_checkpointing:
@@ -371,7 +395,8 @@ def _run(cfg: RFTConfig) -> dict:
                 json.dump(rows[-1], f)
 
     dist.barrier()
-    result = train(cfg, model, tokenizer, kept, device, resume_from, dist, eval_kept)
+    rehearsal = rehearsal_examples(cfg, tokenizer, train_inputs, round(cfg.rehearsal * len(kept)))
+    result = train(cfg, model, tokenizer, kept, device, resume_from, dist, eval_kept, rehearsal)
     final_dir = os.path.join(cfg.output_dir, "final")
     dist.export(model, final_dir, tokenizer)  # parallelize() sharded `model` in place
     log(f"final model (HF safetensors layout): {final_dir}")
