@@ -121,3 +121,24 @@ def test_teacher_supplements_with_a_listed_attribute_before_the_price():
     only_price = type(p)(p.link, p.name, p.category, {"color": "red", "price": "19 yuan"})
     assert supplement(only_price, "color") == "price" and supplement(only_price, "price") == "color"
     assert supplement(type(p)(1, "x", "y", {"price": "19 yuan"}), "price") is None
+
+
+def test_missing_product_answer_offers_the_alternative_in_the_list_walks_words():
+    """The alternative's sentence is one the thought's list walk already wrote (the answer copies it instead
+    of pairing a link with a name again, issue 19), and the judge reads it as a true, named product."""
+    from train.judges import SyntheticJudge, extract_claims
+    from train.synthetic.world import products_of, related
+
+    rooms = [r for r in make_rooms(300, seed=12) if r["meta"]["kind"] == "missing"]
+    assert len(rooms) >= 30
+    t, judge = ScriptedTeacher(seed=0), SyntheticJudge()
+    for r in rooms:
+        completion = t.answer(r, 0, "good", False)
+        thought, response = split_thought(completion)
+        alt = related(products_of(r), r["meta"]["category"])[0]
+        offer = f"link {alt.link} is {alt.name}."
+        walk = thought[thought.index(f"looks for {r['meta']['name']}."):thought.index(" none is ")]
+        assert response == f"there is no {r['meta']['name']} in the list. {offer}" and offer in walk
+        assert extract_claims(response, products_of(r)).links == {alt.link: [("name", "name", alt.name, True)]}
+        v = judge(r, completion)
+        assert v.correct and v.helpful, v.reason

@@ -130,9 +130,16 @@ class RunConfig:
                               "naming a local checkpoint directory")
 
 
+REHEARSAL_DEFAULT = 0.25  # issue 19: kept the pre-trained lookup through RFT (train/assets/student/README.md round 5)
+
+
 @dataclass(kw_only=True)
 class RFTConfig(RunConfig):
     """RFT options: the teacher, the selection and the SFT"""
+    # more rooms seen twice rather than fewer seen 8 times (2,048 x 8 before): with the rehearsal as many optimizer
+    # steps (1,966), and the student copies less of particular rooms (issue 19, train/assets/student/README.md round 5)
+    train_rooms: int = opt(6560, "synthetic training inputs when --data is not given")
+    epochs: float = opt(2.0, "passes over the training data when --max_steps is 0")
     # teacher and selection
     teacher: str = opt("scripted", "scripted | a checkpoint directory | an http(s) URL (OpenAI-compatible)")
     teacher_model: str = opt("default", "model name sent to a --teacher URL")
@@ -157,9 +164,14 @@ class RFTConfig(RunConfig):
     markers: str = opt("<think>,</think>", "comma-separated marker strings, one token each")
     eval_every: int = opt(0, "every N optimizer steps (and at step 0) log eval_loss: the SFT loss on the "
                              "judge-selected teacher answers to the held-out inputs (0 = never)")
-    rehearsal: float = opt(0.0, "pre-training lookup conversations of the training rooms mixed into the SFT data, "
-                                "as a share of the selected examples (synthetic world only; 0 = none): "
-                                "rehearsal against forgetting, as InstructGPT mixes pre-training into PPO")
+    rehearsal: float | None = opt(None, "pre-training lookup conversations of the training rooms mixed into the SFT "
+                                        "data, as a share of the selected examples: rehearsal against forgetting, "
+                                        "as InstructGPT mixes pre-training into PPO (synthetic world only; default "
+                                        f"{REHEARSAL_DEFAULT} there, 0 with --data)")
+
+    def __post_init__(self):
+        if self.rehearsal is None:
+            self.rehearsal = 0.0 if self.data else REHEARSAL_DEFAULT
 
     def validate(self) -> None:
         super().validate()

@@ -62,7 +62,8 @@ class GRPOConfig(RunConfig):
     rft_output: str = field(default="", metadata={"help": "where --model auto looks for the RFT student (default: RFT's output_dir)"})
     lr: float = 2e-4
     warmup_steps: int = field(default=2, metadata={"help": "steps of linear lr warm-up, then constant"})
-    max_steps: int = field(default=60, metadata={"help": "GRPO steps (a rollout batch, then μ optimizer passes); "
+    # 40 (60 before 2026-12-02): the RFT student's TPR is down 39-44% by then, and `make demo` keeps to ~12 minutes
+    max_steps: int = field(default=40, metadata={"help": "GRPO steps (a rollout batch, then μ optimizer passes); "
                                                          "0 = --epochs passes over the prompts"})
     batch_size: int = field(default=8, metadata={"help": "prompts per step (each gets --num_generations rollouts)"})
     # rollouts

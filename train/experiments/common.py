@@ -23,15 +23,15 @@ TINY_GRPO = [*TINY_SHARED, "--batch_size", "2", "--num_generations", "2", "--max
              "--ref_samples", "1", "--rollout_kv_bytes", str(8 * 2**20), "--micro_batch_size", "4"]
 
 # The full GRPO arms of length_sweep and reward_ablation: 40 steps of 4 prompts x 8 rollouts at the default
-# lr 2e-4 (the default runs 60 steps of 8 prompts: this is a third of its rollouts and two thirds of its
-# lr x steps), held-out rows of 64 rooms x 2 samples. A step takes ~4-5 s on this 2-core CPU shared with other
+# lr 2e-4 (the default runs 40 steps of 8 prompts, 60 before 2026-12-02: this is half its rollouts and all of
+# its lr x steps), held-out rows of 64 rooms x 2 samples. A step takes ~4-5 s on this 2-core CPU shared with other
 # jobs (load average ~8), so 3-4 arms fit in about 15 minutes. (At lr 1.5e-3 for 8 steps, tried first, the
 # KL to the start reached ~1.8 and the arms' lengths went anywhere: too fast a step for this student.)
 # Without --start they begin from the RFT default, as `make demo` runs it.
 FULL_GRPO = ["--max_steps", "40", "--batch_size", "4", "--eval_samples", "2"]
 FULL_RFT_START: list = []
 GRPO_SIZE_NOTE = """Sized for a shared 2-core CPU: each full arm runs 40 GRPO steps of 4 prompts x 8 rollouts at the default
-lr 2e-4 (the default run: 60 steps of 8 prompts), so its figures are a short run's, and differences of a few
+lr 2e-4 (the default run: 40 steps of 8 prompts), half the default's rollouts, and differences of a few
 points are within the held-out noise."""
 
 

@@ -80,7 +80,8 @@ def slug(name: str) -> str:
 def run(args: ExperimentArgs) -> str:
     rows, curves, arms = [], {}, []
     for name, (path, raw) in students(args).items():
-        arm = run_rft(args, slug(name), TINY if args.tiny else FULL, model=path)
+        # no rehearsal: the models start from random weights, with no pre-training to keep (and the figure was made without)
+        arm = run_rft(args, slug(name), TINY if args.tiny else FULL, ["--rehearsal", 0], model=path)
         arms.append(arm)
         curve = logged(arm, "eval_loss")
         curves[name] = ([s for s, _ in curve], [v for _, v in curve], None)

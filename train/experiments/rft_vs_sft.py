@@ -16,8 +16,9 @@ COLUMNS = ["Method", "Training examples", "Optimizer steps", "Tokens trained", "
 
 def run(args: ExperimentArgs) -> str:
     sizes = TINY_RFT if args.tiny else FULL
-    rft = run_rft(args, "rft", sizes, ["--selection", "first"])
-    sft = run_rft(args, "sft", sizes, ["--selection", "all", "--max_steps", rft.result["steps"]])
+    # no rehearsal (RFT's default since 2026-12-02): the table compares judge filtering alone, and was made without
+    rft = run_rft(args, "rft", sizes, ["--selection", "first", "--rehearsal", 0])
+    sft = run_rft(args, "sft", sizes, ["--selection", "all", "--max_steps", rft.result["steps"], "--rehearsal", 0])
     base = next(r for r in rft.result["rows"] if r["label"] == "student")
     rows = [["student (no fine-tuning)", "-", "-", "-", base["correct"], base["helpful"], base["tpr"]]]
     for label, arm in (("SFT (all teacher samples)", sft), ("RFT (judge-filtered)", rft)):

@@ -130,7 +130,7 @@ def _compose(room: dict, mode: str, rng: random.Random) -> tuple:
     if kind == "missing":
         asked = meta["name"]
         alt = related(products, meta["category"])[0]  # one alternative: each name offered is one more lookup
-        offer = f"link {alt.link} is the {alt.name}."
+        offer = _browse([alt])  # word for word the list walk's sentence: the answer copies it, no new lookup
         thought = f"the viewer looks for {asked}. {_browse(products)} none is {asked}. {offer}"
         if mode == "deflect":  # correct but unhelpful: the seed's Table 1, bottom left
             return thought, f"there is no {asked} in the list. {DEFLECTION}"
