@@ -85,10 +85,12 @@ def test_two_ranks_equal_one_process(student, tmp_path):
 def test_multi_turn_two_ranks_equal_one_process(student, tmp_path):
     """--multi_turn (LiveAssistant's trajectories, turn- and trajectory-level credit): each rank rolls out its
     prompts' trajectories (seeded by their places in the global batch) and decodes its share of the per-turn
-    reference lengths; the turn rewards are joined for the advantages. The tolerances above, but the weights' atol
-    1e-3 (lr / 10): the same near-eps AdamW effect, seen up to 6.7e-4 on 1 element each of two tensors (an expert
-    few tokens reach, an embedding row of a user-turn token), under 1.4e-4 elsewhere; a lost share or a wrongly
-    normalised loss moves most weights by ~lr."""
+    reference lengths; the turn rewards are joined for the advantages. The tolerances above, but the weights are
+    compared by how many differ by more than lr / 10: the same near-eps AdamW effect, which here flips the sign of
+    a few near-zero step-2 gradients (elements of rarely used embedding rows and experts), so those elements move
+    ~lr apart (seen: 1 element each of two tensors up to 6.7e-4 with one tiny tokenizer; 86 of 213k elements over
+    1e-3, up to 1.5e-2, with the next). A lost share or a wrongly normalised loss moves most weights by ~lr, so
+    fewer than 1 in 1,000 elements may differ by more than 1e-3."""
     import engine
 
     data = tmp_path / "mt.jsonl"
@@ -104,18 +106,21 @@ def test_multi_turn_two_ranks_equal_one_process(student, tmp_path):
     for key in ("reward/mean", "reward/std", "reward/varied/mean", "tpr/mean", "tpr/max", "zero_variance_groups"):
         assert [r[key] for r in rows] == [r[key] for r in ref_rows], key
     for key in ("loss", "grad_norm", "kl"):
-        # step 1 from the same weights: reduction order only; step 2 from weights that differ by the near-eps
-        # AdamW effect below (up to 6.7e-4 on a few elements), which moves its grad norm by ~1e-5 relative
-        # (seen 1.4e-5); a lost share or a wrong normaliser moves it by far more than 1e-4
-        for step, rtol in ((0, 1e-5), (1, 1e-4)):
+        # step 1 from the same weights: reduction order only (the loss, a mean of advantage-weighted terms that
+        # nearly cancel, 1.4e-4 here, shows it in absolute terms: atol 1e-6); step 2 from weights that differ by
+        # the near-eps AdamW effect below (up to 6.7e-4 on a few elements), which moves its figures by 1e-5 to
+        # 7e-4 relative depending on the tiny tokenizer (seen 1.4e-5, then 2.6e-4 on grad norm and KL and 6.7e-4
+        # on the loss after a teacher change); a lost share or a wrong normaliser moves them by far more than 1e-3
+        for step, rtol, atol in ((0, 1e-5, 1e-6 if key == "loss" else 1e-9), (1, 1e-3, 1e-9)):
             torch.testing.assert_close(torch.tensor(rows[step][key]), torch.tensor(ref_rows[step][key]), rtol=rtol,
-                                       atol=1e-9, msg=f"{key} at step {step + 1}")
+                                       atol=atol, msg=f"{key} at step {step + 1}")
     assert all(r["grad_norm"] > 0 for r in rows) and rows[0]["tpr/max"] > 10  # more than one turn's tokens
     ref = engine.load_model(str(one / "final"), dtype=torch.float32).state_dict()
     got = engine.load_model(str(two / "final"), dtype=torch.float32).state_dict()
     assert got.keys() == ref.keys() and len(got) > 0
-    for name, t in ref.items():
-        torch.testing.assert_close(got[name], t, rtol=0, atol=1e-3, msg=name)
+    diffs = torch.cat([(got[name] - t).abs().flatten() for name, t in ref.items()])
+    off = int((diffs > 1e-3).sum())
+    assert off < diffs.numel() / 1000, f"{off} of {diffs.numel()} weights differ by more than 1e-3"
 
 
 @pytest.mark.parametrize("extra, message", [

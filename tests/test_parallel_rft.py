@@ -20,8 +20,9 @@ from spawn_ranks import free_port
 from test_rft import student, tiny_cfg  # noqa: F401  (the module's tiny student checkpoint fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# rehearsal 0 unless a test says otherwise: its batch sizes count the selected examples
 ARGS = dict(train_rooms=12, k=2, max_steps=2, batch_size=4, eval_rooms=0, warmup_steps=1, lr=1e-2, device="cpu",
-            progress=False)
+            progress=False, rehearsal=0)
 
 
 def torchrun(nproc: int, out: str, model: str, *extra: str, timeout: float = 300, **args) -> subprocess.CompletedProcess:
@@ -73,7 +74,8 @@ def test_save_with_two_ranks_resume_with_one_and_four(student, tmp_path):  # noq
     import engine
     from train.rft import run
 
-    args = dict(max_steps=4, save_every=2, keep_last=5, batch_size=5)  # 10 examples: 2 whole batches an epoch
+    # 10 selected examples and 5 rehearsal conversations (built alike on every rank): 3 whole batches an epoch
+    args = dict(max_steps=4, save_every=2, keep_last=5, batch_size=5, rehearsal=0.5)
     one = tmp_path / "one"
     run(tiny_cfg(student, one, **{**ARGS, **args}))
     ref_rows, ref = metrics(one), engine.load_model(str(one / "final"), dtype=torch.float32)
