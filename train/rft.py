@@ -80,7 +80,10 @@ def teacher_stage(cfg: RFTConfig, records: list, judge, prefix: str = "") -> lis
 
 
 # ------------------------------------------------------------------------------------------ SFT data
-REHEARSAL_SKIP = WorldConfig().max_history + 1  # a room's own question is at most this many turns in
+# rehearsed answers before this one are not trained: a room's own question follows at most max_history answers
+REHEARSAL_SKIP = WorldConfig().max_history + 1
+
+
 def marker_token_ids(tokenizer, markers: str) -> list:
     ids = []
     for m in filter(None, (s.strip() for s in markers.split(","))):
@@ -196,7 +199,7 @@ def rehearsal_examples(cfg: RFTConfig, tokenizer, rooms: list, n: int) -> list:
     student learned) as SFT examples: what RFT would otherwise overwrite (issue 19). The loss is on the answers
     after the first REHEARSAL_SKIP only: a room's question comes after at most that many answered ones, so
     there the only target is the teacher's form (with the bare answers rehearsed at the same turns, the
-    student answered half the attribute questions bare: no thought, no supplement, unhelpful)."""
+    student answered three quarters of the attribute questions bare: no thought, no supplement, unhelpful)."""
     from train.pretrain_student import QUESTIONS_PER_CONVERSATION, encode_conversation
     from train.synthetic.corpus import lookup_conversation
 
@@ -225,9 +228,10 @@ def heldout_loss(model, examples: list, pad_id: int, batch_size: int, device, au
 
 def train(cfg: RFTConfig, model, tokenizer, kept: list, device, resume_from=None, dist=None, eval_kept=(),
           rehearsal=()) -> dict:
-    """The SFT loop; with cfg.eval_every, logs eval_loss on `eval_kept`; `rehearsal`: encoded examples shuffled in
-    with the selected ones (rehearsal_examples). Returns {"steps", "loss", "examples", "tokens"}. `dist` (train.distributed): every rank builds the same global step and computes its share (and
-    the whole held-out loss, every rank alike); None in one process."""
+    """The SFT loop; with cfg.eval_every, logs eval_loss on `eval_kept`; `rehearsal`: encoded examples shuffled
+    in with the selected ones (rehearsal_examples). Returns {"steps", "loss", "examples", "tokens"}. `dist`
+    (train.distributed): every rank builds the same global step and computes its share (and the whole held-out
+    loss, every rank alike); None in one process."""
     dist = dist or distributed.single_process()
     examples = encode_examples(cfg, tokenizer, kept, "training") + list(rehearsal)
     eval_examples = encode_examples(cfg, tokenizer, eval_kept, "held-out") if cfg.eval_every else []
@@ -235,7 +239,8 @@ def train(cfg: RFTConfig, model, tokenizer, kept: list, device, resume_from=None
     per_epoch = len(epoch_batches(lengths, cfg.batch_size, cfg.batching, 0))
     total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * per_epoch / cfg.grad_accum))
     dist.check_batch_sizes(cfg.batch_size, len(examples))
-    log(f"SFT: {len(examples)} examples ({len(rehearsal)} of them rehearsal, {sum(lengths)} tokens, {sum(sum(w > 0 for w in e['weights']) for e in examples)}"
+    targets = sum(sum(w > 0 for w in e["weights"]) for e in examples)
+    log(f"SFT: {len(examples)} examples ({len(rehearsal)} of them rehearsal, {sum(lengths)} tokens, {targets}"
         f" target tokens), {per_epoch} micro-batches per epoch, {total_steps} optimizer steps")
 
     if cfg.gradient_checkpointing:
