@@ -24,6 +24,7 @@ from engine.async_llm import AsyncLLM  # noqa: E402
 from engine.server import ServerProcess  # noqa: E402
 from tiny_tokenizer import make_text_checkpoint  # noqa: E402
 
+
 def cpu_seconds(pid: int) -> float:
     """CPU time of all the process's threads (schedstat: nanoseconds, unlike /proc/PID/stat's ticks)."""
     total = 0

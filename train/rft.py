@@ -207,9 +207,11 @@ def rehearsal_examples(cfg: RFTConfig, tokenizer, rooms: list, n: int) -> list:
     out = []
     for i in range(n):
         msgs = lookup_conversation(rooms[i % len(rooms)], rng, QUESTIONS_PER_CONVERSATION)
-        ids, mask = encode_conversation(msgs, tokenizer)
-        skipped = len(encode_conversation(msgs[:1 + 2 * REHEARSAL_SKIP], tokenizer)[0])
-        ids, mask = ids[:cfg.max_len], ([0] * skipped + mask[skipped:])[:cfg.max_len]
+        # encoded per message, so the untrained head (the list and the first answers) and the rest concatenate
+        head = 1 + 2 * REHEARSAL_SKIP
+        skipped, _ = encode_conversation(msgs[:head], tokenizer)
+        rest, rest_mask = encode_conversation(msgs[head:], tokenizer)
+        ids, mask = (skipped + rest)[:cfg.max_len], ([0] * len(skipped) + rest_mask)[:cfg.max_len]
         if any(mask[1:]):
             out.append({"input_ids": ids, "weights": [float(m) for m in mask[1:]]})
     return out

@@ -69,7 +69,6 @@ class RequestGuard:
         return None
 
 
-
 def _too_large(limit: int) -> tuple[int, dict]:
     return 413, error_body(f"the request body is over the server's limit of {limit} bytes (--max-body-bytes)")
 
