@@ -56,9 +56,9 @@ class RunConfig:
     output_dir: str = opt("runs/rft", "where the config, metrics, curves, checkpoints and final/ export go")
     seed: int = opt(0, "seed of the data order, sampling and initialisation")
     device: str = opt("auto", "auto (a GPU when there is one) | cpu | cuda")
-    # 1 by default: the tiny default model gains little from a second thread, and on a shared 2-core CPU
-    # two threads per process oversubscribe it and run several times slower (measured: 25.7 s vs 1.2 s
-    # for the same evaluation)
+    # 1 by default: on a shared 2-core CPU two threads per process oversubscribe it and run several times
+    # slower (measured: 25.7 s vs 1.2 s for the same evaluation); with the CPU to itself two threads are 1.5-1.8x
+    # faster with the same results (make demo passes --threads 2)
     threads: int = opt(1, "CPU threads for torch (0 = torch's default)")
     skip_bad_lines: bool = opt(False, "skip and count malformed JSONL lines instead of stopping at the first")
     train_rooms: int = opt(2048, "synthetic training inputs when --data is not given")
