@@ -7,11 +7,12 @@ import torch
 import torch.nn.functional as F
 
 from engine import load_model, load_tokenizer
+from engine.live.decision import format_decision
 from train.live.data import encode_session
 from train.live.gspo import (GSPOOptions, decision_class, part_advantages, part_rewards, part_starts, per_turn_policy_loss,
                              rewards_of, split_tokens, split_turns, turn_rows)
 from train.live.msft import MSFTOptions, class_weights, encode_example, train_msft
-from train.live.world import LiveWorldConfig, decision_text, make_sessions
+from train.live.world import LiveWorldConfig, make_sessions
 from train.rft import collate, sft_step_loss
 from train.rollout import Completion
 
@@ -40,12 +41,12 @@ def test_class_weights_balance_kinds():
 def _plain_weights(tokenizer, session, by_kind, marker_weight, eos, recipient_weight):
     """Per target position, computed from scratch: each decision token's characters decoded one token
     at a time; a token starting in the recipient name weighs recipient_weight, another token starting
-    before the message (or the end token) marker_weight."""
-    enc = encode_session(session, tokenizer, eos)
+    before the message (or the end token) marker_weight. The decisions are the recorded trajectory's."""
+    enc = encode_session(session, tokenizer, eos, recorded=True)
     w = torch.zeros(len(enc.input_ids) - 1)
     for (a, b), iv in zip(enc.decision_spans, session["intervals"]):
-        text = decision_text(iv)
-        d = iv["decision"]
+        d = iv.get("recorded", iv["decision"])
+        text = format_decision(d["kind"], d.get("recipient"), d.get("task"), d.get("message"))
         message_at = len(text) - len(d["message"]) if d["kind"] != "OBS" else len(text)
         name = range(len("ANS @"), len("ANS @") + len(d["recipient"])) if d["kind"] == "ANS" else range(0)
         pos = 0
@@ -60,9 +61,11 @@ def _plain_weights(tokenizer, session, by_kind, marker_weight, eos, recipient_we
 def test_msft_weights_and_loss_match_plain_pytorch(tiny):
     tok, model = load_tokenizer(tiny), load_model(tiny)
     sessions = make_sessions(3, seed=4, cfg=LiveWorldConfig(num_intervals=5))
-    kinds = [iv["decision"]["kind"] for s in sessions for iv in s["intervals"]]
+    kinds = [iv.get("recorded", iv["decision"])["kind"] for s in sessions for iv in s["intervals"]]
     by_kind = class_weights(kinds, 1.0)
     assert any(iv["decision"]["kind"] == "ANS" for s in sessions for iv in s["intervals"])
+    # a courtesy reply the recording left out: MA-MSFT learns the recorded OBS there
+    assert any("recorded" in iv for s in sessions for iv in s["intervals"])
     examples, expected = [], []
     for s in sessions:
         e = encode_example(s, tok, tok.eos_token_id, by_kind, 3.0, max_len=10**6, recipient_weight=7.0)

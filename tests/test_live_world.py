@@ -138,6 +138,29 @@ def test_judge_on_crafted_good_and_bad_decisions():
         score_session(gold[:2], s)
 
 
+def test_recordings_leave_out_courtesy_replies_on_their_own_random_stream():
+    noisy = make_sessions(40, seed=5)
+    clean = make_sessions(40, seed=5, cfg=LiveWorldConfig(p_unrecorded_courtesy=0.0))
+
+    def reviewed(sessions):
+        return [[{k: v for k, v in iv.items() if k != "recorded"} for iv in s["intervals"]] for s in sessions]
+
+    assert reviewed(noisy) == reviewed(clean)  # events and reviewed decisions do not depend on the recording
+    assert json.dumps(make_sessions(40, seed=5)) == json.dumps(noisy)
+    assert not any("recorded" in iv for s in clean for iv in s["intervals"])
+    ivs = [iv for s in noisy for iv in s["intervals"]]
+    recorded = [iv for iv in ivs if "recorded" in iv]
+    courtesy = [iv for iv in ivs if iv["decision"]["task"] in ("welcome", "thank")]
+    assert recorded and courtesy
+    assert 0.3 < len(recorded) / len(courtesy) < 0.7  # p_unrecorded_courtesy 0.5
+    for iv in recorded:
+        assert iv["decision"]["task"] in ("welcome", "thank")
+        assert decision_text(iv, recorded=True) == "OBS" and decision_text(iv).startswith("ANS @")
+    assert all(decision_text(iv, recorded=True) == decision_text(iv) for iv in ivs if "recorded" not in iv)
+    with pytest.raises(ValueError, match="p_unrecorded_courtesy must be in"):
+        LiveWorldConfig(p_unrecorded_courtesy=1.5)
+
+
 def test_jsonl_round_trip_and_bad_lines_named(tmp_path):
     sessions = make_sessions(3, seed=2)
     path = tmp_path / "s.jsonl"
@@ -147,11 +170,16 @@ def test_jsonl_round_trip_and_bad_lines_named(tmp_path):
     bad["intervals"] = [dict(bad["intervals"][0], decision={"kind": "ANS", "recipient": "amy", "task": "dance",
                                                               "message": "x"})]
     path.write_text(json.dumps(sessions[1]) + "\n" + json.dumps(bad) + "\n")
-    with pytest.raises(DataError, match=r"s.jsonl:2 intervals\[0\]: task 'dance'"):
+    with pytest.raises(DataError, match=r"s.jsonl:2 intervals\[0\]: decision: task 'dance'"):
         load_sessions(str(path))
     path.write_text(json.dumps(dict(sessions[0], intervals=[{"events": [{"type": "shout"}], "decision": {"kind": "OBS"}}])))
     with pytest.raises(DataError, match=r"s.jsonl:1 intervals\[0\]: events\[0\].type must be one of"):
         load_sessions(str(path))
+    for recorded, why in (("OBS", "recorded must be a decision object"),
+                          ({"kind": "ANS", "recipient": "amy", "task": "dance", "message": "x"}, "recorded: task 'dance'")):
+        path.write_text(json.dumps(dict(sessions[0], intervals=[dict(sessions[0]["intervals"][0], recorded=recorded)])))
+        with pytest.raises(DataError, match=rf"s.jsonl:1 intervals\[0\]: {why}"):
+            load_sessions(str(path))
     path.write_text("{not json\n")
     with pytest.raises(DataError, match=r"s.jsonl:1: not valid JSON"):
         load_sessions(str(path))
@@ -167,6 +195,14 @@ def test_encoded_session_spans_hold_each_decision_and_the_end_token():
     for (a, b), iv in zip(enc.decision_spans, s["intervals"]):
         assert enc.input_ids[b - 1] == 2
         assert tok.decode(enc.input_ids[a:b - 1]) == decision_text(iv)
+    # the recorded trajectory's decisions instead, where it left a courtesy reply out
+    s = next(x for x in make_sessions(20, seed=0) if any("recorded" in iv for iv in x["intervals"]))
+    enc = encode_session(s, tok, eos_id=2, recorded=True)
+    assert len(enc.decision_spans) == len(s["intervals"])
+    for (a, b), iv, kind in zip(enc.decision_spans, s["intervals"], enc.kinds):
+        want = iv.get("recorded", iv["decision"])
+        assert tok.decode(enc.input_ids[a:b - 1]) == decision_text(iv, recorded=True)
+        assert kind == want["kind"]
 
 
 def test_accuracy_reports_binomial_standard_errors_and_counts():

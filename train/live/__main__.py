@@ -62,11 +62,14 @@ def format_margins(rows: dict) -> str:
 
 
 def load_data(cfg: LiveConfig) -> tuple:
-    world = LiveWorldConfig(num_intervals=cfg.num_intervals)
+    """(MA-MSFT's training sessions, held-out sessions, SM-GSPO's sessions: MA-MSFT's unless --gspo_sessions)."""
+    world = LiveWorldConfig(num_intervals=cfg.num_intervals, **({} if cfg.unrecorded_courtesy is None else
+                                                                {"p_unrecorded_courtesy": cfg.unrecorded_courtesy}))
     train = load_sessions(cfg.data) if cfg.data else make_sessions(cfg.train_sessions, cfg.seed, world, "train")
     held = (load_sessions(cfg.eval_data) if cfg.eval_data
             else make_sessions(cfg.eval_sessions, cfg.seed + 10_000, world, "heldout"))
-    return train, held
+    rl = make_sessions(cfg.gspo_sessions, cfg.seed + 20_000, world, "rl") if cfg.gspo_sessions else train
+    return train, held, rl
 
 
 def engine_for(model, tokenizer) -> LLM:
@@ -74,7 +77,7 @@ def engine_for(model, tokenizer) -> LLM:
 
 
 def replay(cfg: LiveConfig) -> None:
-    _, held = load_data(cfg)
+    _, held, _ = load_data(cfg)
     model, tok = load_model(cfg.replay), load_tokenizer(cfg.replay)
     llm = engine_for(model, tok)
     session = held[0]
@@ -105,13 +108,14 @@ def run(cfg: LiveConfig) -> dict:
     os.makedirs(cfg.output_dir, exist_ok=True)
     save_config(cfg, cfg.output_dir)
     t_start, cpu_start = time.time(), time.process_time()
-    train, held = load_data(cfg)
+    train, held, rl = load_data(cfg)
     tokenizer = load_tokenizer(cfg.model)
     if tokenizer is None:
         raise ValueError(f"{cfg.model}: the checkpoint has no tokenizer")
     model = load_model(cfg.model, device=device)
     log(f"{len(train)} training sessions, {len(held)} held-out sessions of "
-        f"{sum(len(s['intervals']) for s in held)} intervals")
+        f"{sum(len(s['intervals']) for s in held)} intervals"
+        + (f", {len(rl)} fresh sessions for SM-GSPO" if rl is not train else ""))
     rows = {}
 
     def evaluate_stage(name):
@@ -139,7 +143,7 @@ def run(cfg: LiveConfig) -> dict:
                            temperature=cfg.gspo_temperature, lr=cfg.gspo_lr, turn_weight=cfg.turn_weight,
                            credit=cfg.credit, balance=cfg.gspo_balance, scale_rewards=cfg.gspo_scale_rewards,
                            max_message_chars=cfg.max_message_chars, lambda_aux=cfg.lambda_aux, seed=cfg.seed)
-        _stage_train(cfg, "gspo", lambda on_step: train_gspo(model, tokenizer, train, opts, log, on_step,
+        _stage_train(cfg, "gspo", lambda on_step: train_gspo(model, tokenizer, rl, opts, log, on_step,
                                                              num_kv_blocks=512))
         _save(model, tokenizer, os.path.join(cfg.output_dir, "gspo", "model"))
         evaluate_stage("SM-GSPO")

@@ -29,8 +29,14 @@ class LiveConfig:
     progress: bool = True
     # the synthetic world
     train_sessions: int = 512
+    gspo_sessions: int = field(default=0, metadata={"help": "SM-GSPO's own pool: this many fresh sessions of the "
+                                                            "synthetic world, none of them seen by MA-MSFT "
+                                                            "(0 = MA-MSFT's training sessions)"})
     eval_sessions: int = 64
     num_intervals: int = field(default=6, metadata={"help": "intervals per synthetic session (10 s each)"})
+    unrecorded_courtesy: float | None = field(default=None, metadata={
+        "help": "synthetic world: the chance that the recorded trajectory MA-MSFT imitates leaves out a welcome "
+                "or thank the reviewed decision makes (train/live/world.py; none = the world's default)"})
     max_message_chars: int = field(default=default_of(GSPOOptions, "max_message_chars"),
                                    metadata={"help": "longest MEM note / ANS message the grammar allows"})
     # MA-MSFT
@@ -80,6 +86,17 @@ class LiveConfig:
             path = getattr(self, name)
             if path is not None and not os.path.isfile(path):
                 raise ConfigError(f"--{name} {path}: no such file")
+        if self.unrecorded_courtesy is not None:
+            if self.data:
+                raise ConfigError("--unrecorded_courtesy shapes the synthetic world's recordings; --data sessions "
+                                  "bring their own (an interval's optional \"recorded\" decision)")
+            if not 0 <= self.unrecorded_courtesy <= 1:
+                raise ConfigError(f"--unrecorded_courtesy must be in [0, 1], got {self.unrecorded_courtesy}")
+        if self.gspo_sessions < 0:
+            raise ConfigError(f"--gspo_sessions must be >= 0, got {self.gspo_sessions}")
+        if self.gspo_sessions and self.data:
+            raise ConfigError("--gspo_sessions draws fresh sessions of the synthetic world; with --data SM-GSPO "
+                              "plays the --data sessions (drop one of the two)")
         for name in ("train_sessions", "eval_sessions", "num_intervals", "sft_steps", "sft_batch_size", "max_len",
                      "gspo_steps", "sessions_per_step", "num_iterations", "max_message_chars"):
             if getattr(self, name) < 1:

@@ -11,6 +11,8 @@ One session per line:
                                                                         or one preformatted string
          "decision": {"kind": "ANS", "recipient": "amy", "task": "answer",
                       "message": "link 3 pork zongzi: price is 39 yuan."},
+         "recorded": {"kind": "OBS"},       optional: what the recorded trajectory did where it differs from the
+                                            reviewed decision (MA-MSFT imitates it; the judge uses "decision")
          "facts": ["link 3 pork zongzi: price is 39 yuan."],             optional: what grounding needs
          "changes": [{"link": 3, "attribute": "price", "value": "29 yuan"}],   optional: room changes
          "questions": [{"user": "amy", "fact": "..."}]},                optional: questions left standing
@@ -39,24 +41,31 @@ def check_session(s, where: str) -> dict:
         at = f"{where} intervals[{i}]"
         if not isinstance(iv, dict) or "events" not in iv or not isinstance(iv.get("decision"), dict):
             raise DataError(f"{at}: an interval needs events and a decision object")
+        if "recorded" in iv and not isinstance(iv["recorded"], dict):
+            raise DataError(f"{at}: recorded must be a decision object")
         t = iv.get("t")
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0):
             raise DataError(f"{at}: t must be a number of seconds >= 0, got {t!r}")
         try:
             render_events(iv["events"])
-            d = iv["decision"]
-            unknown = sorted(set(d) - {"kind", "recipient", "task", "message"})
-            if unknown:
-                raise DecisionFormatError(f"unknown decision field(s) {unknown}")
-            dec = Decision(d.get("kind"), d.get("recipient"), d.get("task"), d.get("message"))
-            if dec.kind == "ANS" and dec.task not in TASKS:
-                raise DecisionFormatError(f"task {dec.task!r} is not one of {TASKS}")
+            for key in ("decision", "recorded"):
+                if key in iv:
+                    _check_decision(iv[key], key)
         except (RequestError, DecisionFormatError) as e:
             raise DataError(f"{at}: {e}") from None
         for key in ("facts", "changes", "questions"):
             if key in iv and not isinstance(iv[key], list):
                 raise DataError(f"{at}: {key!r} must be a list")
     return s
+
+
+def _check_decision(d: dict, key: str) -> None:
+    unknown = sorted(set(d) - {"kind", "recipient", "task", "message"})
+    if unknown:
+        raise DecisionFormatError(f"unknown {key} field(s) {unknown}")
+    dec = Decision(d.get("kind"), d.get("recipient"), d.get("task"), d.get("message"))
+    if dec.kind == "ANS" and dec.task not in TASKS:
+        raise DecisionFormatError(f"{key}: task {dec.task!r} is not one of {TASKS}")
 
 
 def load_sessions(path: str) -> list:
@@ -94,18 +103,20 @@ def interval_time(interval: dict, index: int, interval_s: float = 10.0) -> float
     return (index + 1) * interval_s if t is None else t
 
 
-def encode_session(session: dict, tokenizer, eos_id: int, decisions: list | None = None) -> EncodedSession:
+def encode_session(session: dict, tokenizer, eos_id: int, decisions: list | None = None,
+                   recorded: bool = False) -> EncodedSession:
     """The session's token ids as a LiveSession would see them (no compaction). decisions: per interval
-    the decision text to put in context (default: the gold ones)."""
-    from train.live.world import decision_text
+    the decision text to put in context (default: the reviewed ones; recorded=True: the recorded
+    trajectory's, train.live.world.recorded_decision)."""
+    from train.live.world import decision_text, recorded_decision
 
     ids = encode(tokenizer, system_segment(session["system"]))
     spans, kinds = [], []
     for i, iv in enumerate(session["intervals"]):
         ids += encode(tokenizer, interval_segment(render_events(iv["events"], interval_time(iv, i)), after_decision=i > 0))
-        text = decision_text(iv) if decisions is None else decisions[i]
+        text = decision_text(iv, recorded) if decisions is None else decisions[i]
         start = len(ids)
         ids += encode(tokenizer, text) + [eos_id]
         spans.append((start, len(ids)))
-        kinds.append(iv["decision"]["kind"])
+        kinds.append((recorded_decision(iv) if recorded else iv["decision"])["kind"])
     return EncodedSession(ids, spans, kinds)

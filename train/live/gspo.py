@@ -63,7 +63,10 @@ class GSPOOptions(StageOptions):
     epsilon_high: float = 4e-4
     reward_weights: tuple = (0.4, 0.2, 0.2, 0.2)  # state, recipient, task, grounding
     credit: str = "field"  # the parts of a decision that are GSPO rows with their own reward (part_starts)
-    balance: float = 1.0  # advantages scaled by the gold decision's class weight, 0 (none) .. 1 (full)
+    # advantages scaled by the gold decision's class weight, 0 (none) .. 1 (full). 0: in RL the weight also scales
+    # the penalty of whatever the policy did there, so at 1 an ANS where OBS was due costs 0.32x while a missed
+    # ANS costs 1-3.9x, and the policy learns to speak up everywhere (state accuracy -5.8, train/results/live)
+    balance: float = 0.0
     scale_rewards: str = "group"  # train.advantages: "group" divides each part's centred rewards by their std
     max_message_chars: int = 96
 
@@ -304,8 +307,8 @@ class SMGSPO:
 
 def train_gspo(model, tokenizer, sessions: list, opts: GSPOOptions, log=print, on_step=None,
                **engine_options) -> dict:
-    # the rare decisions (a thank, a correction, a MEM) weigh as much as the frequent OBS, as in MA-MSFT:
-    # unweighted, the many OBS and welcome intervals pull the shared weights toward silence and welcome
+    # balance > 0: the rare decisions (a thank, a correction, a MEM) weigh as much as the frequent OBS, as in
+    # MA-MSFT (off by default: see GSPOOptions.balance)
     class_weight = class_weights([decision_class(iv) for s in sessions for iv in s["intervals"]], opts.balance)
     trainer = SMGSPO(model, tokenizer, opts, class_weight, **engine_options)
     rng = torch.Generator().manual_seed(opts.seed)

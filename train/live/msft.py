@@ -29,7 +29,7 @@ import torch
 from engine.live.decision import KINDS
 from train.live.data import encode_session
 from train.live.options import StageOptions
-from train.live.world import decision_text
+from train.live.world import decision_text, recorded_decision
 from train.nonfinite import NonFiniteGuard
 from train.rft import collate, make_scheduler, sft_step_loss
 
@@ -94,14 +94,14 @@ def encode_example(session: dict, tokenizer, eos_id: int, weights_by_kind: dict,
                    max_len: int, recipient_weight: float | None = None) -> dict | None:
     """{"input_ids", "weights"} (weights[j]: the weight of predicting input_ids[j + 1]), the session cut
     to the whole intervals that fit in max_len; None when not one does."""
-    enc = encode_session(session, tokenizer, eos_id)
+    enc = encode_session(session, tokenizer, eos_id, recorded=True)
     spans = [(s, e, k) for (s, e), k in zip(enc.decision_spans, enc.kinds) if e <= max_len]
     if not spans:
         return None
     ids = enc.input_ids[:spans[-1][1]]
     weights = [0.0] * (len(ids) - 1)
     for (s, e, kind), iv in zip(spans, session["intervals"]):
-        w = decision_weights(tokenizer, decision_text(iv), marker_weight, recipient_weight)
+        w = decision_weights(tokenizer, decision_text(iv, recorded=True), marker_weight, recipient_weight)
         assert len(w) == e - s, (len(w), e - s)  # encode_session encodes the same text the same way
         for j, x in enumerate(w):
             weights[s + j - 1] = x * weights_by_kind[kind]
@@ -111,7 +111,7 @@ def encode_example(session: dict, tokenizer, eos_id: int, weights_by_kind: dict,
 def train_msft(model, tokenizer, sessions: list, opts: MSFTOptions, log=print, on_step=None) -> dict:
     """Trains model in place. on_step(step, metrics) is called after each optimizer step."""
     eos = tokenizer.eos_token_id
-    kinds = [iv["decision"]["kind"] for s in sessions for iv in s["intervals"]]
+    kinds = [recorded_decision(iv)["kind"] for s in sessions for iv in s["intervals"]]
     weights_by_kind = class_weights(kinds, opts.balance)
     examples = [e for s in sessions
                 if (e := encode_example(s, tokenizer, eos, weights_by_kind, opts.marker_weight, opts.max_len,

@@ -19,6 +19,14 @@ The ground-truth decision of an interval, by rule, first that applies:
 A question passed over (by a MEM or an older question) stands to the next interval; a claim, gift or
 join is owed only in its own interval.
 
+The recorded trajectory (what MA-MSFT imitates) is not the reviewed one. The seed trains on sessions its
+trajectory engine reconstructs from real streams and scores on a human-reviewed benchmark: the
+reconstruction shows what the stream's assistant did, and real assistants skip many courtesy replies. So an
+interval whose reviewed decision is a welcome or a thank is recorded as OBS with probability
+`p_unrecorded_courtesy` (the interval's `recorded` decision; its own random stream, so the sessions' events
+and reviewed decisions do not depend on it). The judge, the held-out accuracies and SM-GSPO's rewards use
+the reviewed `decision`; what the recording leaves out only the reward can teach.
+
 A session is a plain dict (the JSONL trajectory format of `--data`, see train/live/data.py). Same
 seed, same sessions.
 """
@@ -55,6 +63,7 @@ class LiveWorldConfig:
     p_host_talk: float = 0.5
     p_frame: float = 0.4
     p_meta: float = 0.1
+    p_unrecorded_courtesy: float = 0.5  # a welcome or thank the recorded trajectory leaves out (OBS)
 
     def __post_init__(self):
         for name, value in vars(self).items():
@@ -149,6 +158,7 @@ def make_session(rng: random.Random, cfg: LiveWorldConfig, session_id: str) -> d
     present: list = []  # viewers in the room
     asked_before: list = []  # (link, attr) asked earlier: repeats come from here
     referee = Referee(state)
+    recording = random.Random(f"{session_id}/recorded")  # apart: the events do not depend on the recording
     intervals = []
     for i in range(cfg.num_intervals):
         events, changes, questions = [], [], []
@@ -210,6 +220,8 @@ def make_session(rng: random.Random, cfg: LiveWorldConfig, session_id: str) -> d
         intervals.append({"t": (i + 1) * cfg.interval_s, "events": events, "changes": changes,
                           "questions": questions,
                           "decision": decision, "facts": facts})
+        if decision["task"] in ("welcome", "thank") and recording.random() < cfg.p_unrecorded_courtesy:
+            intervals[-1]["recorded"] = _decision("OBS")
     return {"id": session_id, "system": system, "products": [p.to_json() for p in products], "intervals": intervals}
 
 
@@ -220,6 +232,13 @@ def make_sessions(n: int, seed: int = 0, cfg: LiveWorldConfig | None = None, pre
     return [make_session(rng, cfg, f"{prefix}-{seed}-{i}") for i in range(n)]
 
 
-def decision_text(interval: dict) -> str:
-    d = interval["decision"]
+def recorded_decision(interval: dict) -> dict:
+    """The decision the recorded trajectory shows (MA-MSFT imitates it): `recorded` where the recording
+    differs from the reviewed decision, else the decision."""
+    return interval.get("recorded") or interval["decision"]
+
+
+def decision_text(interval: dict, recorded: bool = False) -> str:
+    """The reviewed decision's text (recorded=True: the recorded trajectory's)."""
+    d = recorded_decision(interval) if recorded else interval["decision"]
     return format_decision(d["kind"], d.get("recipient"), d.get("task"), d.get("message"))
