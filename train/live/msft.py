@@ -1,7 +1,9 @@
 """MA-MSFT: marker-aware multi-turn SFT over whole session trajectories.
 
 One training sequence is one session in the live layout (engine.live.layout), and the loss is on every
-interval's decision tokens (the end token included); events and the system prompt carry no loss. Two
+interval's decision tokens (the end token included); events and the system prompt carry no loss. The
+decisions are the recorded trajectory's (train.live.world.recorded_decision: what the recording did, which
+may leave out what the reviewed decision makes); the judge scores against the reviewed ones. Two
 weights shape it, per predicted token:
   marker weight  the decision's marker and field tokens (the kind word, the "@", the task and the
                  ":" before the message, and the end token) weigh `marker_weight`; message tokens 1.
