@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.cu csrc
 	$(PY) -m pip install -q --upgrade "setuptools>=64" wheel
 	@echo "== setup 2/3: torch (the CPU build where there is no GPU; ~1 minute to download, nothing if installed)"
 	bash scripts/install_torch.sh $(PY)
-	@echo "== setup 3/3: livemoe's dependencies, then the C++ extension kernels._C from csrc/"
+	@echo "== setup 3/3: livemoe's dependencies, then the C++ extension livemoe._C from csrc/"
 	@echo "   (compiling prints nothing: about 2 minutes on 2 cores, longer with the CUDA sources on a GPU machine)"
 	@start=$$(date +%s); \
 	$(PY) -m pip install -q -e ".[test]" --no-build-isolation --config-settings editable_mode=compat && \
@@ -37,7 +37,7 @@ lint: setup
 	@echo "== ruff (the rules in pyproject.toml)"
 	$(PY) -m ruff check .
 
-# A user's install: a fresh venv, CPU torch, `pip install .` without extras, then `import engine` and a short
+# A user's install: a fresh venv, CPU torch, `pip install .` without extras, then livemoe beside HF kernels and a short
 # generation from outside the source tree (scripts/plain_install_check.py). The C++ extension is not built
 # again (LIVEMOE_NO_EXT=1, 2 minutes saved): `make setup` builds it, and this run covers the PyTorch fallbacks
 # of an install without one. About 3 minutes on 2 cores: unpacking torch, then downloading the rest, most of
@@ -53,7 +53,7 @@ plain-install:
 	bash scripts/install_torch.sh $(PLAIN_VENV)/bin/python && \
 	rm -rf build/lib && LIVEMOE_NO_EXT=1 $(PLAIN_VENV)/bin/python -m pip install -q --no-build-isolation . && \
 	$(PLAIN_VENV)/bin/python -m pip uninstall -q -y triton && \
-	cd $(PLAIN_VENV) && ./bin/python $(CURDIR)/scripts/plain_install_check.py $(CURDIR)/train/assets/student && \
+	cd $(PLAIN_VENV) && ./bin/python $(CURDIR)/scripts/plain_install_check.py $(CURDIR)/livemoe/train/assets/student && \
 	echo "== plain install checked in $$(( $$(date +%s) - start )) s"
 
 bench: setup
@@ -63,4 +63,4 @@ gpu-check:
 	bash bench/gpu_check.sh
 
 clean:
-	rm -rf $(VENV) $(PLAIN_VENV) build *.egg-info kernels/_C*.so
+	rm -rf $(VENV) $(PLAIN_VENV) build *.egg-info livemoe/_C*.so

@@ -1,4 +1,4 @@
-"""Builds csrc/ as one torch extension, `kernels._C`.
+"""Builds csrc/ as one torch extension, `livemoe._C`.
 
 Every csrc/*.cpp is compiled (CPU ops, OpenMP); csrc/*.cu only where a CUDA toolkit and a CUDA build of
 torch are both present (with no .cu file it is a plain C++ extension, so a CUDA toolkit that does not
@@ -39,11 +39,11 @@ def extensions():
                 nvcc += [f"-gencode=arch=compute_{major}{minor}{suffix},code=sm_{major}{minor}{suffix}"]
             else:
                 os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0a"
-        ext = CUDAExtension("kernels._C", cpp + cu, include_dirs=include,
+        ext = CUDAExtension("livemoe._C", cpp + cu, include_dirs=include,
                             define_macros=[("LIVEMOE_WITH_CUDA", "1")],
                             extra_compile_args={"cxx": cxx, "nvcc": nvcc}, extra_link_args=link)
     else:
-        ext = CppExtension("kernels._C", cpp, include_dirs=include,
+        ext = CppExtension("livemoe._C", cpp, include_dirs=include,
                            extra_compile_args={"cxx": cxx}, extra_link_args=link)
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=is_ninja_available())}
 

@@ -18,7 +18,7 @@ from bench.common import measure, record
 from bench.roofline import paged_decode as decode_cost
 from bench.roofline import paged_prefill as prefill_cost
 from bench.roofline import predict_s
-from kernels.attention import paged_decode_attention, paged_prefill_attention
+from livemoe.kernels.attention import paged_decode_attention, paged_prefill_attention
 
 SUITE = "attention"
 

@@ -1,4 +1,4 @@
-"""The decoder end to end: offline throughput, TTFT and TPOT of `engine.LLM` against transformers'
+"""The decoder end to end: offline throughput, TTFT and TPOT of `livemoe.engine.LLM` against transformers'
 `generate` on the same model in the same process.
 
 CPU, two random Qwen3-MoE checkpoints made by tests/tiny_models.py: the tiny one (H 64, 3 layers, 8 experts
@@ -8,7 +8,7 @@ expert matmuls weigh more than the per-op overhead. Workloads (quick: fewer requ
   lengths (uniform in [4, 64]: "useful tok/s", the tokens asked for). Baselines: one batched, left-padded
   `generate` call (its strongest offline mode; with the mix it must run every row to the longest), and, for the
   tiny model, `generate` one request at a time.
-- GRPO-rollout-shaped: 8 prompts of 32-96 tokens x n=8 samples each, what train/rollout.py asks (temperature
+- GRPO-rollout-shaped: 8 prompts of 32-96 tokens x n=8 samples each, what livemoe/train/rollout.py asks (temperature
   0.7, a seed, the sampled tokens' logprobs), every sample exactly 32 tokens (ignore_eos on ours, no EOS on
   theirs). Baseline: `generate` with num_return_sequences=8, do_sample at temperature 0.7 (top_k off, as ours),
   output_scores=True (what a trainer reads the logprobs from).
@@ -86,8 +86,8 @@ def timed_generate(llm, prompts, params, expect_lens):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU suite; the GPU suite is test_decode_gpu")
 @pytest.mark.parametrize("model", list(MODELS))
 def test_decode_moe_cpu(benchmark, bench_mode, tmp_path_factory, one_thread, model):
-    from engine.llm import LLM
-    from engine.sampling import SamplingParams
+    from livemoe.engine.llm import LLM
+    from livemoe.engine.sampling import SamplingParams
     from tiny_models import make_checkpoint
 
     path, hf = make_checkpoint(tmp_path_factory.mktemp("bench_decode") / "moe", moe=True, **MODELS[model])
@@ -159,10 +159,10 @@ def decode_floor_s(cfg, batch: int, context: int, bandwidth_Bps: float, dtype_by
 def test_decode_gpu(benchmark, bench_mode):
     from bench.ceilings import measure_ceilings
     from bench.roofline import decode_step, predict_s
-    from engine.flops import resolve_config
-    from engine.llm import LLM
-    from engine.loader import init_model
-    from engine.sampling import SamplingParams
+    from livemoe.engine.flops import resolve_config
+    from livemoe.engine.llm import LLM
+    from livemoe.engine.loader import init_model
+    from livemoe.engine.sampling import SamplingParams
 
     ceil = measure_ceilings("cuda")
     cfg = resolve_config("qwen3-30b-a3b")

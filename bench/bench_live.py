@@ -30,7 +30,7 @@ EVENTS = [[{"type": "comment", "user": "amy", "text": "how much is link 3?"}],
 def _play(llm, num_sessions: int, warm: int, timed: int) -> tuple:
     """(seconds per timed interval, mean prompt tokens, mean cached prompt tokens) of num_sessions sessions
     played together: `warm` intervals untimed, then `timed` intervals."""
-    from engine.live import LiveSession, step_sessions
+    from livemoe.engine.live import LiveSession, step_sessions
 
     # greedy: both sides decide the same (up to float ties), so they decode the same number of tokens
     sessions = [LiveSession(llm, SYSTEM + f" room {i}.", temperature=0.0, max_message_chars=32)
@@ -51,7 +51,7 @@ def _play(llm, num_sessions: int, warm: int, timed: int) -> tuple:
 
 @pytest.mark.parametrize("num_sessions", [1, 8, 32])
 def test_live_decision_latency(benchmark, bench_mode, tmp_path_factory, one_thread, num_sessions):
-    from engine import LLM
+    from livemoe.engine import LLM
     from tiny_tokenizer import make_text_checkpoint
 
     if bench_mode == "quick" and num_sessions > 8:

@@ -14,7 +14,7 @@ import torch
 
 from bench.common import measure, peak_memory, record
 from bench.roofline import logprobs_pass, predict_s
-from kernels.logprobs import fused_linear_logprobs
+from livemoe.kernels.logprobs import fused_linear_logprobs
 
 SHAPES = {  # (N, H, V)
     ("quick", "cpu"): [(256, 64, 32_768)],

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from bench.common import measure, record
 from bench.roofline import moe_layer, predict_s
-from kernels.moe import fused_moe
+from livemoe.kernels.moe import fused_moe
 
 # (T, H, I, E, k) per mode and device
 SHAPES = {
@@ -219,9 +219,9 @@ def test_moe_cpu_inference(benchmark, bench_mode, device):
     per layer). Plus the routing alone: route() against the C++ routing (moe_forward minus moe_experts)."""
     if device != "cpu":
         pytest.skip("the C++ inference op is the CPU path")
-    from kernels import _ext
-    from kernels.moe import route
-    from kernels.moe.sorted_moe import SortedMoEFunction
+    from livemoe.kernels import _ext
+    from livemoe.kernels.moe import route
+    from livemoe.kernels.moe.sorted_moe import SortedMoEFunction
 
     if not _ext.has_op("moe_forward"):
         pytest.skip("the extension was not built")

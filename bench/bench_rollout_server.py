@@ -1,4 +1,4 @@
-"""Rollout servers for RL (engine/core): how long a weight update takes under a running engine core,
+"""Rollout servers for RL (livemoe/engine/core): how long a weight update takes under a running engine core,
 by model size, from disk (`update_weights_from_disk`) against a broadcast from a trainer process over a
 gloo group (`update_weights_from_distributed`; NCCL on GPUs), both through AsyncLLM's calls (the HTTP
 routes add one request each); and the decode throughput of 2 data-parallel engine cores against 1 on
@@ -12,11 +12,11 @@ import torch
 from tiny_tokenizer import make_text_checkpoint
 
 from bench.common import record
-from engine.async_llm import AsyncLLM
-from engine.core.weight_sync import WeightSender
-from engine.loader import load_model
-from engine.net import free_port
-from engine.sampling import SamplingParams
+from livemoe.engine.async_llm import AsyncLLM
+from livemoe.engine.core.weight_sync import WeightSender
+from livemoe.engine.loader import load_model
+from livemoe.engine.net import free_port
+from livemoe.engine.sampling import SamplingParams
 
 SIZES = {"quick": [dict(hidden_size=64)], "full": [dict(hidden_size=64), dict(hidden_size=256, num_hidden_layers=6)]}
 THROUGHPUT = {"quick": (16, 8), "full": (64, 32)}  # (requests, max_tokens)

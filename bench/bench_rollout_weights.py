@@ -1,7 +1,7 @@
 """GRPO under torchrun: how the rollout decoder gets whole weights from the FSDP-sharded policy, measured on 2 gloo
 ranks (CPU) over one rollout phase of `decode` steps of `b` sequences (one new token each):
 
-  gathered  (train.grpo's choice, verl's hybrid engine): after each optimizer step the shards are gathered once into
+  gathered  (livemoe.train.grpo's choice, verl's hybrid engine): after each optimizer step the shards are gathered once into
             a plain inference copy (Distributed.refresh_copy); decoding then runs on the copy with no collective
   sharded   generation through the FSDP module: every decode step's forward all-gathers every layer again
 
@@ -24,7 +24,7 @@ SIZES = {"quick": Size(64, 2, 8, 2, 32, 128, batch=4, seq_len=1, steps=8),
 
 
 def measure(size):
-    from train.distributed import setup
+    from livemoe.train.distributed import setup
 
     d = setup(expert_parallel=1, timeout_s=120, backend="gloo")
     b, steps = size.batch, size.steps

@@ -1,5 +1,5 @@
 """Streaming service latency: TTFT and TPOT percentiles seen by N concurrent streaming clients, through
-the OpenAI-compatible HTTP server (`python -m engine.serve` in a child process, as deployed) against the
+the OpenAI-compatible HTTP server (`livemoe serve` in a child process, as deployed) against the
 same workload on `AsyncLLM.generate` called directly in this process. The ratio is the server's
 overhead: HTTP, JSON, SSE, the process hop to the engine core, and (with `--engine-core thread`) the
 interpreter lock its event loop shares with the engine thread. The goal (issue 15): TTFT and TPOT
@@ -48,9 +48,9 @@ for _name in ("fastapi", "uvicorn"):
 openai = pytest.importorskip("openai", reason="needs openai (the streaming client)")
 
 from bench.common import record  # noqa: E402
-from engine.async_llm import AsyncLLM  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
-from engine.server import ServerProcess  # noqa: E402
+from livemoe.engine.async_llm import AsyncLLM  # noqa: E402
+from livemoe.engine.sampling import SamplingParams  # noqa: E402
+from livemoe.engine.server import ServerProcess  # noqa: E402
 from tiny_tokenizer import make_text_checkpoint  # noqa: E402
 
 # model name -> (MoE, tiny_models overrides)
@@ -175,7 +175,7 @@ ENGINE_OPTIONS = dict(block_size=16, num_kv_blocks=512)
 
 
 def server_flags(device: str) -> list[str]:
-    """`python -m engine.serve` flags for the served arm: fp32 on `device`, ENGINE_OPTIONS."""
+    """`livemoe serve` flags for the served arm: fp32 on `device`, ENGINE_OPTIONS."""
     return ["--dtype", "float32", "--device", device] + [f"--{k.replace('_', '-')}={v}"
                                                          for k, v in ENGINE_OPTIONS.items()]
 

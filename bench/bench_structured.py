@@ -18,10 +18,10 @@ import torch
 pytest.importorskip("xgrammar", reason="needs xgrammar (a runtime dependency: pip install -e .)")
 
 from bench.common import record  # noqa: E402
-from engine.llm import LLM  # noqa: E402
-from engine.sampler import Sampler  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
-from engine.structured import GrammarCompiler, StructuredOutput  # noqa: E402
+from livemoe.engine.llm import LLM  # noqa: E402
+from livemoe.engine.sampler import Sampler  # noqa: E402
+from livemoe.engine.sampling import SamplingParams  # noqa: E402
+from livemoe.engine.structured import GrammarCompiler, StructuredOutput  # noqa: E402
 
 SUITE = "structured"
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -104,7 +104,7 @@ if [ -n "$build_pid" ]; then
   wait "$build_pid"; build=$?
   echo "build rc=$build in $(( $(date +%s) - build_t0 ))s" | tee -a "$RES/build.log"
   grep -iE -m 8 "error|warning:" "$RES/build.log"
-  ls kernels/_C*.so 2>/dev/null || echo "no kernels/_C*.so"
+  ls livemoe/_C*.so 2>/dev/null || echo "no livemoe/_C*.so"
 fi
 
 t=$(limit 1 1 15)

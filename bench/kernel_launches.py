@@ -1,7 +1,7 @@
 """Every Triton kernel launch the dispatch makes at Qwen3-30B-A3B's shapes, as data: the kernel, the values of
 its arguments (tensors stand as their dtype) and its launch options, built from the same config functions
 the host code calls (heuristic_config, launch_meta, align_meta, decode_meta, prefill_meta). bench/static_gpu.py
-compiles them for sm_90a and reports their resources (kernels/static_resources.py); tests/test_*_compile.py
+compiles them for sm_90a and reports their resources (livemoe/kernels/static_resources.py); tests/test_*_compile.py
 compile the same list, so what is tested is what runs.
 """
 from dataclasses import dataclass
@@ -9,12 +9,12 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from kernels.attention import choose_num_splits, decode, prefill
-from kernels.attention.store import _store_kvcache_kernel
-from kernels.logprobs import triton_logprobs as lp
-from kernels.moe.configs import heuristic_config
-from kernels.moe.launches import DT, align_launches, moe_launches
-from kernels.static_resources import Launch
+from livemoe.kernels.attention import choose_num_splits, decode, prefill
+from livemoe.kernels.attention.store import _store_kvcache_kernel
+from livemoe.kernels.logprobs import triton_logprobs as lp
+from livemoe.kernels.moe.configs import heuristic_config
+from livemoe.kernels.moe.launches import DT, align_launches, moe_launches
+from livemoe.kernels.static_resources import Launch
 
 
 @dataclass(frozen=True)

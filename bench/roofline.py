@@ -85,7 +85,7 @@ def moe_layer(T: int, H: int, I: int, E: int, k: int, backward: bool, elt: int =
     forward also writes the [T*k, 2I] pre-activations, and the backward kernels run)."""
     import torch
 
-    from kernels.moe.configs import heuristic_config
+    from livemoe.kernels.moe.configs import heuristic_config
 
     cfg = heuristic_config(T, E, H, I, k, torch.bfloat16 if elt == 2 else torch.float32)
     cost = sum(moe_forward(T, H, I, E, k, cfg.block_m, elt).values(), Cost(0, 0))
@@ -112,7 +112,7 @@ def logprobs_backward(N: int, V: int, H: int, chunk_vocab: int, elt: int = 2) ->
 
 def logprobs_pass(N: int, V: int, H: int, what: str, elt: int = 2) -> Cost:
     """fused_linear_logprobs at the dispatch's d-logits chunk (api.py): "fwd", "bwd" or "fwd+bwd"."""
-    from kernels.logprobs.api import TRITON_DZ_BYTES, TRITON_MAX_TOKENS
+    from livemoe.kernels.logprobs.api import TRITON_DZ_BYTES, TRITON_MAX_TOKENS
 
     chunk_vocab = max(128, TRITON_DZ_BYTES // (min(N, TRITON_MAX_TOKENS) * elt) // 128 * 128)
     fwd = logprobs_forward(N, V, H, elt)
@@ -135,7 +135,7 @@ def paged_prefill(seqs: int, prefix: int, chunk: int, hq: int, hkv: int, d: int,
 def decode_step(cfg, batch: int, context: int, elt: int = 2) -> Cost:
     """One decode step of a model (engine ModelConfig): the shared weights, the experts its tokens touch and
     their KV once; FLOPs of every matmul a token runs and of its attention over the context."""
-    from engine.flops import attention_flops_per_token, param_counts
+    from livemoe.engine.flops import attention_flops_per_token, param_counts
 
     c = param_counts(cfg)
     weights = c["active_matmul"] - c["active_experts"]
@@ -149,8 +149,8 @@ def roofline_rows(s) -> list[dict]:
     """The table beside the static report (bench/static_gpu.py), at Qwen3-30B-A3B's shapes (s: Qwen3Shapes)."""
     import torch
 
-    from kernels.logprobs.api import TRITON_DZ_BYTES, TRITON_MAX_TOKENS
-    from kernels.moe.configs import heuristic_config
+    from livemoe.kernels.logprobs.api import TRITON_DZ_BYTES, TRITON_MAX_TOKENS
+    from livemoe.kernels.moe.configs import heuristic_config
 
     rows = []
 

@@ -1,5 +1,5 @@
 """Where the CPU of a burst of streams goes: `python -m bench.serve_cpu [--streams 32] [--tokens 64] [--rounds 12]`
-(Linux: reads /proc). Starts `python -m engine.serve` on the tiny model as bench_serve does, sends bursts of
+(Linux: reads /proc). Starts `livemoe serve` on the tiny model as bench_serve does, sends bursts of
 streaming requests with bench_serve's lean client, alternating with the same burst on AsyncLLM called directly,
 and prints per burst (medians over the rounds): wall time, the CPU of the client (this process), the API server
 and the engine core (every thread, from schedstat), and the median TTFT. When the three processes' CPU adds up to
@@ -20,8 +20,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))  # tiny_tokenizer
 from bench.bench_serve import ENGINE_OPTIONS, SERVED_NAME, direct, server_flags, sse_stream  # noqa: E402
-from engine.async_llm import AsyncLLM  # noqa: E402
-from engine.server import ServerProcess  # noqa: E402
+from livemoe.engine.async_llm import AsyncLLM  # noqa: E402
+from livemoe.engine.server import ServerProcess  # noqa: E402
 from tiny_tokenizer import make_text_checkpoint  # noqa: E402
 
 

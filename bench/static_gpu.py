@@ -18,7 +18,7 @@ from dataclasses import asdict
 
 import torch
 
-from kernels.static_resources import SIXTEEN_BIT, Resources, measure_launch, problems
+from livemoe.kernels.static_resources import SIXTEEN_BIT, Resources, measure_launch, problems
 
 def report(rows: list[Resources], bare: dict, roofline: list[dict], shapes) -> str:
     """Markdown: the resource table (with, for 16-bit launches, what the bare signature would give), then the

@@ -1,4 +1,4 @@
-// The Python module that loading kernels._C needs. The ops themselves register with the dispatcher
+// The Python module that loading livemoe._C needs. The ops themselves register with the dispatcher
 // from their own files (TORCH_LIBRARY_FRAGMENT(livemoe, m)) and are called as torch.ops.livemoe.*.
 #include <torch/extension.h>
 

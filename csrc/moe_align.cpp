@@ -1,6 +1,6 @@
 // MoE routing align on the CPU: groups the (token, slot) pairs of topk_ids by expert, pads each
 // expert's segment to a multiple of block_size with a sentinel (= T*k), and lists the expert of every
-// block. Same contract as kernels/moe/align.py (the PyTorch reference). Within an expert the pairs are
+// block. Same contract as livemoe/kernels/moe/align.py (the PyTorch reference). Within an expert the pairs are
 // in ascending flat index (token * k + slot), so the result is deterministic.
 #include <torch/library.h>
 #include <ATen/ATen.h>

@@ -1,4 +1,4 @@
-// The MoE block for inference on the CPU, in one call: what kernels/moe/sorted_moe.py does with about twenty
+// The MoE block for inference on the CPU, in one call: what livemoe/kernels/moe/sorted_moe.py does with about twenty
 // PyTorch ops per layer (a decode step of a small model pays ~10 us of dispatch for each), plus the routing.
 //
 // moe_forward(x, w_gate_up, w_down, router_logits, top_k, renormalize): Qwen3-MoE routing, then the experts;

@@ -1,7 +1,7 @@
 // RMSNorm and Qwen3's per-head q/k RMSNorm + rotary embedding on the CPU, one call each: a decode step of a
 // small model is bound by op dispatch, and F.rms_norm alone is ~6 dispatched ops (pow, mean, add, rsqrt,
 // mul, mul) at ~10 us per call where the arithmetic takes ~1 us. Forward only (no autograd): the Python
-// dispatch (kernels/norm.py) calls these where no gradient is needed.
+// dispatch (livemoe/kernels/norm.py) calls these where no gradient is needed.
 //
 // Numerics follow transformers' formulas op by op: x in fp32, y = x * (1 / sqrt(mean(x^2) + eps)), rounded
 // to x's dtype, times the weight in x's dtype; RoPE (rotate-half) as x * cos + rotate_half(x) * sin with
@@ -66,7 +66,7 @@ at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double ep
 }
 
 // One head row: RMSNorm, then out = x * cos + rotate_half(x) * signed_sin, where signed_sin has its first half
-// negated (engine.layers.RotaryEmbedding), so rotate_half(x)[i] * sin[i] == x[(i + d/2) % d] * signed_sin[i].
+// negated (livemoe.engine.layers.RotaryEmbedding), so rotate_half(x)[i] * sin[i] == x[(i + d/2) % d] * signed_sin[i].
 template <typename scalar_t>
 inline void norm_rope_row(const scalar_t* x, const scalar_t* weight, const scalar_t* cos, const scalar_t* sin,
                           int64_t d, float eps, scalar_t* normed, scalar_t* out) {

@@ -1,4 +1,4 @@
-// Paged-KV attention on the CPU: the decoder's CPU path (same contract as kernels/attention/reference.py).
+// Paged-KV attention on the CPU: the decoder's CPU path (same contract as livemoe/kernels/attention/reference.py).
 //
 // paged_attention: q [N, Hq, D] holds the new tokens of S sequences (cu_seqlens_q [S + 1]; None: one per
 // sequence, i.e. decode); query i of a sequence with q_len new tokens sits at position

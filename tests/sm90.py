@@ -34,7 +34,7 @@ def compile_family(family: str) -> list[str]:
     line per problem: a kernel that does not compile, needs more shared memory than a block may have, or, in
     16-bit, spills registers to the stack."""
     from bench.kernel_launches import all_launches
-    from kernels.static_resources import measure_launch, problems
+    from livemoe.kernels.static_resources import measure_launch, problems
 
     launches = all_launches(families=(family,))
     assert launches, f"no launches listed for {family}"

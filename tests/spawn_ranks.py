@@ -11,7 +11,7 @@ import traceback
 
 import torch
 
-from engine.net import free_port
+from livemoe.engine.net import free_port
 
 
 def _entry(fn, rank: int, world_size: int, port: int, args: tuple, result_file: str) -> None:

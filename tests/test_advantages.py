@@ -3,7 +3,7 @@ turn- and trajectory-level credit, against plain per-group loops."""
 import pytest
 import torch
 
-from train.advantages import group_advantages, multi_turn_advantages, token_advantages
+from livemoe.train.advantages import group_advantages, multi_turn_advantages, token_advantages
 
 
 def loop_reference(rewards, K, scale, eps):

@@ -7,9 +7,9 @@ import asyncio
 import pytest
 import torch
 
-from engine.async_llm import AsyncLLM, EngineError
-from engine.llm import LLM
-from engine.sampling import RequestError, SamplingParams
+from livemoe.engine.async_llm import AsyncLLM, EngineError
+from livemoe.engine.llm import LLM
+from livemoe.engine.sampling import RequestError, SamplingParams
 from fixtures import collect_deltas as collect, wait_idle
 from tiny_tokenizer import make_text_checkpoint
 

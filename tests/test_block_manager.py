@@ -1,9 +1,9 @@
 """BlockManager bookkeeping: ref counts, prefix-cache hits with token checks, LRU reuse of freed blocks."""
 import pytest
 
-from engine.block_manager import BlockManager
-from engine.sampling import SamplingParams
-from engine.sequence import Sequence
+from livemoe.engine.block_manager import BlockManager
+from livemoe.engine.sampling import SamplingParams
+from livemoe.engine.sequence import Sequence
 
 BS = 4
 

@@ -6,10 +6,10 @@ import random
 import pytest
 import torch
 
-from engine.errors import CheckpointError
-from train.checkpoint import (is_complete, latest_checkpoint, list_checkpoints, load_checkpoint, resolve_resume,
+from livemoe.engine.errors import CheckpointError
+from livemoe.train.checkpoint import (is_complete, latest_checkpoint, list_checkpoints, load_checkpoint, resolve_resume,
                               save_checkpoint)
-from train.metrics import MetricsLogger, read_metrics
+from livemoe.train.metrics import MetricsLogger, read_metrics
 
 
 class Tiny(torch.nn.Module):
@@ -95,7 +95,7 @@ def test_metrics_jsonl_png_and_resume_truncation(tmp_path):
 @pytest.fixture
 def engine_run(tmp_path):
     """A tiny engine model with an AdamW that has state, and two checkpoints of it (steps 1 and 2)."""
-    import engine
+    from livemoe import engine
     from tiny_models import make_checkpoint
 
     model = engine.load_model(make_checkpoint(tmp_path / "src", moe=True)[0], device="cpu")
@@ -222,7 +222,7 @@ def test_metrics_never_write_bare_nan(tmp_path):
 
 
 def test_checkpoint_files_get_the_umask_permissions(tmp_path):
-    import engine
+    from livemoe import engine
     from tiny_models import make_checkpoint
 
     model = engine.load_model(make_checkpoint(tmp_path / "src", moe=False)[0], device="cpu")

@@ -1,7 +1,7 @@
 """Run configs: flags, YAML, flags win, validation in one place, save and read back."""
 import pytest
 
-from train.config import ConfigError, RFTConfig, RunConfig, format_config, parse_config, save_config
+from livemoe.train.config import ConfigError, RFTConfig, RunConfig, format_config, parse_config, save_config
 
 
 def test_defaults_follow_the_seed():
@@ -120,9 +120,9 @@ def _options(text: str) -> dict:
 
 
 @pytest.mark.parametrize("module, own, foreign", [
-    ("train.rft", ["--k", "--teacher", "--marker_weight", "--batching", "--grad_accum", "--max_len"],
+    ("livemoe.train.rft", ["--k", "--teacher", "--marker_weight", "--batching", "--grad_accum", "--max_len"],
      ["--num_generations", "--beta"]),
-    ("train.grpo", ["--num_generations", "--beta", "--loss_type"],
+    ("livemoe.train.grpo", ["--num_generations", "--beta", "--loss_type"],
      ["--marker_weight", "--markers", "--batching", "--grad_accum", "--max_len", "--k", "--teacher"]),
 ])
 def test_help_lists_each_own_option_once_with_what_it_does(module, own, foreign):
@@ -130,9 +130,9 @@ def test_help_lists_each_own_option_once_with_what_it_does(module, own, foreign)
     import importlib
 
     text = _help(module)
-    assert text.startswith(f"usage: python -m {module} ")
+    assert text.startswith(f"usage: livemoe {module.rsplit('.', 1)[1]} ")  # the console script's name for it
     opts = _options(text)
-    cls = importlib.import_module(module).__dict__["GRPOConfig" if module == "train.grpo" else "RFTConfig"]
+    cls = importlib.import_module(module).__dict__["GRPOConfig" if module == "livemoe.train.grpo" else "RFTConfig"]
     fields = [f for f in dataclasses.fields(cls)]
     assert len(fields) > 40
     for f in fields:

@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-import train.metrics as metrics
-from train.metrics import MetricsLogger, smooth
+import livemoe.train.metrics as metrics
+from livemoe.train.metrics import MetricsLogger, smooth
 
 GRPO_KEYS = ["reward/mean", "reward/std", "reward/correct/mean", "reward/correct/std", "reward/helpful/mean",
              "reward/length/mean", "reward/varied/mean", "tpr/mean", "tpr/max", "kl", "loss", "lr",

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from train.data import DataError, build_messages, load_jsonl, split_thought, write_jsonl
-from train.synthetic import make_rooms
+from livemoe.train.data import DataError, build_messages, load_jsonl, split_thought, write_jsonl
+from livemoe.train.synthetic import make_rooms
 
 MUSIQUE = {"id": "2hop__1", "paragraphs": [
     {"idx": 0, "title": "Paris", "paragraph_text": "Paris is the capital of France.", "is_supporting": True},

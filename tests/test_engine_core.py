@@ -1,7 +1,7 @@
-"""The engine core in its own process (engine/core): AsyncLLM(engine_core="process") gives exactly what
+"""The engine core in its own process (livemoe/engine/core): AsyncLLM(engine_core="process") gives exactly what
 LLM.generate gives; a bad request raises and the core goes on; leaving early frees the KV blocks; a core
 that dies (SIGKILL) ends every open request with EngineDeadError at once, the server's /health turns 503
-and `python -m engine.serve` exits non-zero (or restarts the core with --on-core-death restart).
+and `livemoe serve` exits non-zero (or restarts the core with --on-core-death restart).
 Shutdown (what is in flight ends with EngineDeadError; no process is left behind) is tested here for both
 cores, the thread and the process."""
 import asyncio
@@ -12,9 +12,9 @@ import time
 import pytest
 import torch
 
-from engine.async_llm import AsyncLLM, EngineDeadError
-from engine.llm import LLM
-from engine.sampling import RequestError, SamplingParams
+from livemoe.engine.async_llm import AsyncLLM, EngineDeadError
+from livemoe.engine.llm import LLM
+from livemoe.engine.sampling import RequestError, SamplingParams
 from fixtures import collect_deltas as collect, gone, http_json, require_server_extras, wait_idle
 from tiny_tokenizer import make_text_checkpoint
 
@@ -125,8 +125,8 @@ def test_rest_of_burst_waits_for_arrivals_within_the_gap(monkeypatch):
 
     import zmq
 
-    from engine.core import messages as m
-    from engine.core import proc
+    from livemoe.engine.core import messages as m
+    from livemoe.engine.core import proc
 
     ctx = zmq.Context()
     push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
@@ -232,10 +232,10 @@ def test_killed_core_ends_open_requests_at_once(ckpt):
 
 
 def test_server_exits_nonzero_when_its_core_dies(ckpt):
-    """`python -m engine.serve` as deployed: the core is killed mid-stream; the stream ends with an error
+    """`livemoe serve` as deployed: the core is killed mid-stream; the stream ends with an error
     event, /health is 503 until the server stops, and it exits with code 1, its core gone."""
     openai = require_server_extras()
-    from engine.server import ServerProcess
+    from livemoe.engine.server import ServerProcess
 
     server = ServerProcess(ckpt, "tiny", ["--num-kv-blocks", "64", "--block-size", "16", "--threads", "1",
                                           "--device", "cpu", "--dtype", "float32"]).start()
@@ -260,7 +260,7 @@ def test_server_restarts_a_dead_core(ckpt):
     """`--data-parallel-size 2 --on-core-death restart`: replica 1's core is killed, /health is 503 until
     a fresh core is up, then both serve the same answers; the dead core's pid is replaced."""
     openai = require_server_extras()
-    from engine.server import ServerProcess
+    from livemoe.engine.server import ServerProcess
 
     server = ServerProcess(ckpt, "tiny", ["--num-kv-blocks", "64", "--block-size", "16", "--threads", "1",
                                           "--device", "cpu", "--dtype", "float32", "--on-core-death", "restart",
@@ -298,7 +298,7 @@ def test_core_exits_when_its_client_process_is_killed(ckpt, tmp_path):
     import subprocess
     import sys
 
-    code = (f"import torch\nfrom engine.async_llm import AsyncLLM\nif __name__ == '__main__':\n"
+    code = (f"import torch\nfrom livemoe.engine.async_llm import AsyncLLM\nif __name__ == '__main__':\n"
             f"    e = AsyncLLM({ckpt!r}, engine_core='process', dtype=torch.float32, device='cpu', threads=1)\n"
             f"    print(e.core_pids()[0], flush=True)\n    import time\n    time.sleep(600)\n")
     script = tmp_path / "client.py"

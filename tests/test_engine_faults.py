@@ -9,10 +9,10 @@ import sys
 import pytest
 import torch
 
-from engine.engine_config import EngineConfigError
-from engine.llm import LLM, RequestFailedError
-from engine.prompts import chat_prompt_ids
-from engine.sampling import RequestError, SamplingParams
+from livemoe.engine.engine_config import EngineConfigError
+from livemoe.engine.llm import LLM, RequestFailedError
+from livemoe.engine.prompts import chat_prompt_ids
+from livemoe.engine.sampling import RequestError, SamplingParams
 from fixtures import POISON_SEED, poisoned_sampler
 from tiny_tokenizer import make_text_checkpoint
 
@@ -135,7 +135,7 @@ class NoTriton(importlib.abc.MetaPathFinder):
             raise ModuleNotFoundError("No module named 'triton' (blocked by the test)")
 sys.meta_path.insert(0, NoTriton())
 import torch, engine
-from engine import LLM, SamplingParams
+from livemoe.engine import LLM, SamplingParams
 out = LLM(sys.argv[1], dtype=torch.float32, device="cpu", num_kv_blocks=16).generate(
     "no triton here", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
 assert len(out.token_ids) == 4 and "triton" not in sys.modules, sorted(m for m in sys.modules if "triton" in m)

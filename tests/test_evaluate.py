@@ -1,14 +1,14 @@
-"""Held-out evaluation (train.evaluate): sampled responses are independent across requests and
+"""Held-out evaluation (livemoe.train.evaluate): sampled responses are independent across requests and
 reproducible, `samples` responses per prompt are all judged, greedy refuses several samples."""
 import pytest
 import torch
 
-from engine.loader import load_model, load_tokenizer
+from livemoe.engine.loader import load_model, load_tokenizer
 from test_rollout import make_student
-from train.config import ConfigError, RFTConfig, parse_config
-from train.evaluate import evaluate
-from train.judges import load_judge
-from train.synthetic import make_rooms
+from livemoe.train.config import ConfigError, RFTConfig, parse_config
+from livemoe.train.evaluate import evaluate
+from livemoe.train.judges import load_judge
+from livemoe.train.synthetic import make_rooms
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/fixtures.py: tiny matmuls, shared CPU
 

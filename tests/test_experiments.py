@@ -7,9 +7,9 @@ import math
 import pytest
 
 from test_rollout import make_student
-from train.experiments import EXPERIMENTS, length_sweep, moe_vs_dense, reward_ablation
-from train.experiments.__main__ import main
-from train.metrics import read_metrics
+from livemoe.train.experiments import EXPERIMENTS, length_sweep, moe_vs_dense, reward_ablation
+from livemoe.train.experiments.__main__ import main
+from livemoe.train.metrics import read_metrics
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/fixtures.py: tiny matmuls, shared CPU
 

@@ -1,4 +1,4 @@
-"""`train.grpo` end to end on a tiny random MoE checkpoint (CPU, fp32, seconds): every trainable
+"""`livemoe.train.grpo` end to end on a tiny random MoE checkpoint (CPU, fp32, seconds): every trainable
 parameter changes and the loss stays finite; the GSPO path; multi-turn trajectories; exact resume;
 clear errors for bad options."""
 import json
@@ -9,14 +9,14 @@ import types
 import pytest
 import torch
 
-from engine.loader import load_model
+from livemoe.engine.loader import load_model
 from fixtures import assert_stopped_on_nonfinite
 from test_rollout import make_student
-from train.config import ConfigError, parse_config
-from train.data import write_jsonl
-from train.grpo import GRPOConfig, GRPOTrainer, main
-from train.metrics import read_metrics
-from train.synthetic.world import attribute_question, make_rooms, products_of
+from livemoe.train.config import ConfigError, parse_config
+from livemoe.train.data import write_jsonl
+from livemoe.train.grpo import GRPOConfig, GRPOTrainer, main
+from livemoe.train.metrics import read_metrics
+from livemoe.train.synthetic.world import attribute_question, make_rooms, products_of
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/fixtures.py: tiny matmuls, shared CPU
@@ -173,8 +173,8 @@ def test_main_reports_a_missing_checkpoint(tmp_path, capsys):
 def test_model_auto_runs_the_rft_default_once_when_its_student_is_missing(student, tmp_path, monkeypatch):
     import shutil
 
-    import train.rft
-    from train.grpo import resolve_start
+    import livemoe.train.rft as rft
+    from livemoe.train.grpo import resolve_start
 
     root = tmp_path / "rft"
     calls = []
@@ -184,13 +184,13 @@ def test_model_auto_runs_the_rft_default_once_when_its_student_is_missing(studen
         shutil.copytree(student, root / "final")
         return 0
 
-    monkeypatch.setattr(train.rft, "main", fake_rft_main)
+    monkeypatch.setattr(rft, "main", fake_rft_main)
     cfg = parse_config(GRPOConfig, ["--rft_output", str(root)])
     assert cfg.model == "auto"
     assert resolve_start(cfg) == str(root / "final")
     assert resolve_start(cfg) == str(root / "final")
     assert calls == [["--output_dir", str(root)]]  # run once, then found
-    monkeypatch.setattr(train.rft, "main", lambda argv: 2)
+    monkeypatch.setattr(rft, "main", lambda argv: 2)
     with pytest.raises(ConfigError, match="RFT default failed"):
         resolve_start(parse_config(GRPOConfig, ["--rft_output", str(tmp_path / "empty")]))
 

@@ -8,13 +8,13 @@ from fixtures import require_server_extras
 
 require_server_extras()
 
-from engine.async_llm import AsyncLLM  # noqa: E402
-from engine.server import BackgroundServer  # noqa: E402
+from livemoe.engine.async_llm import AsyncLLM  # noqa: E402
+from livemoe.engine.server import BackgroundServer  # noqa: E402
 from test_grpo import args, varied_reward  # noqa: E402,F401  (the autouse reward fixture, too)
 from test_rollout import make_student  # noqa: E402
-from train.config import ConfigError, parse_config  # noqa: E402
-from train.grpo import GRPOConfig, main  # noqa: E402
-from train.metrics import read_metrics  # noqa: E402
+from livemoe.train.config import ConfigError, parse_config  # noqa: E402
+from livemoe.train.grpo import GRPOConfig, main  # noqa: E402
+from livemoe.train.metrics import read_metrics  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 STEPS = 3

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from train.judges import (LLMJudge, SquadJudge, SyntheticJudge, Verdict, exact_match, f1_score, load_judge,
+from livemoe.train.judges import (LLMJudge, SquadJudge, SyntheticJudge, Verdict, exact_match, f1_score, load_judge,
                           normalize_answer, parse_verdict, render_judge_prompt)
 
 
@@ -202,7 +202,7 @@ def test_chinese_prompts():
 
 
 def test_llm_judge_unreachable_endpoint_fails_fast_naming_the_url():
-    from train.endpoint import EndpointError
+    from livemoe.train.endpoint import EndpointError
 
     with pytest.raises(EndpointError, match="127.0.0.1:9"):
         LLMJudge(url="http://127.0.0.1:9/v1", timeout_s=2.0)
@@ -234,7 +234,7 @@ def test_llm_judge_with_a_local_engine_model(tmp_path):
     answers gibberish, which must count as unparseable fails, not stop the run."""
     from tiny_models import make_checkpoint
 
-    from train.synthetic.tokenizer import train_tokenizer
+    from livemoe.train.synthetic.tokenizer import train_tokenizer
 
     prompts = [render_judge_prompt(w, FILLING_8, "x", lang) for w in ("correct", "helpful") for lang in ("en", "zh")]
     tok = train_tokenizer(prompts * 5, vocab_size=1500)

@@ -52,7 +52,7 @@ def _compare(recorded: list, listed: list) -> None:
 
 
 def test_moe_launches_are_the_dispatchs(recorded):
-    from kernels.moe import fused_moe
+    from livemoe.kernels.moe import fused_moe
 
     s = SMALL
     g = torch.Generator().manual_seed(0)
@@ -69,7 +69,7 @@ def test_moe_launches_are_the_dispatchs(recorded):
 
 
 def test_logprobs_launches_are_the_dispatchs(recorded):
-    from kernels.logprobs import fused_linear_logprobs
+    from livemoe.kernels.logprobs import fused_linear_logprobs
 
     s = SMALL
     g = torch.Generator().manual_seed(0)
@@ -84,7 +84,7 @@ def test_logprobs_launches_are_the_dispatchs(recorded):
 
 
 def test_attention_launches_are_the_dispatchs(recorded):
-    from kernels.attention import paged_decode_attention, paged_prefill_attention, store_kvcache
+    from livemoe.kernels.attention import paged_decode_attention, paged_prefill_attention, store_kvcache
 
     s = SMALL
     hq, hkv, d, bs = s.q_heads, s.kv_heads, s.head_dim, s.kv_block

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from train.live.__main__ import main
+from livemoe.train.live.__main__ import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TOY = ["--train_sessions", "4", "--eval_sessions", "1", "--num_intervals", "2", "--sft_steps", "2",
@@ -55,8 +55,8 @@ def test_bad_options_are_one_line_and_exit_2(argv, why, capsys):
     (["--unrecorded_courtesy", "0.2"], "--unrecorded_courtesy shapes the synthetic world's recordings"),
 ])
 def test_synthetic_world_options_are_refused_with_data(flag, why, tmp_path, capsys):
-    from train.live.data import save_sessions
-    from train.live.world import make_sessions
+    from livemoe.train.live.data import save_sessions
+    from livemoe.train.live.world import make_sessions
 
     data = tmp_path / "s.jsonl"
     save_sessions(make_sessions(2, seed=0), data)

@@ -12,10 +12,10 @@ from fixtures import http_json, require_server_extras
 
 require_server_extras()
 
-import engine.server.live as live_http  # noqa: E402
-from engine.async_llm import AsyncLLM  # noqa: E402
-from engine.live import KINDS  # noqa: E402
-from engine.server import BackgroundServer  # noqa: E402
+import livemoe.engine.server.live as live_http  # noqa: E402
+from livemoe.engine.async_llm import AsyncLLM  # noqa: E402
+from livemoe.engine.live import KINDS  # noqa: E402
+from livemoe.engine.server import BackgroundServer  # noqa: E402
 from tiny_tokenizer import make_text_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")

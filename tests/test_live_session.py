@@ -1,14 +1,14 @@
-"""engine.live.LiveSession on tiny random models with the byte-level tokenizer: every decision parses,
+"""livemoe.engine.live.LiveSession on tiny random models with the byte-level tokenizer: every decision parses,
 the session's blocks stay cached (and pinned) between intervals, compaction keeps the system prompt and
 the MEM notes, sessions batch with ordinary requests without changing anyone's tokens."""
 import dataclasses
 
 import pytest
 
-from engine import LLM, RequestError, SamplingParams
-from engine.live import KINDS, Decision, parse_decision
-from engine.live.layout import encode, interval_segment, memory_segment, render_events, system_segment
-from engine.live.session import LiveSession, step_sessions
+from livemoe.engine import LLM, RequestError, SamplingParams
+from livemoe.engine.live import KINDS, Decision, parse_decision
+from livemoe.engine.live.layout import encode, interval_segment, memory_segment, render_events, system_segment
+from livemoe.engine.live.session import LiveSession, step_sessions
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SYSTEM = "you are the live assistant of a shopping stream. link 3: pork zongzi. price: 39 yuan."

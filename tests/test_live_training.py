@@ -6,15 +6,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import load_model, load_tokenizer
-from engine.live.decision import format_decision
-from train.live.data import encode_session
-from train.live.gspo import (GSPOOptions, decision_class, part_advantages, part_rewards, part_starts, per_turn_policy_loss,
+from livemoe.engine import load_model, load_tokenizer
+from livemoe.engine.live.decision import format_decision
+from livemoe.train.live.data import encode_session
+from livemoe.train.live.gspo import (GSPOOptions, decision_class, part_advantages, part_rewards, part_starts, per_turn_policy_loss,
                              rewards_of, split_tokens, split_turns, turn_rows)
-from train.live.msft import MSFTOptions, class_weights, encode_example, train_msft
-from train.live.world import LiveWorldConfig, make_sessions
-from train.rft import collate, sft_step_loss
-from train.rollout import Completion
+from livemoe.train.live.msft import MSFTOptions, class_weights, encode_example, train_msft
+from livemoe.train.live.world import LiveWorldConfig, make_sessions
+from livemoe.train.rft import collate, sft_step_loss
+from livemoe.train.rollout import Completion
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -120,7 +120,7 @@ def _comp(turn_texts):
 
 
 def test_gspo_rewards_and_advantages_on_hand_computed_cases():
-    from train.advantages import multi_turn_advantages
+    from livemoe.train.advantages import multi_turn_advantages
 
     session = {"intervals": [
         {"decision": {"kind": "ANS", "recipient": "amy", "task": "welcome", "message": "welcome, amy!"},
@@ -315,7 +315,7 @@ def test_per_turn_sequence_ratios_match_plain_pytorch():
 
 
 def test_a_few_sm_gspo_steps_play_parse_and_update(tiny):
-    from train.live.gspo import train_gspo
+    from livemoe.train.live.gspo import train_gspo
 
     tok, model = load_tokenizer(tiny), load_model(tiny)
     sessions = make_sessions(3, seed=2, cfg=LiveWorldConfig(num_intervals=3))
@@ -332,7 +332,7 @@ def test_a_few_sm_gspo_steps_play_parse_and_update(tiny):
     changed = sum(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert changed > 0
     # a step honours the class weights: every class weighed 0, no part has an advantage and the loss is 0
-    from train.live.gspo import SMGSPO, decision_class
+    from livemoe.train.live.gspo import SMGSPO, decision_class
 
     classes = {decision_class(iv) for s in sessions for iv in s["intervals"]}
     trainer = SMGSPO(model, tok, GSPOOptions(**{**vars(opts), "lambda_aux": 0.0}), {c: 0.0 for c in classes},

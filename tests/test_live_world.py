@@ -1,15 +1,15 @@
-"""The synthetic livestream world, its rules, the decision format and the rule judge (train.live)."""
+"""The synthetic livestream world, its rules, the decision format and the rule judge (livemoe.train.live)."""
 import json
 
 import pytest
 
-from engine.live.decision import (Decision, DecisionFormatError, decision_regex, format_decision,
+from livemoe.engine.live.decision import (Decision, DecisionFormatError, decision_regex, format_decision,
                                   max_decision_chars, parse_decision)
-from train.data import DataError
-from train.live.data import encode_session, load_sessions, save_sessions
-from train.live.judge import accuracy, false_claims, room_states, score_interval, score_session
-from train.live.world import LiveWorldConfig, Referee, decision_text, make_sessions
-from train.synthetic.world import Product
+from livemoe.train.data import DataError
+from livemoe.train.live.data import encode_session, load_sessions, save_sessions
+from livemoe.train.live.judge import accuracy, false_claims, room_states, score_interval, score_session
+from livemoe.train.live.world import LiveWorldConfig, Referee, decision_text, make_sessions
+from livemoe.train.synthetic.world import Product
 
 
 def test_same_seed_same_sessions_and_other_seed_differs():
@@ -206,7 +206,7 @@ def test_encoded_session_spans_hold_each_decision_and_the_end_token():
 
 
 def test_accuracy_reports_binomial_standard_errors_and_counts():
-    from train.live.judge import IntervalScore
+    from livemoe.train.live.judge import IntervalScore
 
     # 4 intervals: 3 states right; 2 gold ANS with 1 recipient right, 2 tasks right; 3 graded groundings, 1 right
     scores = [IntervalScore(True, True, True, False), IntervalScore(True, False, True, None),
@@ -221,8 +221,8 @@ def test_accuracy_reports_binomial_standard_errors_and_counts():
 
 
 def test_paired_margin_of_two_stages_on_the_same_intervals():
-    from train.live.__main__ import format_margins
-    from train.live.judge import IntervalScore, outcomes, paired_margin
+    from livemoe.train.live.__main__ import format_margins
+    from livemoe.train.live.judge import IntervalScore, outcomes, paired_margin
 
     # 5 intervals: after fixes #2 and #4, breaks #5 -> differences 0, 1, 0, 1, -1: mean .2, sample var .7
     before, after = [1, 0, 1, 0, 1], [1, 1, 1, 1, 0]

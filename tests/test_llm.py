@@ -6,10 +6,10 @@ import os
 import pytest
 import torch
 
-from engine.engine_config import EngineConfigError
-from engine.llm import LLM
-from engine.loader import load_model
-from engine.sampling import RequestError, SamplingParams
+from livemoe.engine.engine_config import EngineConfigError
+from livemoe.engine.llm import LLM
+from livemoe.engine.loader import load_model
+from livemoe.engine.sampling import RequestError, SamplingParams
 from tiny_models import make_checkpoint
 
 NEW = 24

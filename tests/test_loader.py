@@ -6,8 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import engine
-from engine import CheckpointError
+from livemoe import engine
+from livemoe.engine import CheckpointError
 from tiny_models import make_checkpoint, write_config
 
 

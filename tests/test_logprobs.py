@@ -1,4 +1,4 @@
-"""kernels.logprobs against the plain fp32 reference (logits -> log_softmax -> gather).
+"""livemoe.kernels.logprobs against the plain fp32 reference (logits -> log_softmax -> gather).
 
 Tolerances: fp32 paths must match within 1e-5 relative (max |error| over max |reference|): both sides
 compute the same fp32 sums in a different order, so only rounding separates them. Half precision is
@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from kernels.logprobs import fused_linear_logprobs, logprobs_from_logits, logprobs_reference
+from livemoe.kernels.logprobs import fused_linear_logprobs, logprobs_from_logits, logprobs_reference
 
 TRITON = pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
                             reason="needs a CUDA GPU or TRITON_INTERPRET=1")

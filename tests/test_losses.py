@@ -1,4 +1,4 @@
-"""train.losses against plain fp32 formulas (logits -> log_softmax -> gather -> loss), written per
+"""livemoe.train.losses against plain fp32 formulas (logits -> log_softmax -> gather -> loss), written per
 sequence from TRL's documented definitions, and the behaviours the GRPO trainer relies on.
 
 Tolerance 1e-5 relative on loss, metrics and gradients: both sides are fp32 and differ only in
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from train.losses import PolicyLossConfig, make_policy_loss_config, policy_loss, sft_loss
+from livemoe.train.losses import PolicyLossConfig, make_policy_loss_config, policy_loss, sft_loss
 
 B, T, H, V = 4, 9, 12, 97
 
@@ -88,7 +88,7 @@ def reference_loss(logp, old, adv, mask, ref, cfg: PolicyLossConfig, num_items=N
 
 
 def fused_logprobs(hidden, weight, targets, mask):
-    from kernels.logprobs import fused_linear_logprobs
+    from livemoe.kernels.logprobs import fused_linear_logprobs
 
     return fused_linear_logprobs(hidden, weight, targets, mask=mask.bool())
 
@@ -253,7 +253,7 @@ def test_sft_loss_without_target_tokens_is_a_clear_error():
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_log_ratio_is_clamped_before_exp_and_counted(level):
-    from train.losses import LOG_RATIO_CLAMP
+    from livemoe.train.losses import LOG_RATIO_CLAMP
 
     old = torch.zeros(2, 3)
     logprobs = torch.tensor([[-0.1, 100.0, -0.2], [-0.3, -0.1, -0.2]], requires_grad=True)  # one corrupt token

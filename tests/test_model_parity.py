@@ -5,7 +5,7 @@ and softmax (observed ~2e-6)."""
 import pytest
 import torch
 
-import engine
+from livemoe import engine
 from tiny_models import make_checkpoint
 
 CASES = {

@@ -5,8 +5,8 @@ import pytest
 import torch
 from test_moe_triton import DEVICE, triton_here
 
-from kernels import _ext
-from kernels.moe import moe_align, moe_align_reference, num_align_blocks
+from livemoe.kernels import _ext
+from livemoe.kernels.moe import moe_align, moe_align_reference, num_align_blocks
 
 
 def check_invariants(topk_ids, num_experts, block, out):
@@ -46,7 +46,7 @@ def test_all_tokens_one_expert_leaves_empty_experts():
     assert out[2].tolist() == [0, 0, 0, 9, 0, 0, 0] and out[3].item() == 12
 
 
-@pytest.mark.skipif(not _ext.has_op("moe_align"), reason="kernels._C not built (run `pip install -e .`)")
+@pytest.mark.skipif(not _ext.has_op("moe_align"), reason="livemoe._C not built (run `pip install -e .`)")
 @pytest.mark.parametrize("T,k,E,block", CASES)
 def test_cpp_op_equals_reference(T, k, E, block):
     g = torch.Generator().manual_seed(T + E)
@@ -58,7 +58,7 @@ def test_cpp_op_equals_reference(T, k, E, block):
     check_invariants(topk_ids, E, block, moe_align(topk_ids, E, block))
 
 
-@pytest.mark.skipif(not _ext.has_op("moe_align"), reason="kernels._C not built (run `pip install -e .`)")
+@pytest.mark.skipif(not _ext.has_op("moe_align"), reason="livemoe._C not built (run `pip install -e .`)")
 def test_cpp_op_rejects_out_of_range_expert():
     with pytest.raises(RuntimeError, match="outside"):
         _ext.op("moe_align")(torch.tensor([[0, 9]]), 4, 8)
@@ -68,7 +68,7 @@ def test_extension_is_built_in_a_normal_install():
     # The normal install (`make setup`) builds csrc/; a silent fallback would hide a broken build.
     if os.environ.get("LIVEMOE_NO_EXT") == "1":
         pytest.skip("LIVEMOE_NO_EXT=1: installed without the extension on purpose")
-    assert _ext.available(), f"kernels._C failed to import: {_ext.EXT_ERROR}"
+    assert _ext.available(), f"livemoe._C failed to import: {_ext.EXT_ERROR}"
 
 
 def test_block_bound_uses_only_experts_that_can_be_hit():
@@ -92,7 +92,7 @@ TRITON_CASES = [(1, 1, 4, 16, None), (7, 2, 5, 4, None), (33, 4, 13, 16, 16), (6
 @triton_here
 @pytest.mark.parametrize("T,k,E,block,chunk", TRITON_CASES)
 def test_triton_op_equals_reference(T, k, E, block, chunk):
-    from kernels.moe.align_triton import moe_align_triton
+    from livemoe.kernels.moe.align_triton import moe_align_triton
 
     g = torch.Generator().manual_seed(T * 7 + E)
     topk_ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
@@ -104,7 +104,7 @@ def test_triton_op_equals_reference(T, k, E, block, chunk):
 
 @triton_here
 def test_triton_op_all_tokens_one_expert():
-    from kernels.moe.align_triton import moe_align_triton
+    from livemoe.kernels.moe.align_triton import moe_align_triton
 
     topk_ids = torch.full((40, 1), 2)
     got = [t.cpu() for t in moe_align_triton(topk_ids.to(DEVICE), 7, 16, chunk=16)]

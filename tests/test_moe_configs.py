@@ -1,12 +1,12 @@
-"""Block-size configs (kernels/moe/configs.py): the heuristic, the per-GPU JSON cache, and tuning."""
+"""Block-size configs (livemoe/kernels/moe/configs.py): the heuristic, the per-GPU JSON cache, and tuning."""
 import json
 
 import pytest
 import torch
 from test_moe_triton import DEVICE, triton_here
 
-from kernels.moe import configs
-from kernels.moe.configs import MoEConfig
+from livemoe.kernels.moe import configs
+from livemoe.kernels.moe.configs import MoEConfig
 
 
 @pytest.fixture
@@ -78,7 +78,7 @@ def test_tune_runs_the_real_kernels(cache):
     # the run function fused_moe's autotune uses, on the interpreter (or the GPU), with a wall-clock timer
     import time
 
-    from kernels.moe.triton_moe import experts_forward
+    from livemoe.kernels.moe.triton_moe import experts_forward
 
     x, w1, w2 = (t.to(DEVICE) for t in (torch.randn(4, 32), torch.randn(3, 32, 32) * 0.1, torch.randn(3, 32, 16) * 0.1))
     topk_w, topk_ids = torch.rand(4, 2, device=DEVICE), torch.tensor([[0, 1], [1, 2], [2, 0], [0, 2]], device=DEVICE)

@@ -1,6 +1,6 @@
 """The C++ inference ops of csrc/moe_experts.cpp, the CPU path of fused_moe where no gradient is needed (the
 decoder, rollouts): torch.ops.livemoe.moe_experts (given routing) and moe_forward (routing in C++ too),
-against the plain references (kernels/moe/reference.py, route()).
+against the plain references (livemoe/kernels/moe/reference.py, route()).
 
 Tolerances:
 - fp32: max abs <= 1e-5 on outputs of magnitude ~1 (same math; the GEMM summation order, the polynomial exp
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from fixtures import run_with_portable_kernels
-from kernels import _ext
-from kernels.moe import fused_moe, route
-from kernels.moe.reference import experts_reference, fused_moe_reference
+from livemoe.kernels import _ext
+from livemoe.kernels.moe import fused_moe, route
+from livemoe.kernels.moe.reference import experts_reference, fused_moe_reference
 
 pytestmark = pytest.mark.skipif(not _ext.has_op("moe_forward"), reason="the extension was not built "
                                 "(a normal install builds it; tests/test_moe_align.py fails in that case)")
@@ -163,7 +163,7 @@ def test_portable_kernels_match_reference():
     # the code a CPU without AVX2 runs (an ARM host), here on this one (see run_with_portable_kernels)
     code = (
         "import torch, tests.test_moe_cpu_op as t\n"
-        "from kernels.moe.reference import fused_moe_reference as ref\n"
+        "from livemoe.kernels.moe.reference import fused_moe_reference as ref\n"
         "for T, H, I, E, k in t.CASES + t.LONG:\n"
         "    for dt, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2.0 ** -8)):\n"
         "        x, a, b, l = t.make_routed(T, H, I, E, k, dtype=dt, seed=T)\n"

@@ -1,11 +1,11 @@
-"""The CPU path of fused_moe (kernels/moe/sorted_moe.py) and the public entry's dispatch and input checks.
+"""The CPU path of fused_moe (livemoe/kernels/moe/sorted_moe.py) and the public entry's dispatch and input checks.
 
 fp32: max abs <= 1e-4 against the reference (same math, only the summation order differs).
 """
 import pytest
 import torch
 
-from kernels.moe import fused_moe
+from livemoe.kernels.moe import fused_moe
 from test_moe_triton import assert_close, make_inputs, reference, run
 
 CASES = [(1, 97, 60, 5, 2), (6, 97, 600, 13, 2), (9, 40, 24, 11, 1), (4, 24, 20, 5, 5), (64, 32, 24, 3, 2)]
@@ -64,7 +64,7 @@ def test_bad_input_raises_value_error(bad, match):
 
 @pytest.mark.parametrize("grouped_mm", [True, False], ids=["torch._grouped_mm", "per-expert mm"])
 def test_both_matmul_paths_match_reference(monkeypatch, grouped_mm):
-    from kernels.moe import sorted_moe
+    from livemoe.kernels.moe import sorted_moe
 
     if grouped_mm and not sorted_moe._grouped_mm_works(torch.device("cpu"), torch.float32):
         pytest.skip("this torch has no torch._grouped_mm on the CPU")
@@ -74,7 +74,7 @@ def test_both_matmul_paths_match_reference(monkeypatch, grouped_mm):
 
 
 def test_triton_backend_off_cuda_needs_the_interpreter(monkeypatch):
-    import kernels.moe.triton_moe  # noqa: F401  (triton.jit picks interpreter or compiler at import: import first)
+    import livemoe.kernels.moe.triton_moe  # noqa: F401  (triton.jit picks interpreter or compiler at import: import first)
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     x, w1, w2, logits = make_inputs(3, 16, 8, 4)

@@ -1,4 +1,4 @@
-"""The Triton MoE kernels (kernels/moe/triton_moe.py) against the plain per-expert reference.
+"""The Triton MoE kernels (livemoe/kernels/moe/triton_moe.py) against the plain per-expert reference.
 
 On the CPU they run under TRITON_INTERPRET=1 (tests/conftest.py), fp32 and fp16 at small odd shapes; on a
 GPU the same tests run the compiled kernels there (and LIVEMOE_GPU_ONLY=1 selects them: their skip reason
@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from kernels.moe import MoEConfig, fused_moe
+from livemoe.kernels.moe import MoEConfig, fused_moe
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 # the Triton kernels run compiled on a GPU, interpreted on the CPU; every test here runs them
@@ -175,8 +175,8 @@ def test_model_with_triton_kernel_matches_transformers(tmp_path, monkeypatch):
     (fp32, 1e-4 as in tests/test_model_parity.py)."""
     import functools
 
-    import engine
-    import engine.layers
+    from livemoe import engine
+    from livemoe.engine import layers
     from tiny_models import make_checkpoint
 
     calls = []
@@ -185,7 +185,7 @@ def test_model_with_triton_kernel_matches_transformers(tmp_path, monkeypatch):
         calls.append(1)
         return fused_moe(*args, **kw, backend="triton", config=WIDE)
 
-    monkeypatch.setattr(engine.layers, "fused_moe", functools.wraps(fused_moe)(triton_moe))
+    monkeypatch.setattr(layers, "fused_moe", functools.wraps(fused_moe)(triton_moe))
     path, hf = make_checkpoint(tmp_path / "m", moe=True, seed=3, num_experts=7, num_experts_per_tok=2)
     model = engine.load_model(path, device=DEVICE)
     ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))

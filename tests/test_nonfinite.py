@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from train.config import ConfigError, RFTConfig
-from train.nonfinite import NonFiniteError, NonFiniteGuard
+from livemoe.train.config import ConfigError, RFTConfig
+from livemoe.train.nonfinite import NonFiniteError, NonFiniteGuard
 
 
 def setup():

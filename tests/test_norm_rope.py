@@ -1,4 +1,4 @@
-"""kernels.norm: RMSNorm and per-head q/k RMSNorm + RoPE. The C++ ops (csrc/norm_rope.cpp, the CPU path where
+"""livemoe.kernels.norm: RMSNorm and per-head q/k RMSNorm + RoPE. The C++ ops (csrc/norm_rope.cpp, the CPU path where
 no gradient is needed) against the PyTorch references, which are transformers' formulas.
 
 Tolerances: fp32 within 2 ulp-scale (rtol 1e-6, atol 1e-6): the op sums x^2 in its SIMD order, PyTorch's
@@ -9,9 +9,9 @@ rtol 1e-2 (bf16's ulp is 2^-7) and atol at the outputs' scale.
 import pytest
 import torch
 
-from engine.layers import RotaryEmbedding
-from kernels import _ext
-from kernels.norm import qk_norm_rope, rms_norm, rms_norm_reference, rotate_half_reference
+from livemoe.engine.layers import RotaryEmbedding
+from livemoe.kernels import _ext
+from livemoe.kernels.norm import qk_norm_rope, rms_norm, rms_norm_reference, rotate_half_reference
 
 pytestmark = pytest.mark.skipif(not _ext.has_op("qk_norm_rope"), reason="the extension was not built "
                                 "(a normal install builds it; tests/test_moe_align.py fails in that case)")

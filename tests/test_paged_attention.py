@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.attention import (paged_attention_reference, paged_decode_attention, paged_decode_torch,
+from livemoe.kernels.attention import (paged_attention_reference, paged_decode_attention, paged_decode_torch,
                                paged_prefill_attention, paged_prefill_torch, store_kvcache,
                                store_kvcache_reference)
 
@@ -229,8 +229,8 @@ def test_flash_attn_prefill_gpu():
 def test_decode_splits_follow_the_devices_sm_count():
     """The split-KV count fills the device it runs on (its SM count is read, not assumed to be an H100's):
     fewer SMs, fewer splits for the same small batch; a batch that fills the SMs alone is not split."""
-    from kernels._ext import sm_count
-    from kernels.attention import choose_num_splits
+    from livemoe.kernels._ext import sm_count
+    from livemoe.kernels.attention import choose_num_splits
 
     assert sm_count("cpu") == 1
     if torch.cuda.is_available():

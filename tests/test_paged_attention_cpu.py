@@ -1,5 +1,5 @@
 """The C++ CPU paged-attention ops (csrc/paged_attention.cpp: torch.ops.livemoe.paged_attention and
-store_kvcache) against the plain reference, and the CPU dispatch of kernels.attention that uses them.
+store_kvcache) against the plain reference, and the CPU dispatch of livemoe.kernels.attention that uses them.
 
 Two implementations of the op's kernels (csrc/attention_cpu.h): AVX2 + FMA, taken on an x86 CPU that has
 them for head sizes that are a multiple of 8, and portable C++, taken elsewhere and for the other head sizes
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from fixtures import run_with_portable_kernels
-from kernels import _ext
-from kernels.attention import (paged_attention_reference, paged_decode_attention,
+from livemoe.kernels import _ext
+from livemoe.kernels.attention import (paged_attention_reference, paged_decode_attention,
                                paged_prefill_attention, paged_prefill_torch, store_kvcache, store_kvcache_reference)
 
 pytestmark = pytest.mark.skipif(not _ext.has_op("paged_attention"),

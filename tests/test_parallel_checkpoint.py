@@ -1,7 +1,7 @@
-"""Sharded checkpoints (train.checkpoint.save_sharded_checkpoint) on 2 gloo ranks with expert_parallel 2: the
+"""Sharded checkpoints (livemoe.train.checkpoint.save_sharded_checkpoint) on 2 gloo ranks with expert_parallel 2: the
 weights and AdamW states load back into one process (resharded: the EP ranks' expert slices joined) equal to
 what the ranks held; a rank killed during a save leaves the previous checkpoint the newest valid one, and the
-killed save's temp dir is removed by the next resume. (Resuming train.rft with 1 and 4 ranks from a 2-rank save:
+killed save's temp dir is removed by the next resume. (Resuming livemoe.train.rft with 1 and 4 ranks from a 2-rank save:
 test_parallel_rft.py.)"""
 import os
 
@@ -11,7 +11,7 @@ import torch
 from spawn_ranks import spawn_ranks
 from test_parallel_fsdp import BATCH, batch, build_model, loss_sum
 
-from engine.errors import CheckpointError
+from livemoe.engine.errors import CheckpointError
 
 
 def _one_step(model, opt, rows, step):
@@ -29,8 +29,8 @@ def _optimizer_by_name(model, opt) -> dict:
 
 
 def save_worker(root: str, kill_rank: int | None):
-    from train import checkpoint
-    from train.distributed import setup
+    from livemoe.train import checkpoint
+    from livemoe.train.distributed import setup
 
     d = setup(expert_parallel=2, timeout_s=20, num_experts=4)
     model = d.parallelize(build_model(), bf16=False)
@@ -58,7 +58,7 @@ def save_worker(root: str, kill_rank: int | None):
 def _load_one_process(path):
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict  # noqa: F401  (DCP in one process)
 
-    from train.checkpoint import load_checkpoint
+    from livemoe.train.checkpoint import load_checkpoint
 
     model = build_model()
     with torch.no_grad():
@@ -71,7 +71,7 @@ def _load_one_process(path):
 
 
 def test_two_rank_save_loads_into_one_process(tmp_path):
-    from train.checkpoint import load_checkpoint
+    from livemoe.train.checkpoint import load_checkpoint
 
     root = str(tmp_path / "checkpoints")
     results = spawn_ranks(save_worker, 2, root, None, timeout=180)
@@ -96,8 +96,8 @@ def test_two_rank_save_loads_into_one_process(tmp_path):
             assert torch.equal(loaded[name][i], torch.cat(shards)), name
         assert loaded[name][1].abs().sum() > 0, name  # a state that training wrote, not a fresh zero
 
-    from engine.config import ModelConfig
-    from engine.model import Qwen3ForCausalLM
+    from livemoe.engine.config import ModelConfig
+    from livemoe.engine.model import Qwen3ForCausalLM
     from test_parallel_fsdp import CFG
 
     other = Qwen3ForCausalLM(ModelConfig.from_dict({**CFG, "hidden_size": 48}))
@@ -107,7 +107,7 @@ def test_two_rank_save_loads_into_one_process(tmp_path):
 
 
 def test_rank_killed_during_a_save_leaves_the_previous_checkpoint(tmp_path):
-    from train.checkpoint import check_checkpoint, latest_checkpoint, resolve_resume
+    from livemoe.train.checkpoint import check_checkpoint, latest_checkpoint, resolve_resume
 
     root = str(tmp_path / "checkpoints")
     with pytest.raises(RuntimeError, match="rank 1 exited with code 3"):
@@ -130,7 +130,7 @@ def test_a_one_process_checkpoint_is_refused_under_torchrun(tmp_path):
     """Its optimizer.pt is indexed by the whole parameters; the sharded optimizer cannot take it."""
     from types import SimpleNamespace
 
-    from train.checkpoint import load_checkpoint, save_checkpoint
+    from livemoe.train.checkpoint import load_checkpoint, save_checkpoint
 
     model = build_model()
     opt = torch.optim.AdamW(model.parameters())

@@ -1,6 +1,6 @@
 """parallelize (expert parallel + FSDP2) on 2 and 4 gloo ranks: a few AdamW steps of a tiny MoE model, with and
 without expert_parallel 2, give the same losses and final weights as one process with the same global batch;
-rank 0's sharded parameters, gradients and AdamW states take the bytes train.plan says.
+rank 0's sharded parameters, gradients and AdamW states take the bytes livemoe.train.plan says.
 
 Tolerance (fp32): losses rtol 1e-5 (seen 1.2e-7); weights atol 5e-6 after 3 steps at lr 1e-3 (seen 6e-8
 without EP, 9e-7 with). The ranks compute the same sums in other groupings (each rank's share of the batch,
@@ -13,11 +13,11 @@ import torch.nn.functional as F
 
 from spawn_ranks import spawn_ranks
 
-from engine.config import ModelConfig
-from engine.model import Qwen3ForCausalLM
-from engine.parallel import ParallelDims, ParallelMesh, clip_grad_norm_, init_distributed, parallelize
-from engine.parallel.mesh import build_mesh
-from train.plan import PlanConfig, plan
+from livemoe.engine.config import ModelConfig
+from livemoe.engine.model import Qwen3ForCausalLM
+from livemoe.engine.parallel import ParallelDims, ParallelMesh, clip_grad_norm_, init_distributed, parallelize
+from livemoe.engine.parallel.mesh import build_mesh
+from livemoe.train.plan import PlanConfig, plan
 
 CFG = dict(model_type="qwen3_moe", vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
            num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,

@@ -21,10 +21,10 @@ from spawn_ranks import free_port
 from test_grpo import args, multi_turn_records
 from test_rollout import make_student
 
-from train.config import parse_config
-from train.data import write_jsonl
-from train.grpo import GRPOConfig, GRPOTrainer, main
-from train.metrics import read_metrics
+from livemoe.train.config import parse_config
+from livemoe.train.data import write_jsonl
+from livemoe.train.grpo import GRPOConfig, GRPOTrainer, main
+from livemoe.train.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REWARD = ["--reward_fns", "test_precision:varied"]  # importable by the torchrun ranks (tests/ on their path)
@@ -32,7 +32,7 @@ REWARD = ["--reward_fns", "test_precision:varied"]  # importable by the torchrun
 
 def torchrun_grpo(nproc: int, argv: list, timeout: float = 300) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
-           "127.0.0.1", "--master_port", str(free_port()), "-m", "train.grpo", *argv]
+           "127.0.0.1", "--master_port", str(free_port()), "-m", "livemoe.train.grpo", *argv]
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.path.join(ROOT, 'tests')}", OMP_NUM_THREADS="1")
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -43,7 +43,7 @@ def student(tmp_path_factory):
 
 
 def test_two_ranks_equal_one_process(student, tmp_path):
-    import engine
+    from livemoe import engine
 
     one = tmp_path / "one"
     assert main(args(student, one, *REWARD, "--device", "cpu")) == 0
@@ -91,7 +91,7 @@ def test_multi_turn_two_ranks_equal_one_process(student, tmp_path):
     ~lr apart (seen: 1 element each of two tensors up to 6.7e-4 with one tiny tokenizer; 86 of 213k elements over
     1e-3, up to 1.5e-2, with the next). A lost share or a wrongly normalised loss moves most weights by ~lr, so
     fewer than 1 in 1,000 elements may differ by more than 1e-3."""
-    import engine
+    from livemoe import engine
 
     data = tmp_path / "mt.jsonl"
     write_jsonl(str(data), multi_turn_records())

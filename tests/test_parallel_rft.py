@@ -27,7 +27,7 @@ ARGS = dict(train_rooms=12, k=2, max_steps=2, batch_size=4, eval_rooms=0, warmup
 
 def torchrun(nproc: int, out: str, model: str, *extra: str, timeout: float = 300, **args) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
-           "127.0.0.1", "--master_port", str(free_port()), "-m", "train.rft", "--model", model, "--output_dir", out]
+           "127.0.0.1", "--master_port", str(free_port()), "-m", "livemoe.train.rft", "--model", model, "--output_dir", out]
     for k, v in {**ARGS, **args}.items():
         cmd += [f"--{k}", str(v).lower() if isinstance(v, bool) else str(v)]
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
@@ -39,8 +39,8 @@ def metrics(out) -> list:
 
 
 def test_torchrun_two_ranks_equal_one_process(student, tmp_path):  # noqa: F811
-    import engine
-    from train.rft import run
+    from livemoe import engine
+    from livemoe.train.rft import run
 
     one = tmp_path / "one"
     run(tiny_cfg(student, one, **ARGS))
@@ -71,8 +71,8 @@ def test_save_with_two_ranks_resume_with_one_and_four(student, tmp_path):  # noq
     """Sharded checkpoints: a 2-rank run (expert_parallel 2) "crashes" after step 2; resuming it with 1 process
     and with 4 ranks (expert_parallel 2: each expert sharded over 2 ranks) gives the uninterrupted run's losses
     and final weights (the tolerances above: the ranks sum in other groupings)."""
-    import engine
-    from train.rft import run
+    from livemoe import engine
+    from livemoe.train.rft import run
 
     # 10 selected examples and 5 rehearsal conversations (built alike on every rank): 3 whole batches an epoch
     args = dict(max_steps=4, save_every=2, keep_last=5, batch_size=5, rehearsal=0.5)

@@ -1,4 +1,4 @@
-"""train.distributed on 2 gloo ranks with expert_parallel 2: a global batch's shares, rank-0-only work, the
+"""livemoe.train.distributed on 2 gloo ranks with expert_parallel 2: a global batch's shares, rank-0-only work, the
 load-balancing loss over the global batch (value and gradient equal one process's), and the gathered export
 that engine.load_model reads back equal to the model before sharding."""
 import sys
@@ -7,7 +7,7 @@ import torch
 
 from spawn_ranks import spawn_ranks
 
-from engine.moe_loss import load_balancing_loss
+from livemoe.engine.moe_loss import load_balancing_loss
 from test_parallel_fsdp import build_model
 
 E, K = 4, 2
@@ -20,7 +20,7 @@ def router_logits(seed: int = 3):
 
 
 def trainer_worker(export_dir: str):
-    from train.distributed import setup
+    from livemoe.train.distributed import setup
 
     d = setup(expert_parallel=2, timeout_s=60, num_experts=E)
     out = {"stdout_silenced": sys.stdout.name == "/dev/null", "share": d.local_share(list(range(6))),
@@ -44,7 +44,7 @@ def trainer_worker(export_dir: str):
 
 
 def test_trainer_helpers_on_two_ranks(tmp_path):
-    import engine
+    from livemoe import engine
 
     export_dir = str(tmp_path / "final")
     results = spawn_ranks(trainer_worker, 2, export_dir, timeout=180)

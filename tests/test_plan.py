@@ -1,4 +1,4 @@
-"""train.plan: parameter, gradient and AdamW bytes equal what a CPU run allocates (one process here; the FSDP2
+"""livemoe.train.plan: parameter, gradient and AdamW bytes equal what a CPU run allocates (one process here; the FSDP2
 shards of 2 ranks in test_parallel_fsdp.py), hand-checked figures for Qwen3-30B-A3B, and its bad-input errors."""
 import json
 import math
@@ -6,11 +6,11 @@ import math
 import pytest
 import torch
 
-from engine.config import ModelConfig
-from engine.flops import resolve_config
-from engine.model import Qwen3ForCausalLM
+from livemoe.engine.config import ModelConfig
+from livemoe.engine.flops import resolve_config
+from livemoe.engine.model import Qwen3ForCausalLM
 from tiny_models import BASE, MOE
-from train.plan import PlanConfig, main, plan
+from livemoe.train.plan import PlanConfig, main, plan
 
 
 def tiny_config(**overrides) -> ModelConfig:

@@ -1,11 +1,11 @@
-"""fp32 master weights for bf16 compute on one device (train.precision): at the seed's lr 2.5e-6 every fp32 master
+"""fp32 master weights for bf16 compute on one device (livemoe.train.precision): at the seed's lr 2.5e-6 every fp32 master
 weight ~N(0, 0.02) moves in 10 AdamW steps while bf16 weights updated in place mostly do not (the defect the
-masters fix); gradients accumulate in fp32; train.grpo with --bf16 true trains and checkpoints the fp32 masters,
+masters fix); gradients accumulate in fp32; livemoe.train.grpo with --bf16 true trains and checkpoints the fp32 masters,
 and a resumed run continues from them exactly."""
 import pytest
 import torch
 
-from train.precision import MasterWeights
+from livemoe.train.precision import MasterWeights
 
 LR, STEPS = 2.5e-6, 10
 
@@ -75,8 +75,8 @@ def test_masters_need_an_fp32_model():
 def test_grpo_bf16_trains_and_checkpoints_fp32_masters(tmp_path):
     from test_grpo import args, state  # noqa: F401  (the module's helpers)
     from test_rollout import make_student
-    from train.config import parse_config
-    from train.grpo import GRPOConfig, GRPOTrainer
+    from livemoe.train.config import parse_config
+    from livemoe.train.grpo import GRPOConfig, GRPOTrainer
 
     student = make_student(tmp_path / "student")
     extra = ["--bf16", "true", "--reward_fns", "test_precision:varied", "--save_every", "1"]

@@ -1,4 +1,4 @@
-"""`python -m train.pretrain_student`: a few-step run writes a checkpoint that transformers and the engine
+"""`python -m livemoe.train.pretrain_student`: a few-step run writes a checkpoint that transformers and the engine
 load alike and a report of what it reached; --init_from continues one, keeping the earlier report."""
 import json
 import math
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from train.pretrain_student import lr_factor, main
+from livemoe.train.pretrain_student import lr_factor, main
 
 FEW = ["--steps", "3", "--eval_every", "2", "--batch_size", "2", "--turns", "2", "--heldout_rooms", "8",
        "--vocab_size", "400", "--warmup", "2"]
@@ -23,11 +23,11 @@ def first(tmp_path_factory):
 def test_few_steps_write_a_loadable_checkpoint_and_a_report(first):
     from transformers import AutoModelForCausalLM
 
-    import engine
+    from livemoe import engine
 
     report = json.loads((first / "pretrain_report.json").read_text())
     assert report["steps"] == 3 and [h["step"] for h in report["history"]] == [2, 3]
-    assert report["command"] == "python -m train.pretrain_student --output_dir " + str(first) + " " + " ".join(FEW)
+    assert report["command"] == "python -m livemoe.train.pretrain_student --output_dir " + str(first) + " " + " ".join(FEW)
     assert report["final_heldout_lookup_exact"] == report["history"][-1]["heldout_lookup_exact"]
     assert all(0 <= h["heldout_lookup_exact"] <= 1 and math.isfinite(h["loss"]) for h in report["history"])
     hf = AutoModelForCausalLM.from_pretrained(str(first)).eval()
@@ -76,8 +76,8 @@ def test_bad_arguments_are_refused(tmp_path, capsys):
 
 
 def test_curriculum_grows_the_product_lists_to_the_worlds_range():
-    from train.pretrain_student import curriculum_products
-    from train.synthetic.world import WorldConfig, make_rooms
+    from livemoe.train.pretrain_student import curriculum_products
+    from livemoe.train.synthetic.world import WorldConfig, make_rooms
 
     world = WorldConfig()
     assert world.num_products == (4, 6)
@@ -110,8 +110,8 @@ class _Oracle(torch.nn.Module):
 def test_lookup_probe_splits_by_question_form_and_scores_the_link(first):
     from transformers import AutoTokenizer
 
-    from train.pretrain_student import PROBE_FORMS, lookup_probe
-    from train.synthetic.world import make_rooms
+    from livemoe.train.pretrain_student import PROBE_FORMS, lookup_probe
+    from livemoe.train.synthetic.world import make_rooms
 
     tok = AutoTokenizer.from_pretrained(str(first))
     rooms = make_rooms(6, seed=5)
@@ -158,9 +158,9 @@ def _two_product_room():
 def test_recall_sequence_is_a_compact_list_then_questions_on_its_facts():
     import random
 
-    from train.data import SYSTEM_PROMPT
-    from train.synthetic.corpus import recall_sequence
-    from train.synthetic.world import make_rooms, products_of
+    from livemoe.train.data import SYSTEM_PROMPT
+    from livemoe.train.synthetic.corpus import recall_sequence
+    from livemoe.train.synthetic.world import make_rooms, products_of
 
     msgs = recall_sequence(_two_product_room(), random.Random(0), queries=40)
     assert msgs[0] == {"role": "system", "content": SYSTEM_PROMPT + "\nproducts:\nlink 7: wool scarf. color: red.\n"
@@ -194,8 +194,8 @@ def test_recall_drill_loss_mask_covers_exactly_the_answers(first):
 
     from transformers import AutoTokenizer
 
-    from train.pretrain_student import encode_conversation
-    from train.synthetic.corpus import recall_sequence
+    from livemoe.train.pretrain_student import encode_conversation
+    from livemoe.train.synthetic.corpus import recall_sequence
 
     tok = AutoTokenizer.from_pretrained(str(first))
     msgs = recall_sequence(_two_product_room(), random.Random(2), queries=3)
@@ -206,7 +206,7 @@ def test_recall_drill_loss_mask_covers_exactly_the_answers(first):
 
 
 def test_recall_steps_are_the_warm_up_then_the_fraction_spread_evenly():
-    from train.pretrain_student import is_recall_step
+    from livemoe.train.pretrain_student import is_recall_step
 
     def kinds(warm, frac, n):
         return [is_recall_step(s, SimpleNamespace(recall_steps=warm, recall_fraction=frac)) for s in range(1, n + 1)]
@@ -244,7 +244,7 @@ def test_recall_flags_run_and_are_refused_when_bad(tmp_path, capsys):
 def test_widen_attention_computes_what_the_checkpoint_computed(first):
     from transformers import AutoModelForCausalLM
 
-    from train.pretrain_student import widen_attention
+    from livemoe.train.pretrain_student import widen_attention
 
     narrow = AutoModelForCausalLM.from_pretrained(str(first), dtype=torch.float32).eval()
     h, kv = narrow.config.num_attention_heads, narrow.config.num_key_value_heads
@@ -268,7 +268,7 @@ def test_widen_attention_computes_what_the_checkpoint_computed(first):
 def test_widen_hidden_computes_what_the_checkpoint_computed(first):
     from transformers import AutoModelForCausalLM
 
-    from train.pretrain_student import widen_hidden
+    from livemoe.train.pretrain_student import widen_hidden
 
     narrow = AutoModelForCausalLM.from_pretrained(str(first), dtype=torch.float32).eval()
     d = narrow.config.hidden_size

@@ -6,8 +6,8 @@ import types
 
 import pytest
 
-from train.judges import SquadJudge, Verdict
-from train.rewards import CompositeReward, RewardConfig, RewardError, length_reward, load_reward_fns
+from livemoe.train.judges import SquadJudge, Verdict
+from livemoe.train.rewards import CompositeReward, RewardConfig, RewardError, length_reward, load_reward_fns
 
 
 def reference_length_reward(lp, lr, up, lo, eps):

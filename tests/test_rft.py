@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from fixtures import assert_stopped_on_nonfinite
-from train.config import RFTConfig
-from train.data import build_prompt
-from train.rft import (collate, encode_example, epoch_batches, main, marker_token_ids, run, sft_step_loss)
-from train.synthetic import ScriptedTeacher, make_rooms
+from livemoe.train.config import RFTConfig
+from livemoe.train.data import build_prompt
+from livemoe.train.rft import (collate, encode_example, epoch_batches, main, marker_token_ids, run, sft_step_loss)
+from livemoe.train.synthetic import ScriptedTeacher, make_rooms
 
 NULL = contextlib.nullcontext()
 
@@ -21,9 +21,9 @@ NULL = contextlib.nullcontext()
 @pytest.fixture(scope="module")
 def student(tmp_path_factory):
     """A tiny random student with the synthetic world's tokenizer and chat template (a real checkpoint dir)."""
-    from train.pretrain_student import init_student
-    from train.synthetic.corpus import tokenizer_corpus
-    from train.synthetic.tokenizer import train_tokenizer
+    from livemoe.train.pretrain_student import init_student
+    from livemoe.train.synthetic.corpus import tokenizer_corpus
+    from livemoe.train.synthetic.tokenizer import train_tokenizer
 
     path = str(tmp_path_factory.mktemp("student"))
     tok = train_tokenizer(tokenizer_corpus(n_rooms=150), vocab_size=400)
@@ -36,7 +36,7 @@ def student(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loaded(student):
-    import engine
+    from livemoe import engine
 
     return engine.load_model(student, dtype=torch.float32, device="cpu"), engine.load_tokenizer(student)
 
@@ -138,9 +138,9 @@ def tiny_cfg(student, out, **kw):
 
 
 def test_rehearsal_examples_train_the_pretraining_answers_after_the_rooms_turns(loaded):
-    from train.pretrain_student import QUESTIONS_PER_CONVERSATION, encode_conversation
-    from train.rft import REHEARSAL_SKIP, rehearsal_examples
-    from train.synthetic.corpus import lookup_conversation
+    from livemoe.train.pretrain_student import QUESTIONS_PER_CONVERSATION, encode_conversation
+    from livemoe.train.rft import REHEARSAL_SKIP, rehearsal_examples
+    from livemoe.train.synthetic.corpus import lookup_conversation
 
     _, tok = loaded
     rooms = make_rooms(3, seed=5)
@@ -181,7 +181,7 @@ def test_rehearsal_mixes_into_the_sft_data_and_needs_the_synthetic_world(student
 def test_end_to_end_tiny_run_checkpoint_loads_in_transformers(student, tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
-    import engine
+    from livemoe import engine
 
     out = tmp_path / "run"
     result = run(tiny_cfg(student, out))
@@ -207,7 +207,7 @@ def test_end_to_end_tiny_run_checkpoint_loads_in_transformers(student, tmp_path,
 
 
 def test_eval_every_logs_the_heldout_loss_of_the_selected_teacher_answers(student, tmp_path):
-    import engine
+    from livemoe import engine
 
     out = tmp_path / "run"
     run(tiny_cfg(student, out, max_steps=5, eval_every=2, eval_rooms=6, eval_samples=1, eval_temperature=0,
@@ -227,7 +227,7 @@ def test_eval_every_logs_the_heldout_loss_of_the_selected_teacher_answers(studen
 
 
 def test_resume_gives_the_same_losses_as_an_uninterrupted_run(student, tmp_path):
-    import engine
+    from livemoe import engine
 
     out = tmp_path / "run"
     cfg = tiny_cfg(student, out, max_steps=4, save_every=2, keep_last=5, eval_rooms=0, batch_size=2)
@@ -287,7 +287,7 @@ def test_bad_model_dir(tmp_path, capsys):
 
 
 def test_engine_checkpoint_teacher_samples_k_per_input_with_the_decoder(student):
-    from train.teachers import EngineTeacher
+    from livemoe.train.teachers import EngineTeacher
 
     rooms = make_rooms(2, seed=3)
     teacher = EngineTeacher(student, max_new_tokens=6, seed=1, progress=False)

@@ -8,10 +8,10 @@ import pytest
 
 from test_data import MUSIQUE
 from test_rft import student  # noqa: F401  (the tiny student fixture)
-from train.endpoint import ChatEndpoint, EndpointError
-from train.judges import LLMJudge
-from train.synthetic import make_rooms
-from train.teachers import EndpointTeacher
+from livemoe.train.endpoint import ChatEndpoint, EndpointError
+from livemoe.train.judges import LLMJudge
+from livemoe.train.synthetic import make_rooms
+from livemoe.train.teachers import EndpointTeacher
 
 
 class Fake(BaseHTTPRequestHandler):
@@ -90,7 +90,7 @@ def test_bad_url():
 
 
 def test_musique_run_with_an_endpoint_teacher_and_em_f1(server, student, tmp_path, capsys):  # noqa: F811
-    from train.rft import main
+    from livemoe.train.rft import main
 
     data = tmp_path / "musique.jsonl"
     data.write_text("\n".join(json.dumps({**MUSIQUE, "id": f"q{i}"}) for i in range(3)) + "\n")

@@ -5,16 +5,16 @@ computed once."""
 import pytest
 import torch
 
-from engine.loader import load_model, load_tokenizer
-from kernels.logprobs import fused_linear_logprobs
+from livemoe.engine.loader import load_model, load_tokenizer
+from livemoe.kernels.logprobs import fused_linear_logprobs
 from tiny_models import make_checkpoint
-from train.rollout import Completion, Rollouts, collate, reference_lengths
+from livemoe.train.rollout import Completion, Rollouts, collate, reference_lengths
 
 
 def make_student(path, seed: int = 0):
     """A tiny random Qwen3-MoE with the synthetic world's own BPE tokenizer (trained on a few rooms)."""
-    from train.synthetic.corpus import tokenizer_corpus
-    from train.synthetic.tokenizer import train_tokenizer
+    from livemoe.train.synthetic.corpus import tokenizer_corpus
+    from livemoe.train.synthetic.tokenizer import train_tokenizer
 
     tok = train_tokenizer(tokenizer_corpus(n_rooms=40), vocab_size=500)
     path, _ = make_checkpoint(path, moe=True, seed=seed, vocab_size=len(tok), eos_token_id=tok.eos_token_id,

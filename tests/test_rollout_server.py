@@ -19,20 +19,20 @@ import urllib.request
 import pytest
 import torch
 
-from engine.net import free_port
+from livemoe.engine.net import free_port
 from fixtures import gone, http_json, require_server_extras
 
 openai = require_server_extras()
 
 from tiny_tokenizer import make_text_checkpoint  # noqa: E402
 
-from engine.async_llm import AsyncLLM  # noqa: E402
-from engine.core.router import Router  # noqa: E402
-from engine.core.weight_sync import join_servers, push_weights_to_servers  # noqa: E402
-from engine.llm import LLM  # noqa: E402
-from engine.loader import load_model  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
-from engine.server import BackgroundServer  # noqa: E402
+from livemoe.engine.async_llm import AsyncLLM  # noqa: E402
+from livemoe.engine.core.router import Router  # noqa: E402
+from livemoe.engine.core.weight_sync import join_servers, push_weights_to_servers  # noqa: E402
+from livemoe.engine.llm import LLM  # noqa: E402
+from livemoe.engine.loader import load_model  # noqa: E402
+from livemoe.engine.sampling import SamplingParams  # noqa: E402
+from livemoe.engine.server import BackgroundServer  # noqa: E402
 
 MODEL = "tiny"
 OPTIONS = dict(dtype=torch.float32, device="cpu", block_size=16, num_kv_blocks=128, max_model_len=256,

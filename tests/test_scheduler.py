@@ -1,8 +1,8 @@
 """Scheduler: token budget, chunked prefill mixed with decodes, max_num_seqs, preemption by recompute."""
-from engine.block_manager import BlockManager
-from engine.sampling import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus
+from livemoe.engine.block_manager import BlockManager
+from livemoe.engine.sampling import SamplingParams
+from livemoe.engine.scheduler import Scheduler
+from livemoe.engine.sequence import Sequence, SequenceStatus
 
 BS = 4
 

@@ -1,8 +1,8 @@
 """Rejection sampling: at most one passing trajectory per input, the rest dropped and counted."""
 import pytest
 
-from train.judges import Verdict
-from train.selection import EmptySelectionError, require_nonempty, select
+from livemoe.train.judges import Verdict
+from livemoe.train.selection import EmptySelectionError, require_nonempty, select
 
 OK, WRONG, UNHELPFUL = Verdict(True, True), Verdict(False, True), Verdict(True, False)
 

@@ -20,8 +20,8 @@ from fixtures import require_server_extras
 
 openai = require_server_extras()
 
-from engine.async_llm import AsyncLLM  # noqa: E402
-from engine.server import BackgroundServer, ServerProcess  # noqa: E402
+from livemoe.engine.async_llm import AsyncLLM  # noqa: E402
+from livemoe.engine.server import BackgroundServer, ServerProcess  # noqa: E402
 from tiny_tokenizer import make_cycle_checkpoint, make_text_checkpoint  # noqa: E402
 
 MODEL = "tiny"
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def start(path, **options):
-    """An engine in its own process (engine/core), as `python -m engine.serve` runs it, and a server."""
+    """An engine in its own process (livemoe/engine/core), as `livemoe serve` runs it, and a server."""
     engine = AsyncLLM(path, dtype=torch.float32, device="cpu", use_tqdm=False, engine_core="process", threads=1,
                       **options)
     return engine, BackgroundServer(engine, MODEL).start()
@@ -315,7 +315,7 @@ def test_models_health_metrics_and_log_line(served, client, caplog):
     assert [m.id for m in client.models.list().data] == [MODEL]
     health = json.loads(urllib.request.urlopen(server.url + "/health", timeout=10).read())
     assert health == {"status": "ok"}
-    with caplog.at_level(logging.INFO, logger="engine.serve"):
+    with caplog.at_level(logging.INFO, logger="livemoe.engine.serve"):
         client.completions.create(model=MODEL, prompt="count me", max_tokens=4, extra_body={"ignore_eos": True})
     lines = [r.getMessage() for r in caplog.records if "finished" in r.getMessage()]
     assert len(lines) == 1 and all(w in lines[0] for w in ("output_tokens=4", "ttft=", "tpot=", "decode_flops="))
@@ -330,8 +330,8 @@ def test_models_health_metrics_and_log_line(served, client, caplog):
 
 
 def test_command_line(tmp_path):
-    """`python -m engine.serve` as a user runs it: engine options as flags, then one request."""
-    from engine.serve import main, parser
+    """`livemoe serve` as a user runs it: engine options as flags, then one request."""
+    from livemoe.engine.serve import main, parser
 
     path, _ = make_text_checkpoint(tmp_path / "cli")
     flags = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "32", "--block-size", "16",

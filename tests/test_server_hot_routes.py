@@ -1,4 +1,4 @@
-"""The lean path of the generation routes (engine/server/hot_routes.py) answers exactly as the FastAPI
+"""The lean path of the generation routes (livemoe/engine/server/hot_routes.py) answers exactly as the FastAPI
 routes do: two servers over one engine, one with the hot routes and one without, get the same requests,
 valid (completions and chat, JSON and streamed, n, seed, stop, logprobs, echo, token ids, usage) and
 invalid (malformed JSON, wrong types, NaN, unknown and missing fields, other content types, an unknown
@@ -17,9 +17,9 @@ from fixtures import require_server_extras
 
 require_server_extras()
 
-from engine.async_llm import AsyncLLM  # noqa: E402
-from engine.server import BackgroundServer, ServerConfig  # noqa: E402
-from engine.server import hot_routes  # noqa: E402
+from livemoe.engine.async_llm import AsyncLLM  # noqa: E402
+from livemoe.engine.server import BackgroundServer, ServerConfig  # noqa: E402
+from livemoe.engine.server import hot_routes  # noqa: E402
 from tiny_tokenizer import make_text_checkpoint  # noqa: E402
 
 MODEL = "tiny"

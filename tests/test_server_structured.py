@@ -17,8 +17,8 @@ openai = require_server_extras()
 jsonschema = pytest.importorskip("jsonschema", reason="needs the test extras (pip install -e .[test])")
 pytest.importorskip("xgrammar", reason="needs xgrammar (a runtime dependency: pip install -e .)")
 
-from engine.async_llm import AsyncLLM  # noqa: E402
-from engine.server import BackgroundServer  # noqa: E402
+from livemoe.engine.async_llm import AsyncLLM  # noqa: E402
+from livemoe.engine.server import BackgroundServer  # noqa: E402
 from tiny_models import hf_model  # noqa: E402
 from tiny_tokenizer import byte_token_ids, train_tokenizer  # noqa: E402
 
@@ -68,7 +68,7 @@ def served(tmp_path_factory):
     tok.chat_template = TOOLS_TEMPLATE
     hf_model(True, 0, vocab_size=len(tok), max_position_embeddings=1024).save_pretrained(path)
     tok.save_pretrained(path)
-    # the engine in its own process (engine/core), as `python -m engine.serve` runs it
+    # the engine in its own process (livemoe/engine/core), as `livemoe serve` runs it
     engine = AsyncLLM(str(path), dtype=torch.float32, device="cpu", use_tqdm=False, block_size=16,
                       num_kv_blocks=800, max_model_len=1024, engine_core="process", threads=1)
     plain = BackgroundServer(engine, MODEL).start()

@@ -1,4 +1,4 @@
-"""The static resource report's machinery (kernels/static_resources.py): occupancy and cuobjdump parsing on
+"""The static resource report's machinery (livemoe/kernels/static_resources.py): occupancy and cuobjdump parsing on
 hand-computed cases, the JIT's specialisation rules, and, compiled for sm_90a in a subprocess (tests/sm90.py
 says why), one kernel's registers and stack bytes checked against ptxas's own account of the same PTX, and
 the tuner's pruning of candidates that spill or overflow shared memory."""
@@ -10,7 +10,7 @@ import tempfile
 import torch
 from sm90 import check_compile_script, script_main
 
-from kernels.static_resources import occupancy, parse_res_usage, specialize
+from livemoe.kernels.static_resources import occupancy, parse_res_usage, specialize
 
 
 def test_occupancy_hand_computed():
@@ -68,9 +68,9 @@ def compile_checks() -> list[str]:
     import triton
 
     from bench.kernel_launches import all_launches
-    from kernels.moe.configs import MoEConfig, heuristic_config
-    from kernels.moe.tune import prune_candidates
-    from kernels.static_resources import compile_sm90, measure_launch
+    from livemoe.kernels.moe.configs import MoEConfig, heuristic_config
+    from livemoe.kernels.moe.tune import prune_candidates
+    from livemoe.kernels.static_resources import compile_sm90, measure_launch
 
     problems = check_specialize()
     launch = next(l for l in all_launches(families=("moe",), dtypes=(torch.bfloat16,))

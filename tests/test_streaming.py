@@ -4,9 +4,9 @@ over tokens never stream a U+FFFD, and closing the generator early frees the req
 import pytest
 import torch
 
-from engine.llm import LLM
-from engine.sampling import RequestError, SamplingParams
-from engine.streaming import merge_deltas, stream
+from livemoe.engine.llm import LLM
+from livemoe.engine.sampling import RequestError, SamplingParams
+from livemoe.engine.streaming import merge_deltas, stream
 from tiny_tokenizer import make_cycle_checkpoint, make_text_checkpoint
 
 CYCLE_TEXT = "aé你b🙂界"

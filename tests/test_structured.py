@@ -12,10 +12,10 @@ import torch
 jsonschema = pytest.importorskip("jsonschema", reason="needs jsonschema (pip install -e .[test])")
 pytest.importorskip("xgrammar", reason="needs xgrammar (a runtime dependency: pip install -e .)")
 
-from engine.llm import LLM  # noqa: E402
-from engine.sampler import Sampler  # noqa: E402
-from engine.sampling import RequestError, SamplingParams  # noqa: E402
-from engine.structured import StructuredOutput, tool_call_schema  # noqa: E402
+from livemoe.engine.llm import LLM  # noqa: E402
+from livemoe.engine.sampler import Sampler  # noqa: E402
+from livemoe.engine.sampling import RequestError, SamplingParams  # noqa: E402
+from livemoe.engine.structured import StructuredOutput, tool_call_schema  # noqa: E402
 from tiny_tokenizer import byte_token_ids, make_text_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -257,7 +257,7 @@ def think_checkpoint(path):
 
 
 def test_grammar_applies_after_the_think_block(tmp_path):
-    from engine.reasoning import split_reasoning, think_token_ids
+    from livemoe.engine.reasoning import split_reasoning, think_token_ids
 
     path, tok = think_checkpoint(tmp_path / "think")
     llm = LLM(path, dtype=torch.float32, device="cpu", block_size=16, num_kv_blocks=128, use_tqdm=False)
@@ -286,7 +286,7 @@ def test_grammar_applies_after_the_think_block(tmp_path):
 def test_n_samples_and_async_llm_constrained(llm):
     import asyncio
 
-    from engine.async_llm import AsyncLLM
+    from livemoe.engine.async_llm import AsyncLLM
 
     out = llm.generate("n", SamplingParams(temperature=1.0, seed=2, n=4, max_tokens=40,
                                            structured=StructuredOutput(regex=r"[0-9]{2}[a-c]")))[0]

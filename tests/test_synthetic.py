@@ -3,10 +3,10 @@ from collections import Counter
 
 import pytest
 
-from train.data import split_thought
-from train.judges import SyntheticJudge
-from train.synthetic import ScriptedTeacher, TeacherRates, WorldConfig, make_rooms
-from train.synthetic.world import KINDS, products_of
+from livemoe.train.data import split_thought
+from livemoe.train.judges import SyntheticJudge
+from livemoe.train.synthetic import ScriptedTeacher, TeacherRates, WorldConfig, make_rooms
+from livemoe.train.synthetic.world import KINDS, products_of
 
 
 def test_rooms_are_deterministic_and_distinct():
@@ -94,9 +94,9 @@ def test_teacher_supplements_with_a_listed_attribute_before_the_price():
     """A good attribute answer states the asked fact and one more: the product's first attribute besides
     the asked one and the price (the student reads a price worst, issue 19); missing-product and
     recommendation answers name products without prices."""
-    from train.judges import extract_claims
-    from train.synthetic.teacher import supplement
-    from train.synthetic.world import products_of
+    from livemoe.train.judges import extract_claims
+    from livemoe.train.synthetic.teacher import supplement
+    from livemoe.train.synthetic.world import products_of
 
     rooms = make_rooms(200, seed=11)
     t = ScriptedTeacher(seed=0)
@@ -126,8 +126,8 @@ def test_teacher_supplements_with_a_listed_attribute_before_the_price():
 def test_missing_product_answer_offers_the_alternative_in_the_list_walks_words():
     """The alternative's sentence is one the thought's list walk already wrote (the answer copies it instead
     of pairing a link with a name again, issue 19), and the judge reads it as a true, named product."""
-    from train.judges import SyntheticJudge, extract_claims
-    from train.synthetic.world import products_of, related
+    from livemoe.train.judges import SyntheticJudge, extract_claims
+    from livemoe.train.synthetic.world import products_of, related
 
     rooms = [r for r in make_rooms(300, seed=12) if r["meta"]["kind"] == "missing"]
     assert len(rooms) >= 30

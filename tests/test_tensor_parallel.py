@@ -1,4 +1,4 @@
-"""Tensor- and expert-parallel shard models (engine.parallel.tensor_parallel, engine.loader with tp) on 2 and 4
+"""Tensor- and expert-parallel shard models (livemoe.engine.parallel.tensor_parallel, livemoe.engine.loader with tp) on 2 and 4
 gloo ranks against the single-process model: the logits of the plain causal forward, greedy tokens through
 LLM.from_model on every rank (SPMD: the same requests, a deterministic scheduler and full logits on every rank
 give every rank the same tokens) against transformers' generate with prefix caching and preemption, each rank's
@@ -17,13 +17,13 @@ import torch
 
 from spawn_ranks import spawn_ranks
 
-from engine.config import load_config
-from engine.layers import SparseMoeBlock
-from engine.llm import LLM
-from engine.loader import load_model
-from engine.parallel import TensorParallel, check_tensor_parallel
-from engine.parallel.tensor_parallel import ReplicatedExpertParallel
-from engine.sampling import SamplingParams
+from livemoe.engine.config import load_config
+from livemoe.engine.layers import SparseMoeBlock
+from livemoe.engine.llm import LLM
+from livemoe.engine.loader import load_model
+from livemoe.engine.parallel import TensorParallel, check_tensor_parallel
+from livemoe.engine.parallel.tensor_parallel import ReplicatedExpertParallel
+from livemoe.engine.sampling import SamplingParams
 from tiny_models import make_checkpoint
 
 NEW = 12
@@ -138,12 +138,12 @@ def run_rank(cases: dict, paths: dict) -> dict:
     """On one gloo rank: each case's shard model -> its logits, greedy outputs, parameter count, bytes read."""
     import torch.distributed as dist
 
-    import engine.loader
+    from livemoe.engine import loader
 
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    safe_open = engine.loader.safe_open
-    engine.loader.safe_open = lambda *a, **k: CountingReads(safe_open(*a, **k))
+    safe_open = loader.safe_open
+    loader.safe_open = lambda *a, **k: CountingReads(safe_open(*a, **k))
     out = {}
     for name, (_, n, ep, _, _) in cases.items():
         assert n == size, (name, n, size)
@@ -236,7 +236,7 @@ def test_four_ranks_equal_one_process(tmp_path):
     ({}, 0, False, "tensor_parallel_size must be a positive integer, got 0"),
 ])
 def test_check_tensor_parallel_names_the_values(overrides, size, ep, message):
-    from engine.config import ModelConfig
+    from livemoe.engine.config import ModelConfig
     from tiny_models import BASE, MOE
 
     raw = {**BASE, **MOE, "model_type": "qwen3_moe", **overrides}
@@ -248,7 +248,7 @@ def test_check_tensor_parallel_names_the_values(overrides, size, ep, message):
 
 
 def test_a_shard_model_is_not_saved(tmp_path):
-    from engine.loader import empty_model, save_model
+    from livemoe.engine.loader import empty_model, save_model
 
     path, _ = make_checkpoint(tmp_path / "m", moe=True)
     shard = empty_model(load_config(path), torch.float32, torch.device("cpu"), TensorParallel(1, 2, None, True))
@@ -258,7 +258,7 @@ def test_a_shard_model_is_not_saved(tmp_path):
 
 
 def test_expert_parallel_refused_for_a_dense_model():
-    from engine.config import ModelConfig
+    from livemoe.engine.config import ModelConfig
     from tiny_models import BASE
 
     with pytest.raises(ValueError, match="enable_expert_parallel needs an MoE model"):

@@ -5,10 +5,10 @@ finish on the old weights or are aborted, as asked; the prefix cache is dropped.
 import pytest
 import torch
 
-from engine.errors import CheckpointError
-from engine.llm import LLM
-from engine.loader import hub_state_dict, load_model
-from engine.sampling import SamplingParams
+from livemoe.engine.errors import CheckpointError
+from livemoe.engine.llm import LLM
+from livemoe.engine.loader import hub_state_dict, load_model
+from livemoe.engine.sampling import SamplingParams
 from tiny_tokenizer import make_text_checkpoint
 
 OPTIONS = dict(dtype=torch.float32, device="cpu", block_size=4, num_kv_blocks=256, use_tqdm=False)
@@ -99,7 +99,7 @@ def test_async_llm_in_a_thread_finishes_in_flight_on_old_weights(ckpts):
     A's tokens (in_flight="finish"), the next gets B's; sleep refuses requests until wake_up."""
     import asyncio
 
-    from engine.async_llm import AsyncLLM, EngineSleepingError
+    from livemoe.engine.async_llm import AsyncLLM, EngineSleepingError
 
     a, b, _, answers = ckpts
     engine = AsyncLLM(a, **OPTIONS)

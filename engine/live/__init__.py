@@ -1,6 +1,0 @@
-"""Live sessions (the LiveAssistant seed): long-lived requests that decide OBS / MEM / ANS each interval."""
-from engine.live.decision import KINDS, TASKS, Decision, DecisionFormatError, DecisionMetrics, parse_decision
-from engine.live.session import LiveSession, step_sessions
-
-__all__ = ["KINDS", "TASKS", "Decision", "DecisionFormatError", "DecisionMetrics", "LiveSession", "parse_decision",
-           "step_sessions"]

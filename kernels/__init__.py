@@ -1,8 +1,0 @@
-"""livemoe kernels: each op beside its plain-PyTorch reference, with one dispatching entry per op.
-
-Public entries: `kernels.moe.fused_moe` (and `route`), `kernels.fused_linear_logprobs`,
-`kernels.logprobs_from_logits`; paged attention lives in `kernels.attention`.
-"""
-from kernels.logprobs import fused_linear_logprobs, logprobs_from_logits
-
-__all__ = ["fused_linear_logprobs", "logprobs_from_logits"]

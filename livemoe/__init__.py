@@ -1,0 +1,46 @@
+"""livemoe: kernel-optimized training (RFT, GRPO, live sessions) and paged-KV streaming decoding for
+Mixture-of-Experts language models.
+
+The public API, stable through reorganisations of the subpackages:
+
+    from livemoe import LLM, AsyncLLM, SamplingParams, StructuredOutput, LiveSession
+    from livemoe import load_model, save_model, load_tokenizer
+
+Subpackages: `livemoe.engine` (model, loader, decoder, server), `livemoe.kernels` (Triton and C++ ops with
+their references), `livemoe.train` (the trainers). The names load on first use, so `import livemoe` and
+`livemoe --help` do not import torch.
+"""
+import importlib
+
+# public name -> the module that defines it
+_EXPORTS = {
+    "LLM": "livemoe.engine.llm",
+    "AsyncLLM": "livemoe.engine.async_llm",
+    "SamplingParams": "livemoe.engine.sampling",
+    "RequestError": "livemoe.engine.sampling",
+    "StructuredOutput": "livemoe.engine.structured",
+    "LiveSession": "livemoe.engine.live",
+    "EngineConfig": "livemoe.engine.engine_config",
+    "CompletionOutput": "livemoe.engine.outputs",
+    "RequestOutput": "livemoe.engine.outputs",
+    "CheckpointError": "livemoe.engine.errors",
+    "RequestFailedError": "livemoe.engine.errors",
+    "load_model": "livemoe.engine.loader",
+    "save_model": "livemoe.engine.loader",
+    "load_tokenizer": "livemoe.engine.loader",
+    "load_config": "livemoe.engine.config",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    raise AttributeError(f"module 'livemoe' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

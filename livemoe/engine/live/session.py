@@ -1,0 +1,241 @@
+"""LiveSession: a long-lived request that decides OBS / MEM / ANS at each interval of a live stream.
+
+    session = LiveSession(llm, system="you are the live assistant of ...", interval_s=10)
+    d = session.step([{"type": "comment", "user": "amy", "text": "how much is link 3?"}])
+    d.kind, d.recipient, d.task, d.message, d.metrics.cached_prompt_tokens
+
+Each step appends the interval's events (livemoe.engine.live.layout) to the session's context and decodes one
+decision held to the decision grammar (livemoe.engine.live.decision: a regex, through the engine's structured
+output), so it always parses whatever the weights. The session's KV blocks stay in the cache between
+intervals: when its request finishes, the block manager pins them for the session (up to its pin
+budget, `BlockManager.max_pinned_blocks`), and the next step's prompt, the same tokens followed by the
+new ones, takes them back from the prefix cache, partial last block included: a step prefills only
+the end token of the previous decision and the new events.
+
+Long streams: when the next step would pass `max_context` tokens, the context is compacted to the
+system prompt, the MEM notes (the session's memory) and the most recent intervals that fit, and
+re-prefilled; the decision's metrics say so and count what it cost. The notes take at most half of
+what the system prompt leaves; past that the oldest are dropped and counted (`num_dropped_notes`).
+
+`step_sessions(llm, [(session, events), ...])` decides several sessions in one batch (with whatever
+else the engine is running); `LiveSession.step` is that with one.
+"""
+import time
+from itertools import count
+
+from livemoe.engine.live.decision import (MAX_MESSAGE_CHARS, TASKS, Decision, DecisionFormatError, decision_regex,
+                                  max_decision_chars, parse_decision)
+from livemoe.engine.live.layout import encode, interval_segment, memory_segment, render_events, system_segment
+from livemoe.engine.sampling import RequestError, SamplingParams
+
+_ids = count()
+
+
+class LiveSession:
+    def __init__(self, llm, system: str, *, interval_s: float = 10.0, tasks=TASKS,
+                 max_message_chars: int = MAX_MESSAGE_CHARS, max_context: int | None = None,
+                 keep_intervals: int = 4, temperature: float = 0.0, seed: int | None = None,
+                 session_id: str | None = None):
+        if llm.tokenizer is None:
+            raise RequestError("a live session needs a tokenizer, and this checkpoint has none")
+        if not isinstance(system, str) or not system.strip():
+            raise RequestError("system must be a non-empty string")
+        if not interval_s > 0:
+            raise RequestError(f"interval_s must be > 0, got {interval_s!r}")
+        if not isinstance(keep_intervals, int) or keep_intervals < 0:
+            raise RequestError(f"keep_intervals must be an integer >= 0, got {keep_intervals!r}")
+        self.llm, self.system, self.interval_s = llm, system, interval_s
+        self.tasks = tuple(tasks)
+        self.id = session_id or f"live-{next(_ids)}"
+        if max_context is not None and (not isinstance(max_context, int) or max_context < 1):
+            raise RequestError(f"max_context must be a positive integer, got {max_context!r}")
+        self.max_context = max_context or llm.max_model_len
+        if self.max_context > llm.max_model_len:
+            raise RequestError(f"max_context {self.max_context} exceeds the engine's max_model_len {llm.max_model_len}")
+        self.keep_intervals = keep_intervals
+        self.params = SamplingParams(temperature=temperature, seed=seed,
+                                     max_tokens=max_decision_chars(self.tasks, max_message_chars) + 1,
+                                     **decision_constraint(self.tasks, max_message_chars))
+        tok = llm.tokenizer
+        self.end_id = tok.eos_token_id if tok.eos_token_id is not None else min(llm.eos_token_ids)
+        self.system_ids = encode(tok, system_segment(system))
+        self.ids: list = list(self.system_ids)  # the context as the model has it (what the next step extends)
+        self.records: list = []  # per interval: (events text, decision token ids with the end token)
+        self.notes: list = []  # MEM notes: the session's memory, kept through compactions
+        self.pin = None  # livemoe.engine.block_manager.Pin of the blocks kept between steps (set by the block manager)
+        self.num_compactions = 0
+        self.num_dropped_notes = 0  # MEM notes a compaction had no room for (the oldest)
+        self.closed = False
+        self.last_used = time.monotonic()
+
+    @property
+    def num_intervals(self) -> int:
+        return len(self.records)
+
+    def step(self, events, t: float | None = None) -> Decision:
+        """Decides one interval. t: its time in seconds (default: the session's clock, interval_s apart)."""
+        return step_sessions(self.llm, [(self, events, t)])[0]
+
+    async def astep(self, engine, events, t: float | None = None) -> Decision:
+        """step() through an AsyncLLM (the server's engine, whose `llm` this session was made on). The
+        caller runs one step of a session at a time."""
+        assert engine.llm is self.llm, "the session belongs to another engine"
+        t0 = time.perf_counter()
+        text, prompt, compacted = self._prepare(events, t)
+        rid = self._request_id()
+        bm = self.llm.block_manager
+        bm.pin_on_finish(rid, self)  # a dict entry the engine thread reads when the request finishes
+        ids, parts, metrics = [], [], None
+        try:
+            async for delta in engine.generate(prompt, self.params, request_id=rid):
+                ids += delta.token_ids
+                parts.append(delta.text)
+                metrics = delta.metrics or metrics
+        except BaseException:
+            bm.cancel_pin_on_finish(rid)
+            raise
+        return self._finish(text, prompt, ids, "".join(parts), metrics, compacted, time.perf_counter() - t0)
+
+    def close(self, from_other_thread: bool = False) -> None:
+        """Gives the session's pinned blocks back to the engine (they stay cached until evicted).
+        from_other_thread: the engine runs in another thread (AsyncLLM): they go back at its next step."""
+        bm = self.llm.block_manager
+        if bm is not None:
+            (bm.unpin_later if from_other_thread else bm.unpin)(self.pin)
+        self.pin = None
+        self.closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- one step, in three parts (step_sessions batches the middle one) -----------------------------
+
+    def _request_id(self) -> str:
+        return f"{self.id}/{len(self.records)}"
+
+    def _prepare(self, events, t: float | None = None) -> tuple:
+        """(events text, prompt ids, compaction flag) of this interval; validates the events."""
+        if self.closed:
+            raise RequestError(f"live session {self.id} is closed")
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t >= 0):
+            raise RequestError(f"t must be a number of seconds >= 0, got {t!r}")
+        text = render_events(events, (len(self.records) + 1) * self.interval_s if t is None else t)
+        tok = self.llm.tokenizer
+        new = encode(tok, interval_segment(text, after_decision=bool(self.records)))
+        compacted = False
+        if len(self.ids) + len(new) + self.params.max_tokens > self.max_context:
+            self.ids, kept = self._compacted(text)
+            new = encode(tok, interval_segment(text, after_decision=kept > 0))
+            compacted = True
+        return text, self.ids + new, compacted
+
+    def _compacted(self, text: str) -> tuple:
+        """The compacted context (system, MEM notes, the most recent intervals that fit) and how many
+        intervals it keeps."""
+        tok = self.llm.tokenizer
+        room = self.max_context - self.params.max_tokens - len(encode(tok, interval_segment(text, True)))
+        if len(self.system_ids) > room:
+            raise RequestError(f"live session {self.id}: the system prompt ({len(self.system_ids)} tokens) and this "
+                               f"interval do not fit in max_context {self.max_context} with a decision's budget")
+        # the newest notes that fit in half of what the system prompt leaves (the oldest go first)
+        notes = list(self.notes)
+        while notes and len(encode(tok, memory_segment(notes))) > (room - len(self.system_ids)) // 2:
+            notes.pop(0)
+        self.num_dropped_notes += len(self.notes) - len(notes)
+        self.notes = notes
+        head = self.system_ids + (encode(tok, memory_segment(notes)) if notes else [])
+        kept = []
+        for events_text, decision_ids in reversed(self.records[-self.keep_intervals:] if self.keep_intervals else []):
+            seg = encode(tok, interval_segment(events_text, after_decision=True)) + decision_ids
+            if len(head) + sum(map(len, kept)) + len(seg) > room:
+                break
+            kept.insert(0, seg)
+        if kept:  # the first kept interval follows the head, not a decision
+            first_text = self.records[len(self.records) - len(kept)][0]
+            kept[0] = encode(tok, interval_segment(first_text, after_decision=False)) + self.records[-len(kept)][1]
+        self.num_compactions += 1
+        return head + [t for seg in kept for t in seg], len(kept)
+
+    def _finish(self, text: str, prompt: list, token_ids: list, out_text: str, metrics, compacted: bool,
+                latency: float) -> Decision:
+        """Takes the decision in: its tokens join the context, its MEM note the memory."""
+        ids = list(token_ids)
+        completion_tokens = len(ids)
+        if not ids or ids[-1] not in self.llm.eos_token_ids:
+            ids.append(self.end_id)  # cut by max_tokens (the grammar leaves room, so only without one)
+        try:
+            d = parse_decision(out_text, self.tasks)
+        except DecisionFormatError as e:
+            raise RuntimeError(f"live session {self.id}: the decoder wrote {out_text!r}, which the decision "
+                               f"grammar should have excluded ({e})") from None
+        self.ids = prompt + ids
+        self.records.append((text, ids))
+        if d.kind == "MEM":
+            self.notes.append(d.message)
+        m = d.metrics
+        m.prompt_tokens = len(prompt)
+        m.cached_prompt_tokens = metrics.num_cached_tokens
+        m.completion_tokens = completion_tokens
+        m.latency_s = latency
+        m.decode_flops = metrics.decode_flops
+        m.compacted = compacted
+        if compacted:
+            m.compaction_tokens = len(prompt) - m.cached_prompt_tokens
+        self.last_used = time.monotonic()
+        return d
+
+
+def decision_constraint(tasks, max_message_chars: int) -> dict:
+    """The SamplingParams fields that hold a decode to the decision grammar."""
+    from livemoe.engine.structured import StructuredOutput
+
+    return {"structured": StructuredOutput(regex=decision_regex(tasks, max_message_chars))}
+
+
+def step_sessions(llm, pairs) -> list:
+    """Decides one interval of each (session, events) or (session, events, t) in one batch, alongside
+    whatever else the engine runs (other requests' outputs are kept for their own caller, as
+    LLM.generate does). Every pair's events are validated before any request is queued."""
+    pairs = [tuple(p) + (None,) * (3 - len(p)) for p in pairs]
+    sessions = [p[0] for p in pairs]
+    if len({id(s) for s in sessions}) != len(sessions):
+        raise RequestError("step_sessions: a session appears twice in one batch")
+    if any(s.llm is not llm for s in sessions):
+        raise RequestError("step_sessions: every session must belong to this engine")
+    t0 = time.perf_counter()
+    prepared = [s._prepare(events, t) for s, events, t in pairs]
+    if llm.scheduler is None:
+        llm.reserve_kv_cache()
+    rids = []
+    try:
+        for s, (_, prompt, _) in zip(sessions, prepared):
+            rid = s._request_id()
+            llm.block_manager.pin_on_finish(rid, s)
+            rids.append(llm.add_request(prompt, s.params, request_id=rid))
+        outs = _run(llm, rids)
+    except BaseException:
+        for s in sessions:
+            rid = s._request_id()
+            llm.block_manager.cancel_pin_on_finish(rid)
+            llm.abort(rid)
+        raise
+    latency = time.perf_counter() - t0
+    return [s._finish(text, prompt, outs[rid].outputs[0].token_ids, outs[rid].outputs[0].text, outs[rid].metrics,
+                      compacted, latency)
+            for s, (text, prompt, compacted), rid in zip(sessions, prepared, rids)]
+
+
+def _run(llm, request_ids: list) -> dict:
+    """Steps the engine until these requests finish; finished outputs of others wait for the caller's
+    next LLM.step() (LLM.generate's contract)."""
+    mine, results = set(request_ids), {}
+    while len(results) < len(mine):
+        for o in llm._step(finished_only=True):
+            if o.request_id in mine:
+                results[o.request_id] = o
+            else:
+                llm._pending.append(o)
+    return results

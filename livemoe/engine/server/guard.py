@@ -1,0 +1,109 @@
+"""The checks every HTTP request passes before the app sees it (an ASGI middleware), in this order:
+
+- Host header: one of the accepted names (ServerConfig.host_names), else 400;
+- API key: on /v1 routes and the weight/sleep routes (admin.py) when one is set, `Authorization: Bearer KEY`, else 401;
+- body: a declared Content-Length over max_body_bytes gets a 413 before a byte is read; a body read in
+  full must stay under it (413 as soon as it passes) and arrive within body_timeout_s (else 408), so a
+  huge or trickled body cannot hold memory or a connection. The app then reads the buffered body.
+"""
+import asyncio
+import hmac
+
+from starlette.datastructures import Headers
+from starlette.responses import JSONResponse
+
+from livemoe.engine.server.admin import ADMIN_PATHS
+from livemoe.engine.server.config import ServerConfig
+from livemoe.engine.server.protocol import error_body
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class RequestGuard:
+    def __init__(self, app, config: ServerConfig, host_names: set[str] | None):
+        self.app, self.config, self.host_names = app, config, host_names
+        self.expected_auth = None if config.api_key is None else f"Bearer {config.api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = Headers(scope=scope)
+        refusal = self._refusal(scope, headers)
+        if refusal is None and scope["method"] in ("POST", "PUT", "PATCH"):
+            try:
+                async with asyncio.timeout(self.config.body_timeout_s):  # (wait_for would start a task per request)
+                    body = await read_body(receive, self.config.max_body_bytes)
+            except BodyTooLarge:
+                refusal = _too_large(self.config.max_body_bytes)
+            except TimeoutError:
+                refusal = 408, error_body(f"the request body did not arrive within {self.config.body_timeout_s:g} s")
+            else:
+                if body is None:
+                    return  # the client left while sending
+                receive = replay(body, receive)
+        if refusal is not None:
+            status, content = refusal
+            response = JSONResponse(content, status_code=status,
+                                    headers={"WWW-Authenticate": "Bearer"} if status == 401 else None)
+            return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+    def _refusal(self, scope, headers: Headers) -> tuple[int, dict] | None:
+        if self.host_names is not None and _host_name(headers.get("host", "")) not in self.host_names:
+            return 400, error_body(f"Host header {headers.get('host', '')!r} is not one this server answers to "
+                                   f"({sorted(self.host_names)}; see --allowed-hosts)")
+        path = scope["path"]
+        if self.expected_auth is not None and (path == "/v1" or path.startswith("/v1/") or path in ADMIN_PATHS):
+            given = headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, self.expected_auth):
+                return 401, error_body("missing or wrong API key (send `Authorization: Bearer KEY`)",
+                                       code="invalid_api_key")
+        length = headers.get("content-length")
+        if length is not None:
+            if not length.isdigit():
+                return 400, error_body(f"bad Content-Length {length!r}")
+            if int(length) > self.config.max_body_bytes:
+                return _too_large(self.config.max_body_bytes)
+        return None
+
+
+def _too_large(limit: int) -> tuple[int, dict]:
+    return 413, error_body(f"the request body is over the server's limit of {limit} bytes (--max-body-bytes)")
+
+
+def _host_name(host: str) -> str:
+    """The name of a Host header value, without its port ("[::1]:8000" -> "::1")."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+async def read_body(receive, limit: int | None = None) -> bytes | None:
+    """A request's whole body from its ASGI receive, or None if the client left; BodyTooLarge past `limit`."""
+    body = bytearray()
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        body += message.get("body", b"")
+        if limit is not None and len(body) > limit:
+            raise BodyTooLarge
+        if not message.get("more_body", False):
+            return bytes(body)
+
+
+def replay(body: bytes, receive):
+    """A receive that gives the buffered body once, then the client's own messages (its disconnect)."""
+    sent = False
+
+    async def replayed():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed

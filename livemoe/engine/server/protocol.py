@@ -1,0 +1,280 @@
+"""The OpenAI request bodies the server accepts (pydantic), and their mapping to SamplingParams.
+
+Field types are checked by pydantic and ranges by SamplingParams (one place for the rules): either
+failure is a 400 with an OpenAI-style error body. Every field is honoured or refused: an unknown field
+is a 400 naming it, and so is a known one used in a way we cannot serve (echo with logprobs, suffix,
+best_of != n).
+The only fields accepted without an effect are NO_EFFECT_FIELDS, which by nature mean nothing to a
+local server. Extensions in the body: `top_k`, `min_p`, `ignore_eos`, `return_token_ids` (each choice,
+streamed or not, also carries its token ids), `repetition_penalty`, `min_tokens`, and vLLM's
+`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (livemoe.engine.structured).
+
+Types are strict: `"5"` or `true` is no integer, and NaN, Infinity or 1e999 no number. The server's
+limits (ServerConfig) are checked by the app. On chat, `special_tokens_in_content` (default false)
+reads special tokens written in a message as tokens rather than text (livemoe.engine.prompts).
+"""
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from livemoe.engine.sampling import RequestError, SamplingParams
+from livemoe.engine.structured import StructuredOutput
+
+# OpenAI fields that have no effect on a local server by nature: an end-user id for abuse monitoring,
+# tags and storage for OpenAI's dashboard, a billing tier. Accepted (type-checked) and not used.
+NO_EFFECT_FIELDS = ("user", "metadata", "store", "service_tier")
+
+
+class _Strict(BaseModel):
+    # an unknown field is a 400 naming it, never ignored; no coercion ("5" -> 5, true -> 1); finite floats
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class JsonSchemaFormat(_Strict):
+    name: str = Field(max_length=64)
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced (by the grammar), strict or not
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Common(_Strict):
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    n: int = 1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a JSON key) -> bias
+    min_tokens: int | None = None
+    ignore_eos: bool = False
+    return_token_ids: bool = False
+    response_format: ResponseFormat | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # NO_EFFECT_FIELDS
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+
+    def _refuse_unsupported(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise RequestError("stream_options is only allowed with stream: true")
+
+    def constraint(self) -> tuple[StructuredOutput, str] | None:
+        """The output constraint the body asks for, and the field that asked (named by a compile error)."""
+        asked = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            asked.append(("response_format", dict(json_object=True)))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise RequestError("response_format: type json_schema needs json_schema.schema")
+            asked.append(("response_format.json_schema.schema", dict(json=rf.json_schema.schema_)))
+        elif rf is not None and rf.json_schema is not None:
+            raise RequestError("response_format: json_schema is only allowed with type json_schema")
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                asked.append((name, {kind: getattr(self, name)}))
+        if len(asked) > 1:
+            raise RequestError(f"only one output constraint per request; got {', '.join(n for n, _ in asked)}")
+        if not asked:
+            return None
+        name, spec = asked[0]
+        try:
+            return StructuredOutput(**spec), name
+        except RequestError as e:
+            raise RequestError(f"{name}: {str(e).removeprefix('StructuredOutput: ')}") from None
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if self.logit_bias is None:
+            return None
+        try:
+            return {int(k): v for k, v in self.logit_bias.items()}
+        except ValueError:
+            raise RequestError(f"logit_bias: keys must be token ids, got {list(self.logit_bias)[:5]}") from None
+
+    def _params(self, max_tokens: int, logprobs: int | None,
+                structured: StructuredOutput | None = None) -> SamplingParams:
+        self._refuse_unsupported()
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        opt = {k: v for k, v in dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                                     min_p=self.min_p, presence_penalty=self.presence_penalty,
+                                     frequency_penalty=self.frequency_penalty,
+                                     repetition_penalty=self.repetition_penalty,
+                                     min_tokens=self.min_tokens).items() if v is not None}
+        return SamplingParams(max_tokens=max_tokens, n=self.n, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos,
+                              logprobs=logprobs, logit_bias=self._logit_bias(), structured=structured, **opt)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def prompts(self) -> list:
+        """The prompts, each a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        if not p:
+            raise RequestError("prompt is empty")
+        return list(p)
+
+    def sampling_params(self, room: int) -> SamplingParams:
+        """room: the tokens left in the context after the longest prompt (max_tokens defaults to 16, or less
+        when less is left)."""
+        if self.echo and self.logprobs is not None:
+            raise RequestError("echo with logprobs needs the prompt's logprobs, which this server does not compute")
+        if self.suffix:
+            raise RequestError("suffix is not supported by this server")
+        if self.best_of not in (None, self.n):
+            raise RequestError("best_of is not supported by this server (only best_of == n)")
+        found = self.constraint()
+        return self._params(min(16, room) if self.max_tokens is None else self.max_tokens, self.logprobs,
+                            found[0] if found else None)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None  # given to the chat template with the message
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result's call
+
+    def as_template_input(self) -> dict:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        message = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_calls:
+            from livemoe.engine.tool_parser import template_tool_calls
+
+            message["tool_calls"] = template_tool_calls([c.model_dump() for c in self.tool_calls])
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+class FunctionDef(_Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None  # arguments always match the parameters when the grammar enforces a call
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    special_tokens_in_content: bool = False
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # true: allowed (required/named make one call, auto what the model writes)
+
+    def tool_mode(self) -> str:
+        """none (no tools in the prompt, no parsing), auto (parsed if the model calls), required or named
+        (the grammar makes the output one call)."""
+        choice = self.tool_choice
+        if not self.tools:
+            if choice not in (None, "none"):
+                raise RequestError("tool_choice needs tools")
+            return "none"
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in {t.function.name for t in self.tools}:
+                raise RequestError(f"tool_choice names the function {choice.function.name!r}, which is not in tools")
+            return "named"
+        if (choice or "auto") == "auto" and self.parallel_tool_calls is False:
+            raise RequestError("parallel_tool_calls: false needs tool_choice 'required' or a named function (the "
+                               "grammar then makes exactly one call); with 'auto' the model may write several")
+        return choice or "auto"
+
+    def tool_functions(self) -> list[dict]:
+        return [t.function.model_dump(exclude_none=True) for t in self.tools or []]
+
+    def constraint(self) -> tuple[StructuredOutput, str] | None:
+        """response_format / guided_*, or the grammar of a required or named tool call."""
+        found = super().constraint()
+        mode = self.tool_mode()
+        if mode in ("required", "named"):
+            if found:
+                raise RequestError(f"{found[1]} cannot be combined with tool_choice {mode!r} (which constrains "
+                                   f"the output to a tool call)")
+            functions = [{"name": t.function.name, "parameters": t.function.parameters} for t in self.tools]
+            if mode == "named":
+                functions = [f for f in functions if f["name"] == self.tool_choice.function.name]
+            return StructuredOutput(tool_call=functions), "tools"
+        return found
+
+    def sampling_params(self, room: int) -> SamplingParams:
+        """room: the tokens left in the context after the prompt (the default max_tokens)."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs: true")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        found = self.constraint()
+        return self._params(room if max_tokens is None else max_tokens, logprobs, found[0] if found else None)
+
+
+def error_body(message: str, code: str | None = None, param: str | None = None,
+               kind: str = "invalid_request_error") -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}

@@ -1,0 +1,382 @@
+"""Typed run configs: every field is a `--flag`, `--config file.yaml` takes the same keys, flags win.
+
+`RunConfig` holds what every trainer shares (model, data, optimiser, checkpoints, judge, eval);
+`RFTConfig` adds the teacher, the selection and the SFT options. A trainer subclasses RunConfig (as
+GRPO does) and gets the same parsing, `--help`, printing, saving and validation for free:
+`parse_config(RFTConfig, argv, prog="python -m train.rft")`. Every field carries its one-line help
+(`opt(default, help)`); booleans are `--flag` / `--no_flag` (or `--flag true|false`, as YAML has them).
+All user-facing checks live in `validate()` and raise ConfigError.
+
+Plain argparse rather than jsonargparse, tyro or HfArgumentParser: those give typed flags and --help
+from dataclasses too, but each brings its own YAML merging and error path (a SystemExit, or its own
+exception text), while the trainers need one: defaults < YAML < flags, coerced by one function, every
+bad key or value a ConfigError naming the file or flag (run_cli prints it as one line). That is the
+~60 lines below.
+"""
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+
+from livemoe.train.selection import POLICIES
+
+
+DEFAULT_STUDENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "student")
+
+
+class ConfigError(ValueError):
+    """A bad option: the message names it."""
+
+
+def opt(default, help: str, **kw):
+    """A config field with its one-line --help text (every option has one: `--help` lists them all)."""
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+def default_of(config_cls, name: str):
+    """The default of field `name` of the config dataclass that owns it (the policy loss's, the reward's): a
+    trainer's flag that fills that field takes its default from there, so each value is written once."""
+    return config_cls.__dataclass_fields__[name].default
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """options every trainer shares"""
+    # what to train, on what, where
+    model: str = opt(DEFAULT_STUDENT, "checkpoint directory to start from (default: the committed tiny student, "
+                                      "livemoe/train/assets/student)")
+    data: str | None = opt(None, "training JSONL (the seed's shape or MuSiQue's); none = synthetic live-commerce rooms")
+    eval_data: str | None = opt(None, "held-out JSONL for the before/after table; none = synthetic held-out rooms "
+                                      "(none with --data: no table)")
+    output_dir: str = opt("runs/rft", "where the config, metrics, curves, checkpoints and final/ export go")
+    seed: int = opt(0, "seed of the data order, sampling and initialisation")
+    device: str = opt("auto", "auto (a GPU when there is one) | cpu | cuda")
+    # 1 by default: on a shared 2-core CPU two threads per process oversubscribe it and run several times
+    # slower (measured: 25.7 s vs 1.2 s for the same evaluation); with the CPU to itself two threads are 1.5-1.8x
+    # faster with the same results (make demo passes --threads 2)
+    threads: int = opt(1, "CPU threads for torch (0 = torch's default)")
+    skip_bad_lines: bool = opt(False, "skip and count malformed JSONL lines instead of stopping at the first")
+    train_rooms: int = opt(2048, "synthetic training inputs when --data is not given")
+    eval_rooms: int = opt(64, "synthetic held-out rooms for the before/after table (0 = no table)")
+    # optimisation
+    lr: float = opt(2e-3, "learning rate after warm-up (suits the tiny student; the seed used 1.5e-6 at 30B)")
+    weight_decay: float = opt(0.0, "AdamW weight decay")
+    warmup_steps: int = opt(10, "optimizer steps of linear lr warm-up, then cosine decay to 0")
+    max_steps: int = opt(0, "optimizer steps to run; 0 = --epochs passes over the data")
+    epochs: float = opt(8.0, "passes over the training data when --max_steps is 0")
+    batch_size: int = opt(8, "training examples per micro-batch")
+    max_grad_norm: float = opt(1.0, "clip the gradient norm to this (0 = no clipping)")
+    lambda_aux: float = opt(0.01, "MoE load-balancing loss weight, as in the seed")
+    bf16: str = opt("auto", "bf16 compute: auto (on a GPU) | true | false")
+    gradient_checkpointing: bool = opt(False, "recompute activations in the backward pass to save memory")
+    expert_parallel: int = opt(1, "under torchrun: ranks that split each MoE layer's experts (divides the world "
+                                  "size and num_experts)")
+    # runs
+    save_every: int = opt(0, "write a checkpoint every N steps (0 = only at the end)")
+    keep_last: int = opt(2, "checkpoints kept on disk (older ones are deleted)")
+    max_nonfinite_steps: int = opt(5, "stop the run (exit 2) after this many optimizer steps in a row with a "
+                                      "NaN/Inf loss or gradient; each such step is skipped")
+    resume: str = opt("none", "none | auto (the latest checkpoint in --output_dir) | a checkpoint directory")
+    log_every: int = opt(1, "log and print metrics every N steps")
+    tensorboard: bool = opt(False, "also write metrics for TensorBoard (<output_dir>/tensorboard)")
+    progress: bool = opt(True, "progress bars and per-step lines")
+    plot: bool = opt(True, "draw curves.png (and curves_more.png) from metrics.jsonl at the end")
+    # judge and evaluation
+    judge: str = opt("auto", "auto | synthetic | squad | llm | module:attr (your own judge)")
+    judge_url: str | None = opt(None, "OpenAI-compatible endpoint of --judge llm")
+    judge_model: str = opt("default", "model name at --judge_url, or a local checkpoint directory judged with "
+                                      "the engine")
+    judge_language: str = opt("en", "language of the LLM judge's prompts (the seed's Appendix B): en | zh")
+    judge_api_key_env: str = opt("OPENAI_API_KEY", "environment variable holding the --judge_url API key")
+    judge_concurrency: int = opt(8, "parallel requests to --judge_url")
+    eval_max_new_tokens: int = opt(256, "token limit of each held-out response")
+    # sampled, as reasoning models are evaluated (greedy decoding of a small model shows one mode of
+    # its answers: the RFT student's greedy answer is its short one, while most of its samples copy
+    # the teacher's long thoughts); 0 = greedy
+    eval_temperature: float = opt(0.7, "held-out decoding temperature (the seed's τ); 0 = greedy")
+    eval_samples: int = opt(4, "responses sampled per held-out prompt (1 when greedy)")
+
+    def check_model(self) -> None:
+        if not os.path.isdir(self.model):
+            raise ConfigError(f"--model {self.model}: no such checkpoint directory")
+
+    def validate(self) -> None:
+        check_at_least(self, 1, "batch_size", "keep_last", "log_every", "eval_max_new_tokens", "eval_samples",
+                       "max_nonfinite_steps", "expert_parallel")
+        check_at_least(self, 0, "lr", "lambda_aux", "max_grad_norm", "weight_decay", "warmup_steps", "max_steps",
+                       "save_every", "train_rooms", "eval_rooms", "eval_temperature", "threads")
+        if self.eval_temperature == 0 and self.eval_samples != 1:
+            raise ConfigError(f"--eval_samples {self.eval_samples} needs --eval_temperature > 0: greedy responses are "
+                              "identical (use --eval_samples 1 with --eval_temperature 0)")
+        if self.max_steps == 0 and self.epochs <= 0:
+            raise ConfigError("--epochs must be > 0 when --max_steps is 0")
+        _choice("bf16", self.bf16, ("auto", "true", "false"))
+        _choice("device", self.device, ("auto", "cpu", "cuda"))
+        _choice("judge_language", self.judge_language, ("en", "zh"))
+        if self.resume not in ("none", "auto") and not os.path.isdir(self.resume):
+            raise ConfigError(f"--resume {self.resume!r}: expected none, auto or an existing checkpoint directory")
+        self.check_model()
+        if self.data and not os.path.isfile(self.data):
+            raise ConfigError(f"--data {self.data}: no such file")
+        if self.eval_data and not os.path.isfile(self.eval_data):
+            raise ConfigError(f"--eval_data {self.eval_data}: no such file")
+        if self.judge == "llm" and not self.judge_url and not os.path.isdir(self.judge_model):
+            raise ConfigError("--judge llm needs --judge_url (an OpenAI-compatible endpoint) or --judge_model "
+                              "naming a local checkpoint directory")
+
+
+REHEARSAL_DEFAULT = 0.25  # issue 19: kept the pre-trained lookup through RFT (livemoe/train/assets/student/README.md round 5)
+
+
+@dataclass(kw_only=True)
+class RFTConfig(RunConfig):
+    """RFT options: the teacher, the selection and the SFT"""
+    # more rooms seen twice rather than fewer seen 8 times (2,048 x 8 before): with the rehearsal as many optimizer
+    # steps (1,966), and the student copies less of particular rooms (issue 19, livemoe/train/assets/student/README.md round 5)
+    train_rooms: int = opt(6560, "synthetic training inputs when --data is not given")
+    epochs: float = opt(2.0, "passes over the training data when --max_steps is 0")
+    # teacher and selection
+    teacher: str = opt("scripted", "scripted | a checkpoint directory | an http(s) URL (OpenAI-compatible)")
+    teacher_model: str = opt("default", "model name sent to a --teacher URL")
+    teacher_api_key_env: str = opt("OPENAI_API_KEY", "environment variable holding the --teacher URL's API key")
+    k: int = opt(4, "teacher samples per input, as in the seed")
+    temperature: float = opt(0.7, "teacher sampling temperature, as in the seed")
+    teacher_max_new_tokens: int = opt(384, "token limit of each teacher sample")
+    teacher_concurrency: int = opt(8, "parallel requests to a --teacher URL")
+    teacher_retries: int = opt(3, "retries of a failed request to a --teacher URL")
+    teacher_timeout_s: float = opt(120.0, "seconds before a request to a --teacher URL times out")
+    wrong_link_rate: float = opt(0.25, "scripted teacher: share of answers with a wrong link")
+    deflect_rate: float = opt(0.2, "scripted teacher: share of bare deflections")
+    verbose_rate: float = opt(0.6, "scripted teacher: share of long meta-reasoning thoughts")
+    selection: str = opt("first", "which passing candidate an input keeps: first | random | shortest; all = every "
+                                  "candidate, passing or not (plain SFT without judge filtering, the seed's Table 4)")
+    # SFT
+    grad_accum: int = opt(1, "micro-batches per optimizer step")
+    max_len: int = opt(1024, "tokens per training example (prompt + completion; longer ones are cut)")
+    batching: str = opt("bucket", "bucket (shuffled, length-bucketed) | pad (shuffled)")
+    marker_weight: float = opt(1.0, "loss weight of the --markers tokens (1 = plain SFT; LiveAssistant's "
+                                    "marker-aware SFT weighs them more)")
+    markers: str = opt("<think>,</think>", "comma-separated marker strings, one token each")
+    eval_every: int = opt(0, "every N optimizer steps (and at step 0) log eval_loss: the SFT loss on the "
+                             "judge-selected teacher answers to the held-out inputs (0 = never)")
+    rehearsal: float | None = opt(None, "pre-training lookup conversations of the training rooms mixed into the SFT "
+                                        "data, as a share of the selected examples: rehearsal against forgetting, "
+                                        "as InstructGPT mixes pre-training into PPO (synthetic world only; default "
+                                        f"{REHEARSAL_DEFAULT} there, 0 with --data)")
+
+    def __post_init__(self):
+        if self.rehearsal is None:
+            self.rehearsal = 0.0 if self.data else REHEARSAL_DEFAULT
+
+    def validate(self) -> None:
+        super().validate()
+        check_at_least(self, 1, "k", "grad_accum", "max_len")
+        check_at_least(self, 0, "rehearsal")
+        if self.rehearsal and self.data:
+            raise ConfigError("--rehearsal replays the synthetic world's pre-training lookups: it needs the "
+                              "synthetic rooms (no --data)")
+        check_at_least(self, 0, "eval_every")
+        if self.eval_every and not self.eval_data and (self.data or self.eval_rooms == 0):
+            raise ConfigError("--eval_every needs held-out inputs: --eval_data with --data, or --eval_rooms > 0")
+        if self.marker_weight <= 0:
+            raise ConfigError(f"--marker_weight must be > 0, got {self.marker_weight}")
+        _choice("batching", self.batching, ("bucket", "pad"))
+        if self.temperature < 0:
+            raise ConfigError(f"--temperature must be >= 0, got {self.temperature}")
+        for name in ("wrong_link_rate", "deflect_rate", "verbose_rate"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ConfigError(f"--{name} must be in [0, 1], got {getattr(self, name)}")
+        if self.wrong_link_rate + self.deflect_rate > 1:
+            raise ConfigError("--wrong_link_rate + --deflect_rate must be <= 1")
+        _choice("selection", self.selection, POLICIES)
+        if self.teacher not in ("scripted",) and not self.teacher.startswith(("http://", "https://")) \
+                and not os.path.isdir(self.teacher):
+            raise ConfigError(f"--teacher {self.teacher!r}: expected scripted, an http(s) URL or a checkpoint directory")
+
+
+def check_at_least(cfg, low, *names: str) -> None:
+    """ConfigError naming the first of the options `names` of cfg that is below `low`."""
+    for name in names:
+        if getattr(cfg, name) < low:
+            raise ConfigError(f"--{name} must be >= {low}, got {getattr(cfg, name)}")
+
+
+def _choice(name, value, choices):
+    if value not in choices:
+        raise ConfigError(f"--{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _base_type(tp):
+    """int / float / str / bool of a field annotation (Optional[...] unwrapped)."""
+    if isinstance(tp, str):
+        tp = eval(tp, vars(typing))  # noqa: S307 -- annotations of this module only
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        tp = next(a for a in typing.get_args(tp) if a is not type(None))
+    return tp
+
+
+def _to_bool(s) -> bool:
+    if isinstance(s, bool):
+        return s
+    v = str(s).strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {s!r}")
+
+
+def _coerce(name: str, tp, value, where: str):
+    if value is None:
+        return None
+    try:
+        if tp is bool:
+            return _to_bool(value)
+        if tp is int and isinstance(value, float) and not value.is_integer():
+            raise ValueError
+        return tp(value)
+    except (ValueError, TypeError, argparse.ArgumentTypeError):
+        raise ConfigError(f"{where}: {name} must be {tp.__name__}, got {value!r}") from None
+
+
+class BoolFlag(argparse.Action):
+    """A boolean option: `--flag` / `--no_flag`, and `--flag true|false` as YAML writes it."""
+
+    def __init__(self, option_strings, dest, **kw):
+        negated = ["--no_" + s[2:] for s in option_strings]
+        super().__init__(option_strings + negated, dest, nargs="?", metavar="", **kw)
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        if option_string.startswith("--no_"):
+            if value is not None:
+                parser.error(f"{option_string} takes no value")
+            setattr(namespace, self.dest, False)
+            return
+        try:
+            setattr(namespace, self.dest, True if value is None else _to_bool(value))
+        except argparse.ArgumentTypeError as e:
+            parser.error(f"{option_string}: {e}")
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """One line of names per option: `--lr LR`, `--progress / --no_progress`."""
+
+    def __init__(self, prog):
+        super().__init__(prog, max_help_position=32, width=min(120, shutil.get_terminal_size().columns))
+
+    def _format_action_invocation(self, action):
+        if isinstance(action, BoolFlag):
+            return " / ".join(action.option_strings)
+        return super()._format_action_invocation(action)
+
+
+def _field_help(cls, name: str) -> str:
+    """A field's help; a subclass that only changes a default keeps its base class's text."""
+    for klass in cls.__mro__:
+        f = getattr(klass, "__dataclass_fields__", {}).get(name)
+        if f is not None and f.metadata.get("help"):
+            return f.metadata["help"]
+    return ""
+
+
+def _default_text(f) -> str:
+    if f.default is None:
+        return ""  # the help says what leaving it out means
+    if isinstance(f.default, bool):
+        return "true" if f.default else "false"
+    return str(f.default)
+
+
+def build_parser(cls, description: str = "", prog: str | None = None) -> argparse.ArgumentParser:
+    """--help lists each option once, in groups: the options every trainer shares, then the trainer's own."""
+    ap = argparse.ArgumentParser(prog=prog, description=description, argument_default=argparse.SUPPRESS,
+                                 formatter_class=_HelpFormatter,
+                                 usage=f"{prog or '%(prog)s'} [-h] [--config FILE.yaml] [--OPTION VALUE ...]")
+    ap.add_argument("--config", metavar="FILE.yaml", help="YAML file with the same keys as the options (flags win)")
+    hints = typing.get_type_hints(cls)
+    groups = {}
+    for f in dataclasses.fields(cls):
+        # the group of the most basic class that declares the field (an overridden default stays in its group)
+        owner = next(k for k in reversed(cls.__mro__) if f.name in getattr(k, "__dataclass_fields__", {}))
+        if owner not in groups:
+            groups[owner] = ap.add_argument_group((owner.__doc__ or owner.__name__).strip())
+        help_ = _field_help(cls, f.name)
+        default = _default_text(f)
+        if default and "(default" not in help_:
+            help_ = f"{help_} (default: {default})"
+        tp = _base_type(hints[f.name])
+        if tp is bool:
+            groups[owner].add_argument(f"--{f.name}", action=BoolFlag, help=help_)
+        else:
+            groups[owner].add_argument(f"--{f.name}", type=str, metavar={int: "INT", float: "FLOAT"}.get(tp, "TEXT"), help=help_)
+    return ap
+
+
+def parse_config(cls, argv=None, description: str = "", prog: str | None = None):
+    """cls from defaults < --config YAML < flags, validated. Raises ConfigError on any bad key or value."""
+    args = vars(build_parser(cls, description, prog).parse_args(argv))
+    values = {}
+    path = args.pop("config", None)
+    names = {f.name for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    if path:
+        import yaml
+
+        if not os.path.isfile(path):
+            raise ConfigError(f"--config {path}: no such file")
+        try:
+            with open(path) as f:
+                loaded = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--config {path}: not valid YAML ({e})") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"--config {path}: expected a mapping of option: value")
+        unknown = sorted(set(loaded) - names)
+        if unknown:
+            raise ConfigError(f"--config {path}: unknown key(s) {', '.join(unknown)}")
+        values.update({k: _coerce(k, _base_type(hints[k]), v, path) for k, v in loaded.items()})
+    values.update({k: _coerce(k, _base_type(hints[k]), v, "flag --" + k) for k, v in args.items()})
+    cfg = cls(**values)
+    cfg.validate()
+    return cfg
+
+
+def config_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def format_config(cfg) -> str:
+    width = max(len(k) for k in config_dict(cfg))
+    return "\n".join(f"  {k:<{width}} : {v}" for k, v in config_dict(cfg).items())
+
+
+def save_config(cfg, output_dir: str) -> str:
+    """Writes the resolved config as config.yaml (the same keys --config reads back)."""
+    import yaml
+
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(output_dir, "config.yaml")
+    with open(path + ".tmp", "w") as f:
+        yaml.safe_dump(json.loads(json.dumps(config_dict(cfg))), f, sort_keys=False)
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def run_cli(body) -> int:
+    """Runs a trainer command's body: bad input of any kind (ConfigError, DataError, CheckpointError, ...
+    all ValueErrors, or an OSError) is one clear line and exit code 2, never a traceback; Ctrl-C keeps
+    the last complete checkpoint."""
+    try:
+        body()
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: the last complete checkpoint is kept; continue with --resume auto", file=sys.stderr)
+        return 130
+    return 0

@@ -1,0 +1,27 @@
+"""`python -m train.experiments [NAME]`: the LiveThinking seed's ablations at toy scale, one command each.
+
+Each experiment is a module here with NAME, TITLE (a line for the listing) and run(args) -> the report's
+path; an arm of an experiment is a run of `livemoe.train.rft` or `livemoe.train.grpo` through the trainer's own config
+and entry point (livemoe/train/experiments/common.py). The report goes to livemoe/train/results/NAME/ (README.md with the
+table, command, date and machine; results.json; a PNG where the seed has a figure).
+"""
+from livemoe.train.experiments import length_sweep, moe_vs_dense, reward_ablation, rft_vs_sft
+from livemoe.train.experiments.common import ExperimentArgs, ExperimentError
+
+EXPERIMENTS = {m.NAME: m for m in (rft_vs_sft, length_sweep, reward_ablation, moe_vs_dense)}
+
+
+def get(name: str):
+    """The experiment's module; a bad name is an ExperimentError that lists the names."""
+    if name not in EXPERIMENTS:
+        raise ExperimentError(f"no experiment named {name!r}; the experiments are: {', '.join(EXPERIMENTS)}")
+    return EXPERIMENTS[name]
+
+
+def listing() -> str:
+    width = max(map(len, EXPERIMENTS))
+    return "\n".join(f"  {name:<{width}}  {m.TITLE}" for name, m in EXPERIMENTS.items())
+
+
+def run(args: ExperimentArgs) -> str:
+    return get(args.name).run(args)

@@ -1,0 +1,47 @@
+"""`python -m train.experiments` lists the experiments; `python -m train.experiments NAME [--tiny]
+[--output_dir DIR] [--work_dir DIR] [--model DIR] [--start DIR] [--seed N]` runs one."""
+import argparse
+import shlex
+import sys
+
+from livemoe.train.config import DEFAULT_STUDENT, run_cli
+
+
+def main(argv=None) -> int:
+    import livemoe.train.experiments as experiments
+    from livemoe.train.experiments.common import RESULTS_ROOT, ExperimentArgs
+
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(prog="livemoe experiments", description=__doc__.split("\n")[0],
+                                 epilog="experiments:\n" + experiments.listing(),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("name", nargs="?", help="the experiment to run (none: list them)")
+    ap.add_argument("--tiny", action="store_true", help="the seconds-long configuration the test suite runs")
+    ap.add_argument("--output_dir", default="", help=f"where the report goes (default: {RESULTS_ROOT}/NAME, "
+                                                     "NAME/tiny with --tiny)")
+    ap.add_argument("--work_dir", default="", help="where the trainers' runs go (default: runs/experiments/NAME)")
+    ap.add_argument("--model", default=DEFAULT_STUDENT, help="the base student (default: livemoe/train/assets/student)")
+    ap.add_argument("--start", default="", help="length_sweep, reward_ablation: the RFT student GRPO starts from "
+                                                "(default: run livemoe.train.rft first, into WORK_DIR/rft)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of every arm (default: 0)")
+    ap.add_argument("--no_progress", action="store_true", help="no progress bars or per-step lines")
+    a = ap.parse_args(argv)
+    if a.name is None:
+        print("experiments (python -m train.experiments NAME [--tiny]):\n" + experiments.listing())
+        return 0
+
+    def body():
+        exp = experiments.get(a.name)
+        if a.start and not exp.USES_START:
+            raise experiments.ExperimentError(f"--start: {a.name} does not start from an RFT student "
+                                              "(only length_sweep and reward_ablation do)")
+        args = ExperimentArgs(name=a.name, tiny=a.tiny, output_dir=a.output_dir, work_dir=a.work_dir, model=a.model,
+                              start=a.start, seed=a.seed, progress=not a.no_progress,
+                              command=shlex.join(["python", "-m", "train.experiments", *argv]))
+        exp.run(args)
+
+    return run_cli(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

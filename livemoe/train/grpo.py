@@ -1,0 +1,685 @@
+"""GRPO, stage 2 of the LiveThinking seed (its section 4.2, Table 2): `python -m train.grpo [flags]`.
+
+Each step: batch_size prompts -> K rollouts each from the engine's decoder running the very module
+being trained (livemoe.train.rollout) -> rewards 0.4 correct + 0.3 helpful + 0.3 length (livemoe.train.rewards) ->
+group-normalised advantages (livemoe.train.advantages) -> the decoder's KV cache is released -> μ optimiser
+passes of the clipped policy loss (livemoe.train.losses) on the fused log-probs, with k3 KL (β) to the frozen
+starting checkpoint and the MoE load-balancing loss (λ_aux). Multi-turn trajectories (--multi_turn)
+get turn- and trajectory-level credit (LiveAssistant's streaming GSPO; use it with
+--importance_sampling_level sequence).
+
+With no arguments it is the embedded default: it continues from the RFT default's student (running
+`livemoe.train.rft`'s default first when that is missing), trains on the synthetic live-commerce rooms, and
+prints and saves a before/after table in the shape of the seed's Table 3 (livemoe.train.evaluate: eval_table.md,
+eval.json; summary.json adds the TPR reduction and the quality changes in points).
+Multi-turn data: a record of the seed's shape with `followups`, a list of later user turns (a string,
+or {"question", "meta"?, "reference"?} so the judge can check each turn); each turn is judged as a
+record whose history holds the trajectory's own earlier answers, with its own L_ref.
+Precision: fp32 on the CPU; on a GPU --bf16 auto computes and decodes in bf16 while the optimizer updates
+fp32 master weights with fp32 AdamW states (livemoe.train.precision; checkpoints hold the masters); there
+`--old_logprobs trainer` takes old_logprobs from the trainer's own forward instead.
+Everything is a --flag or a key of --config run.yaml (livemoe.train.config); checkpoints are atomic and
+--resume auto continues exactly; the final model is exported in the HF layout to <output_dir>/final.
+Under torchrun (livemoe.train.distributed) the policy and the reference are sharded (FSDP2, --expert_parallel); each rank
+decodes its share of the step's prompts with a gathered inference copy of the policy (refreshed after each
+update; bench/bench_rollout_weights.py measures it against decoding through the sharded module), the rewards are
+joined for the advantages, and the loss is normalised over the global batch; checkpoints are sharded.
+"""
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from livemoe.engine import flops
+from livemoe.engine.loader import load_model, load_tokenizer, save_model
+from livemoe.kernels.logprobs import fused_linear_logprobs
+from livemoe.train import distributed
+from livemoe.train.advantages import SCALE_REWARDS, group_advantages, multi_turn_advantages, token_advantages
+from livemoe.train.checkpoint import is_sharded, latest_checkpoint, load_checkpoint, model_dir
+from livemoe.train.config import (ConfigError, RFTConfig, RunConfig, _choice, check_at_least, default_of, format_config, opt,
+                          parse_config, run_cli, save_config)
+from livemoe.train.data import build_prompt, load_inputs, split_thought
+from livemoe.train.judges import make_judge
+from livemoe.train.losses import PolicyLossConfig, policy_loss
+from livemoe.train.nonfinite import NonFiniteGuard
+from livemoe.train.precision import MasterWeights
+from livemoe.train.rewards import CompositeReward, RewardConfig, RewardError, load_reward_fns
+from livemoe.train.rollout import Rollouts, collate, reference_lengths, shuffled_order
+
+
+@dataclass(kw_only=True)
+class GRPOConfig(RunConfig):
+    """GRPO options: rollouts, loss, rewards"""
+    model: str = field(default="auto", metadata={"help": "checkpoint to start from; auto = the RFT default's student "
+                                                        "(running the RFT default first when it is missing)"})
+    output_dir: str = "runs/grpo"
+    rft_output: str = field(default="", metadata={"help": "where --model auto looks for the RFT student (default: RFT's output_dir)"})
+    lr: float = 2e-4
+    warmup_steps: int = field(default=2, metadata={"help": "steps of linear lr warm-up, then constant"})
+    # 40 (60 before 2026-12-02): the RFT student's TPR is down 39-44% by then, and `make demo` keeps to ~12 minutes
+    max_steps: int = field(default=40, metadata={"help": "GRPO steps (a rollout batch, then μ optimizer passes); "
+                                                         "0 = --epochs passes over the prompts"})
+    batch_size: int = field(default=8, metadata={"help": "prompts per step (each gets --num_generations rollouts)"})
+    # rollouts
+    num_generations: int = field(default=8, metadata={"help": "K rollouts per prompt, as in the seed"})
+    max_new_tokens: int = field(default=256, metadata={"help": "completion length limit of a rollout"})
+    temperature: float = field(default=0.7, metadata={"help": "rollout sampling temperature (the seed's τ, as the held-out "
+                                                               "answers are sampled)"})
+    top_p: float = field(default=1.0, metadata={"help": "rollout nucleus sampling (1 = off)"})
+    top_k: int = field(default=-1, metadata={"help": "rollout top-k sampling (-1 = off)"})
+    ref_samples: int = field(default=4, metadata={"help": "L_ref = mean length of this many sampled responses of the "
+                                                          "starting checkpoint per prompt; 0 = its greedy response"})
+    rollout_kv_bytes: int = field(default=256 * 2**20, metadata={"help": "decoder KV-cache budget (CPU)"})
+    rollout_max_num_seqs: int = field(default=512, metadata={"help": "sequences the rollout decoder runs at once"})
+    rollout_url: str = field(default="", metadata={"help": "rollout servers (livemoe serve), comma-separated; "
+                                                           "empty = the in-process decoder (livemoe/train/remote_rollout.py)"})
+    weight_sync: str = field(default="distributed", metadata={"help": "with --rollout_url: how new weights reach "
+                                                                      "the servers, distributed (broadcast) | disk"})
+    # loss (livemoe.train.losses.PolicyLossConfig owns the defaults, but β: the seed's 0.01 where the loss's own is 0)
+    beta: float = opt(0.01, "k3 KL weight to the starting checkpoint, as in the seed (0 = no reference model)")
+    epsilon: float = opt(default_of(PolicyLossConfig, "epsilon_low"), "clip ε of the ratio, the low side (and the high "
+                         "side without --epsilon_high), as in the seed")
+    epsilon_high: float | None = opt(None, "clip ε of the ratio, the high side (default: --epsilon)")
+    delta: float | None = opt(default_of(PolicyLossConfig, "delta"), "dual clip c for negative advantages (none = no "
+                              "dual clip)")
+    loss_type: str = opt(default_of(PolicyLossConfig, "loss_type"), "grpo | bnpo | dr_grpo | dapo")
+    importance_sampling_level: str = opt(default_of(PolicyLossConfig, "importance_sampling_level"),
+                                         "token | sequence (GSPO)")
+    num_iterations: int = field(default=1, metadata={"help": "μ: optimiser passes per rollout batch"})
+    micro_batch_size: int = field(default=32, metadata={"help": "completions per forward/backward"})
+    scale_rewards: str = field(default="group", metadata={"help": "group | batch | none"})
+    advantage_eps: float = field(default=1e-4, metadata={"help": "added to the reward std when advantages are normalised"})
+    drop_zero_variance: bool = field(default=False, metadata={"help": "leave groups with equal rewards out of the loss"})
+    mask_truncated: bool = field(default=False, metadata={"help": "leave completions cut at max_new_tokens out of the loss"})
+    old_logprobs: str = field(default="decoder", metadata={"help": "decoder (the sampled tokens' raw logprobs) | trainer"})
+    # rewards (the seed's Table 2; livemoe.train.rewards.RewardConfig owns the defaults)
+    w_correct: float = opt(default_of(RewardConfig, "w_correct"), "reward weight of correctness, as in the seed")
+    w_helpful: float = opt(default_of(RewardConfig, "w_helpful"), "reward weight of helpfulness, as in the seed")
+    w_length: float = opt(default_of(RewardConfig, "w_length"), "reward weight of the length reward, as in the seed")
+    lambda_upper: float = opt(default_of(RewardConfig, "lambda_upper"), "length reward: upper end of the target band, "
+                              "a fraction of L_ref, as in the seed")
+    lambda_lower: float = opt(default_of(RewardConfig, "lambda_lower"), "length reward: lower end of the target band, "
+                              "a fraction of L_ref, as in the seed")
+    length_epsilon: float = opt(default_of(RewardConfig, "length_epsilon"), "ε of the length reward, a fraction of L_ref")
+    reward_fns: str = opt(default_of(RewardConfig, "reward_fns"), "extra rewards: module:fn[=weight],... "
+                          "fn(record, completion, info)")
+    # multi-turn (LiveAssistant)
+    multi_turn: bool = field(default=False, metadata={"help": "records' `followups` are later turns of one trajectory"})
+    turn_weight: float = field(default=0.5, metadata={"help": "turn-level vs trajectory-level credit"})
+    export_dir: str = field(default="", metadata={"help": "HF export of the final model (default: <output_dir>/final)"})
+
+    def check_model(self) -> None:
+        if self.model != "auto":  # `auto` is resolved later, by resolve_start
+            super().check_model()
+
+    def validate(self) -> None:
+        super().validate()
+        check_at_least(self, 1, "num_generations", "max_new_tokens", "num_iterations", "micro_batch_size",
+                       "rollout_max_num_seqs", "rollout_kv_bytes")
+        check_at_least(self, 0, "ref_samples")
+        if self.num_generations < 2:
+            raise ConfigError("--num_generations must be >= 2: GRPO compares rollouts of one prompt")
+        if self.temperature <= 0:
+            raise ConfigError(f"--temperature must be > 0 for rollouts, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"--top_p must be in (0, 1], got {self.top_p}")
+        _choice("scale_rewards", self.scale_rewards, SCALE_REWARDS)
+        _choice("old_logprobs", self.old_logprobs, ("decoder", "trainer"))
+        _choice("weight_sync", self.weight_sync, ("distributed", "disk"))
+        if self.rollout_url and self.multi_turn:
+            raise ConfigError("--multi_turn runs its rollouts in-process; leave out --rollout_url")
+        if not 0 <= self.turn_weight <= 1:
+            raise ConfigError(f"--turn_weight must be in [0, 1], got {self.turn_weight}")
+        if self.advantage_eps <= 0:
+            raise ConfigError(f"--advantage_eps must be > 0, got {self.advantage_eps}")
+        if self.model != "auto" and not os.path.isfile(os.path.join(self.model, "config.json")):
+            raise ConfigError(f"--model {self.model}: not a checkpoint directory (no config.json)")
+        try:
+            self.loss_config()
+            self.reward_config()
+            load_reward_fns(self.reward_fns)  # a bad dotted path fails here, not at the first step
+        except (ValueError, RewardError) as e:
+            raise ConfigError(str(e)) from None
+
+    def loss_config(self) -> PolicyLossConfig:
+        return PolicyLossConfig(beta=self.beta, epsilon_low=self.epsilon,
+                                epsilon_high=self.epsilon if self.epsilon_high is None else self.epsilon_high,
+                                delta=self.delta, importance_sampling_level=self.importance_sampling_level,
+                                loss_type=self.loss_type, max_completion_length=self.max_new_tokens)
+
+    def reward_config(self) -> RewardConfig:
+        return RewardConfig(w_correct=self.w_correct, w_helpful=self.w_helpful, w_length=self.w_length,
+                            lambda_upper=self.lambda_upper, lambda_lower=self.lambda_lower,
+                            length_epsilon=self.length_epsilon, reward_fns=self.reward_fns)
+
+
+# ------------------------------------------------------------------------------------------ the start
+def _model_dir(root: str):
+    """A checkpoint directory at or under root (final export, model/, root itself, latest checkpoint)."""
+    cands = [os.path.join(root, n) for n in ("final", "model", "export", "student")] + [root]
+    last = latest_checkpoint(root) if os.path.isdir(root) else None
+    cands += [os.path.join(last, "model")] if last else []
+    return next((c for c in cands if os.path.isfile(os.path.join(c, "config.json"))), None)
+
+
+def resolve_start(cfg: GRPOConfig) -> str:
+    """--model, or for `auto` the RFT default's student (running the RFT default first if missing)."""
+    if cfg.model != "auto":
+        return cfg.model
+    root = cfg.rft_output or RFTConfig().output_dir
+    found = _model_dir(root)
+    if found:
+        return found
+    try:
+        import livemoe.train.rft as rft
+    except ImportError as e:
+        raise ConfigError(f"--model auto: no RFT student under {root} and livemoe.train.rft cannot run ({e}); "
+                          "pass --model CHECKPOINT_DIR") from None
+    print(f"no RFT student under {root}: running the RFT default first (livemoe.train.rft)", flush=True)
+    rc = rft.main(["--output_dir", root])
+    if rc:
+        raise ConfigError(f"--model auto: the RFT default failed (exit {rc}); pass --model CHECKPOINT_DIR")
+    found = _model_dir(root)
+    if not found:
+        raise ConfigError(f"--model auto: the RFT default ran but left no checkpoint under {root}; "
+                          "pass --model or --rft_output")
+    return found
+
+
+def load_records(cfg: GRPOConfig) -> tuple:
+    """(training records, held-out records): RFT's inputs (the same synthetic rooms by default)."""
+    train, held_out = load_inputs(cfg)
+    if cfg.multi_turn and not any(r.get("followups") for r in train):
+        raise ConfigError("--multi_turn: no training record has `followups` (later user turns)")
+    return train, held_out
+
+
+def _turn_record(record: dict, turn: int, responses: list) -> dict:
+    """The judged record of turn `turn`: its question and meta, the trajectory's earlier turns as history."""
+    if turn == 0:
+        return record
+    f = record["followups"][turn - 1]
+    f = {"question": f} if isinstance(f, str) else f
+    qs = [record["question"]] + [(x if isinstance(x, str) else x["question"]) for x in record["followups"]]
+    history = list(record.get("history", [])) + [
+        {"question": q, "response": split_thought(r)[1]} for q, r in zip(qs[:turn], responses[:turn])]
+    return {**record, "id": f"{record['id']}#{turn}", "question": f["question"], "history": history,
+            "meta": f.get("meta", record.get("meta", {})), "reference": f.get("reference")}
+
+
+# ------------------------------------------------------------------------------------------ trainer
+class GRPOTrainer:
+    def __init__(self, cfg: GRPOConfig):
+        self.cfg = cfg
+        self.device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
+                                   ("cpu" if cfg.device == "auto" else cfg.device))
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("--device cuda: no CUDA device")
+        use_bf16 = cfg.bf16 == "true" or (cfg.bf16 == "auto" and self.device.type == "cuda")
+        self.dtype = torch.bfloat16 if use_bf16 else torch.float32
+        if getattr(cfg, "threads", 0):
+            torch.set_num_threads(cfg.threads)
+        torch.manual_seed(cfg.seed)
+        self.ckpt_root = os.path.join(cfg.output_dir, "checkpoints")
+        if distributed.world_size() > 1 and cfg.model == "auto":
+            raise ConfigError("--model auto under torchrun: pass --model CHECKPOINT_DIR (the RFT default's student "
+                              "is made by one process: run livemoe.train.rft first)")
+        if distributed.world_size() > 1 and cfg.rollout_url:
+            raise ConfigError("--rollout_url does not run under torchrun yet (each rank would push its shards): run "
+                              "it as one process, or leave it out to roll out in-process on every rank")
+        self.dist = distributed.setup_trainer(cfg, cfg.output_dir, "" if cfg.model == "auto" else cfg.model)
+        self.device = self.dist.device(self.device)
+        self.resume_from = self.dist.resolve_resume(cfg.resume, self.ckpt_root)
+        state = {}
+        if self.resume_from:
+            with open(os.path.join(self.resume_from, "trainer_state.json")) as f:
+                state = json.load(f)
+        self.start_model = state.get("start_model") or resolve_start(cfg)
+        model_path = model_dir(self.resume_from) or self.start_model  # a sharded checkpoint loads below
+        # fp32 from the file: with bf16 the fp32 values stay as the optimizer's master weights (one device), or
+        # FSDP2's sharded fp32 parameters (torchrun), which the rollout decoder reads as a gathered inference copy
+        self.model = load_model(model_path, dtype=torch.float32, device=self.device)
+        self.model.gradient_checkpointing = cfg.gradient_checkpointing
+        self.master = self.infer = None
+        if self.dist.mesh.distributed:
+            self.model = self.dist.parallelize(self.model, self.dtype == torch.bfloat16)
+            self.infer = self.dist.inference_copy(self.model, self.dtype)
+        elif self.dtype != torch.float32:
+            self.master = MasterWeights(self.model, self.dtype)
+        self.tokenizer = load_tokenizer(model_path) or load_tokenizer(self.start_model)
+        if self.tokenizer is None:
+            raise ConfigError(f"{self.start_model}: the checkpoint has no tokenizer (the prompts are text)")
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.ref_model = None
+        if cfg.beta > 0:  # the frozen starting checkpoint; not loaded at all when β = 0
+            self.ref_model = self._load_reference()
+        self.train_records, self.eval_records = load_records(cfg)
+        self.prompts = [build_prompt(r, self.tokenizer) for r in self.train_records]
+        self.judge = make_judge(cfg)
+        self.reward = CompositeReward(self.judge, cfg.reward_config())
+        self.loss_cfg = cfg.loss_config()
+        if cfg.rollout_url:  # servers decode; the weights are pushed to them after each step
+            from livemoe.train.remote_rollout import RemoteRollouts
+
+            s = self._sampling()
+            self.rollouts = RemoteRollouts(cfg.rollout_url.split(","), self.tokenizer, self.model,
+                                           num_generations=cfg.num_generations, max_new_tokens=cfg.max_new_tokens,
+                                           seed=cfg.seed, weight_sync=cfg.weight_sync, temperature=s["temperature"],
+                                           top_p=s["top_p"], top_k=s["top_k"])
+        else:
+            self.rollouts = Rollouts(self.infer or self.model, self.tokenizer, num_generations=cfg.num_generations,
+                                     max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, **self._sampling())
+        n = len(self.train_records)
+        self.total_steps = cfg.max_steps or math.ceil(cfg.epochs * n / cfg.batch_size)
+        # what the optimizer updates and clipping reads: the fp32 masters under bf16
+        self.trainable = self.master.parameters() if self.master else [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        warm = cfg.warmup_steps * cfg.num_iterations
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / max(1, warm)))
+        self.step = 0
+        self.ref_lengths: dict = {}
+        self.before = None
+        self.guard = NonFiniteGuard(cfg.max_nonfinite_steps)
+        if self.resume_from:
+            if self.master and is_sharded(self.resume_from):
+                raise ConfigError(f"{self.resume_from}: written under torchrun; resuming it as one process with bf16 "
+                                  "weights is not supported (use --bf16 false, or torchrun)")
+            state = load_checkpoint(self.resume_from, self.optimizer, self.scheduler, model=self.model, comm=self.dist)
+            if self.infer is not None:
+                self.dist.refresh_copy(self.model, self.infer)
+            self.step, self.ref_lengths, self.before = state["step"], state["ref_lengths"], state.get("before")
+            self.guard.skipped = state.get("nonfinite_steps", 0)
+        self.metrics = distributed.metrics_logger(self.dist, cfg.output_dir, cfg.tensorboard,
+                                                  resume_step=self.step if self.resume_from else None)
+
+    def _load_reference(self):
+        """The frozen starting checkpoint in the compute dtype (no master copy: it never trains); under torchrun
+        sharded like the policy."""
+        ref = load_model(self.start_model, dtype=self.dtype, device=self.device).requires_grad_(False)
+        return self.dist.parallelize(ref, self.dtype == torch.bfloat16)
+
+    # -- data ---------------------------------------------------------------------------------------
+    def batch_indices(self, step: int) -> list:
+        n, b = len(self.train_records), self.cfg.batch_size
+        out = []
+        for j in range(step * b, step * b + b):
+            out.append(shuffled_order(n, self.cfg.seed, j // n)[j % n])
+        return out
+
+    def compute_reference_lengths(self) -> None:
+        """L_ref of every prompt this run will use (every turn, multi-turn), from the starting
+        checkpoint: the policy itself before the first update, else the frozen reference (loaded for
+        the occasion when β = 0). Kept in the checkpoints, so a resumed run reuses them."""
+        steps = range(self.step, self.total_steps)
+        used = sorted({i for s in steps for i in self.batch_indices(s)})
+        key = (lambda r: f"{r['id']}#0") if self.cfg.multi_turn else (lambda r: r["id"])
+        todo = [i for i in used if key(self.train_records[i]) not in self.ref_lengths]
+        if not todo:
+            return
+        source = self.rollouts
+        if self.step > 0:  # the policy has moved: decode with the starting checkpoint instead
+            plain_ref = None if self.dist.mesh.distributed else self.ref_model  # a sharded one cannot decode
+            ref = plain_ref or load_model(self.start_model, dtype=self.dtype, device=self.device)
+            self.rollouts.release()
+            source = Rollouts(ref, self.tokenizer, num_generations=self.cfg.num_generations,
+                              max_new_tokens=self.cfg.max_new_tokens, seed=self.cfg.seed, **self._sampling())
+        t0 = time.perf_counter()
+        # each rank decodes its share (greedy, or sampled seeded by record id: any split gives the same lengths)
+        mine = todo[self.dist.rank::self.dist.world_size]
+        if self.cfg.multi_turn:  # one greedy trajectory: per-turn lengths
+            found = {}
+            trajs = self._multi_turn_rollouts(mine, step=-1, greedy=True, rollouts=source)
+            for i, group in zip(mine, trajs):
+                for t, (s, e) in enumerate(group[0].turn_spans):
+                    found[f"{self.train_records[i]['id']}#{t}"] = max(1, e - s)
+        else:
+            found = reference_lengths(source, [self.train_records[i] for i in mine], [self.prompts[i] for i in mine],
+                                      {}, self.cfg.ref_samples)
+        for part in self.dist.all_gather_objects(found):
+            self.ref_lengths.update(part)
+        source.release()
+        if self.cfg.progress:
+            print(f"L_ref of {len(todo)} prompts in {time.perf_counter() - t0:.1f}s", flush=True)
+
+    def _sampling(self) -> dict:
+        cfg = self.cfg
+        return dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                    kv_cache_bytes=cfg.rollout_kv_bytes, max_num_seqs=cfg.rollout_max_num_seqs)
+
+    def _multi_turn_rollouts(self, indices: list, step: int, greedy: bool = False, rollouts=None,
+                             keys: list | None = None) -> list:
+        firsts, nexts = [], []
+        for i in indices:
+            r = self.train_records[i]
+            firsts.append(self.prompts[i])
+            turns = []
+            for f in r.get("followups", []):
+                q = f if isinstance(f, str) else f["question"]
+                text = "\n" + self.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                                                  add_generation_prompt=True)
+                turns.append(text)
+            nexts.append(turns)
+        return (rollouts or self.rollouts).generate_multi_turn(firsts, nexts, step, greedy=greedy, keys=keys)
+
+    # -- rollouts and rewards -----------------------------------------------------------------------
+    def rollout_phase(self, step: int) -> tuple:
+        cfg, K = self.cfg, self.cfg.num_generations
+        # this rank's prompts (all in one process) by their places in the global batch, which seed their samples
+        places = self.dist.local_share(list(range(cfg.batch_size)), "batch of prompts")
+        indices = self.batch_indices(step)
+        idx = [indices[p] for p in places]
+        t0 = time.perf_counter()
+        self.model.eval()
+        with torch.no_grad():
+            if cfg.multi_turn:
+                groups = self._multi_turn_rollouts(idx, step, keys=places)
+            else:
+                groups = self.rollouts.generate([self.prompts[i] for i in idx], step, keys=places)
+        self.rollouts.release()  # the update never shares memory with the KV cache
+        t_rollout = time.perf_counter() - t0
+        comps = [c for g in groups for c in g]
+        records = [self.train_records[i] for i in idx for _ in range(K)]
+        comp_values: dict = {}
+        if cfg.multi_turn:  # each turn judged as its own record, with the trajectory's earlier turns as history
+            mine = []  # per trajectory its turns' rewards
+            for rec, c in zip(records, comps):
+                recs = [_turn_record(rec, t, c.turn_texts) for t in range(len(c.turn_spans))]
+                lens = [e - s for s, e in c.turn_spans]
+                refs = [self.ref_lengths[f"{rec['id']}#{t}"] for t in range(len(recs))]
+                res = self.reward(recs, c.turn_texts, lens, refs)
+                mine.append([x.reward for x in res])
+                _add_components(comp_values, res)
+        else:
+            refs = [self.ref_lengths[r["id"]] for r in records]
+            res = self.reward(records, [c.text for c in comps], [c.length for c in comps], refs)
+            mine = [x.reward for x in res]
+            _add_components(comp_values, res)
+        # the ranks' rewards joined in global order: advantages (group or batch statistics) and metrics are the
+        # one-process ones; this rank keeps its completions' share
+        gathered = self.dist.all_gather_objects((mine, comp_values, [(c.length, len(c.token_ids), c.truncated)
+                                                                     for c in comps]))
+        all_rewards = [r for part in gathered for r in part[0]]
+        comp_values = {k: [v for part in gathered for v in part[1].get(k, [])]
+                       for k in dict.fromkeys(k for part in gathered for k in part[1])}
+        shape = [t for part in gathered for t in part[2]]
+        share = slice(places[0] * K, places[0] * K + len(comps))
+        if cfg.multi_turn:
+            rewards = torch.tensor([sum(t) / len(t) for t in all_rewards])
+            adv_turns = multi_turn_advantages(all_rewards, K, cfg.turn_weight, cfg.advantage_eps, cfg.scale_rewards)
+            advantages = [token_advantages(c.turn_spans, a, len(c.token_ids))[0]
+                          for c, a in zip(comps, adv_turns[share])]
+            _, keep, adv_stats = group_advantages(rewards, K, cfg.scale_rewards, cfg.advantage_eps, cfg.drop_zero_variance)
+        else:
+            rewards = torch.tensor(all_rewards)
+            advantages, keep, adv_stats = group_advantages(rewards, K, cfg.scale_rewards, cfg.advantage_eps,
+                                                           cfg.drop_zero_variance)
+            advantages = advantages[share].tolist()
+        keep = keep[share]
+        lengths = torch.tensor([float(n) for n, _, _ in shape])
+        gen_tokens = sum(n for _, n, _ in shape)
+        m = {"reward/mean": rewards.mean(), "reward/std": rewards.std()}
+        for k, v in comp_values.items():
+            t = torch.tensor(v, dtype=torch.float32)
+            m[f"reward/{k}/mean"], m[f"reward/{k}/std"] = t.mean(), t.std() if t.numel() > 1 else 0.0
+        m.update({"tpr/mean": lengths.mean(), "tpr/min": lengths.min(), "tpr/max": lengths.max(),
+                  "truncated_frac": sum(t for _, _, t in shape) / len(shape),
+                  "zero_variance_groups": adv_stats["zero_variance_groups"],
+                  "time/rollout_s": t_rollout, "rollout_tokens_per_s": gen_tokens / max(t_rollout, 1e-9),
+                  "decode_gflops_per_response": flops.decode_flops(self.model.config, float(lengths.mean())) / 1e9})
+        kept = [i for i in range(len(comps)) if keep[i]]
+        batch = None
+        if kept:  # under torchrun a rank may keep nothing while others do: update_phase runs on every rank
+            batch = collate([comps[i] for i in kept], [advantages[i] for i in kept], self.pad_id, cfg.mask_truncated)
+        return batch, m
+
+    # -- the update ---------------------------------------------------------------------------------
+    def _logprobs(self, model, mb, entropy: bool = False):
+        hidden, router_logits = model.forward_hidden(mb["input_ids"], attention_mask=mb["attention_mask"],
+                                                     return_router_logits=True)
+        out = fused_linear_logprobs(hidden[:, :-1], model.lm_head_weight, mb["targets"], self.rollouts.temperature,
+                                    mask=mb["completion_mask"] > 0, return_entropy=entropy)
+        return out, router_logits
+
+    def _micro_batches(self, batch) -> list:
+        n, size = batch["input_ids"].shape[0], self.cfg.micro_batch_size
+        out = []
+        for s in range(0, n, size):
+            mb = {k: v[s:s + size].to(self.device) for k, v in batch.items()}
+            width = int(mb["attention_mask"].sum(1).max())  # trim the right padding of this micro-batch
+            mb = {k: v[:, :width] if k in ("input_ids", "attention_mask") else v[:, :width - 1] for k, v in mb.items()}
+            out.append(mb)
+        return out
+
+    def _empty_micro_batch(self) -> dict:
+        """A one-row micro-batch that adds nothing (no completion token, no router token): under torchrun a rank
+        with fewer micro-batches than another runs it, so every rank joins the same collectives."""
+        ids = torch.full((1, 2), self.pad_id, dtype=torch.long, device=self.device)
+        zeros = torch.zeros((1, 1), device=self.device)
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "targets": ids[:, 1:].clone(),
+                "completion_mask": zeros, "old_logprobs": zeros.clone(), "advantages": zeros.clone(),
+                "router_mask": torch.zeros_like(ids)}
+
+    def _loss_share(self, mb, rows: float, num_micro: int) -> float:
+        """Under torchrun, the factor that makes a micro-batch's loss (gradient_accumulation_steps 1) its share
+        of the global batch's: grpo and dr_grpo weigh each sequence 1 / (sequences of the global batch), which is
+        the one-process loss when its micro-batches are equal; bnpo averages the micro-batches of all ranks;
+        dapo is normalised by the global token count already. 1 in one process (policy_loss divides)."""
+        if not self.dist.mesh.distributed:
+            return 1.0
+        kind = self.loss_cfg.loss_type
+        if kind in ("grpo", "dr_grpo"):
+            return mb["input_ids"].shape[0] / rows
+        return 1.0 / (num_micro * self.dist.world_size) if kind == "bnpo" else 1.0
+
+    def update_phase(self, batch) -> dict:
+        """μ optimizer passes over the batch. Metrics accumulate on the device and reach the host once per
+        optimizer step (the non-finite guard's check) and once at the end; under torchrun they are the global
+        batch's (one all-reduce per pass for the loss, one at the end)."""
+        cfg, model, d = self.cfg, self.model, self.dist
+        t0 = time.perf_counter()
+        micro = self._micro_batches(batch) if batch is not None else []
+        real = len(micro)
+        if d.mesh.distributed:  # every rank runs as many forwards as the busiest: each gathers weights (FSDP, EP)
+            micro += [self._empty_micro_batch() for _ in range(max(d.all_gather_objects(real)) - real)]
+        n_items = d.sum(sum(mb["completion_mask"].sum() for mb in micro))
+        rows = d.sum_floats(sum(mb["input_ids"].shape[0] for mb in micro[:real]))[0]
+        loss_cfg = dataclasses.replace(self.loss_cfg, gradient_accumulation_steps=1 if d.mesh.distributed else len(micro))
+        with torch.no_grad():
+            for mb in micro:
+                if self.ref_model is not None:
+                    mb["ref_logprobs"] = self._logprobs(self.ref_model, mb)[0]
+                if cfg.old_logprobs == "trainer":
+                    mb["old_logprobs"] = self._logprobs(model, mb)[0]
+        model.train()
+        zero = lambda: torch.zeros((), device=self.device)  # noqa: E731
+        acc = {"loss": zero(), "aux_loss": zero(), "diff_sum": zero(), "diff_count": zero()}
+        diff_max, grad_norms, lrs = zero(), [], []
+        for it in range(cfg.num_iterations):
+            self.optimizer.zero_grad(set_to_none=True)
+            step_loss = zero()
+            for j, mb in enumerate(micro):
+                (lp, ent), router_logits = self._logprobs(model, mb, entropy=True)
+                mask = mb["completion_mask"]
+                if it == 0:
+                    diff = (lp.detach() - mb["old_logprobs"]).abs() * mask
+                    acc["diff_sum"] += diff.sum()
+                    acc["diff_count"] += mask.sum()
+                    diff_max = torch.maximum(diff_max, diff.max())
+                loss, lm = policy_loss(lp, mb["old_logprobs"], mb["advantages"], mask,
+                                       ref_logprobs=mb.get("ref_logprobs"), entropy=ent, num_items_in_batch=n_items,
+                                       config=loss_cfg)
+                loss = loss * self._loss_share(mb, rows, len(micro))
+                aux = zero()
+                if router_logits and cfg.lambda_aux > 0:
+                    aux = model.load_balancing_loss(router_logits, mb.get("router_mask", mb["attention_mask"]),
+                                                    group=d.group) / len(micro)
+                    loss = loss + cfg.lambda_aux * aux
+                loss.backward()
+                step_loss += loss.detach()
+                # loss and aux are this micro-batch's share of the step: their sums are the step's
+                acc["aux_loss"] += aux.detach()
+                for k, v in lm.items():  # means over the real micro-batches
+                    acc[k] = acc.get(k, zero()) + v * (j < real)
+            grad_norm = d.clip_grad_norm_(self.trainable, cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
+            step_loss = d.sum(step_loss)  # the global step's, so every rank's guard decides alike
+            acc["loss"] += step_loss / d.world_size  # summed over ranks below with the rest
+            grad_norms.append(grad_norm)
+            lrs.append(self.scheduler.get_last_lr()[0])  # the lr this optimizer step uses
+            if self.guard.step(self.optimizer, step_loss, grad_norm, f"step {self.step + 1}, pass {it + 1}") and self.master:
+                self.master.copy_to_model()
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)  # the rollouts never share memory with gradients (livemoe.train.plan)
+        model.eval()
+        if self.infer is not None:  # the rollout decoder's copy follows the update
+            d.refresh_copy(model, self.infer)
+        keys = sorted(acc)
+        totals = dict(zip(keys, d.sum(torch.stack([acc[k].float() for k in keys])).tolist()))
+        real_micro = d.sum_floats(real)[0] * cfg.num_iterations
+        sums = {k: totals[k] / max(real_micro, 1) for k in keys
+                if k not in ("loss", "aux_loss", "diff_sum", "diff_count", "log_ratio/clamped")}
+        sums["log_ratio/clamped"] = totals["log_ratio/clamped"]  # a count over the step's passes
+        sums["loss"] = totals["loss"] / cfg.num_iterations
+        sums["aux_loss"] = totals["aux_loss"] / cfg.num_iterations
+        sums["grad_norm"] = float(torch.stack(grad_norms).float().mean())
+        sums["logprob_diff/mean"] = totals["diff_sum"] / max(totals["diff_count"], 1.0)
+        sums["logprob_diff/max"] = max(d.all_gather_objects(float(diff_max)))
+        sums["time/update_s"] = time.perf_counter() - t0
+        sums["lr"] = sum(lrs) / len(lrs)  # what the step's passes used (not the next step's, as the scheduler now has)
+        sums["nonfinite_steps"] = self.guard.skipped
+        return sums
+
+    # -- evaluation ---------------------------------------------------------------------------------
+    def evaluate(self, label: str) -> dict:
+        """livemoe.train.evaluate on the held-out records (--eval_samples sampled responses per prompt at
+        --eval_temperature), one row of the Table-3 table."""
+        from livemoe.train.evaluate import evaluate
+
+        # its decoder attaches its own KV cache to the shared attention layers: ours must be released
+        # first (it comes back, re-attached, at the next rollout); it releases its own when done
+        self.rollouts.release()
+        return evaluate(self.infer or self.model, self.tokenizer, self.eval_records, self.judge, self.cfg.eval_max_new_tokens,
+                        self.cfg.eval_temperature, self.cfg.seed, progress=False, label=label,
+                        samples=self.cfg.eval_samples)
+
+    # -- the loop -----------------------------------------------------------------------------------
+    def train_step(self, step: int) -> dict:
+        batch, m = self.rollout_phase(step)
+        if not self.dist.sum_floats(int(batch is not None))[0]:  # every group had zero variance and was dropped
+            m.update({"skipped_update": 1})
+        else:
+            m.update(self.update_phase(batch))
+            self.rollouts.weights_updated(self.model)
+        tokens = self.dist.sum_floats(0.0 if batch is None else float(batch["completion_mask"].sum()))[0]
+        m["tokens_per_s"] = tokens / max(m["time/rollout_s"] + m.get("time/update_s", 0.0), 1e-9)
+        return m
+
+    def trained_model(self):
+        """A context giving the model with its trained weights: the fp32 masters under bf16 (what checkpoints
+        and the export hold, so a resumed run continues from them exactly), else the model itself."""
+        return self.master.fp32_model() if self.master else contextlib.nullcontext(self.model)
+
+    def save(self, step: int) -> str:
+        """An atomic checkpoint: one process's HF-layout one, or under torchrun the sharded one."""
+        with self.trained_model() as model:
+            return self.dist.save_checkpoint(self.ckpt_root, step, model, self.optimizer, self.scheduler,
+                                             {"ref_lengths": self.ref_lengths, "start_model": self.start_model,
+                                              "before": self.before, "nonfinite_steps": self.guard.skipped},
+                                             self.cfg.keep_last,
+                                             save_model=lambda m, p: save_model(m, p, tokenizer=self.tokenizer))
+
+    def train(self, evaluate: bool = True) -> dict:
+        cfg = self.cfg
+        evaluate = evaluate and bool(self.eval_records)  # --eval_rooms 0 (no --eval_data): no table
+        evaluate = evaluate and self.dist.is_main  # under torchrun rank 0 evaluates its gathered copy
+        if self.dist.is_main:
+            save_config(cfg, cfg.output_dir)
+        self.compute_reference_lengths()
+        if evaluate and self.before is None:
+            self.before = self.evaluate("start (RFT student)")
+            print(f"before: {_brief(self.before)}", flush=True)
+        t_start = time.time()
+        last = None
+        while self.step < self.total_steps:
+            m = self.train_step(self.step)
+            self.step += 1
+            self.metrics.log(self.step, **m)
+            last = m
+            if cfg.progress and (self.step % cfg.log_every == 0 or self.step == self.total_steps):
+                print(f"step {self.step}/{self.total_steps} reward {float(m['reward/mean']):.3f} "
+                      f"tpr {float(m['tpr/mean']):.1f} correct {float(m.get('reward/correct/mean', 0)):.2f} "
+                      f"helpful {float(m.get('reward/helpful/mean', 0)):.2f} len_r {float(m['reward/length/mean']):.2f} "
+                      f"kl {float(m.get('kl', 0)):.4f} |dlogp| {float(m.get('logprob_diff/max', 0)):.1e} "
+                      f"({m['time/rollout_s']:.1f}+{m.get('time/update_s', 0):.1f}s)", flush=True)
+            if cfg.save_every and self.step % cfg.save_every == 0 and self.step < self.total_steps:
+                self.save(self.step)
+        self.save(self.step)
+        export = cfg.export_dir or os.path.join(cfg.output_dir, "final")
+        if self.dist.mesh.distributed:
+            self.dist.export(self.model, export, self.tokenizer)  # gathered, written by rank 0
+            self.dist.close()
+        else:
+            with self.trained_model() as model:
+                save_model(model, export, tokenizer=self.tokenizer)
+        self.metrics.close(plot=cfg.plot)
+        summary = {"steps": self.step, "train_minutes": (time.time() - t_start) / 60, "export": export,
+                   "start_model": self.start_model, "last": {k: float(v) for k, v in (last or {}).items()}}
+        if evaluate:
+            from livemoe.train.evaluate import write_eval
+
+            after = self.evaluate("+ GRPO")
+            summary.update(before=_brief(self.before), after=_brief(after), **tpr_change(self.before, after))
+            table = write_eval(cfg.output_dir, [self.before, after])  # eval_table.md, eval.json
+            print(f"\n{table}\n{summary['change']}\n", flush=True)
+        if self.dist.is_main:
+            with open(os.path.join(cfg.output_dir, "summary.json"), "w") as f:
+                json.dump(_rounded(summary), f, indent=1)
+        return summary
+
+
+def _add_components(values: dict, results: list) -> None:
+    """Appends each reward result's components (correct, helpful, length, user functions) to values[name]."""
+    for x in results:
+        for k, v in x.components.items():
+            values.setdefault(k, []).append(v)
+
+
+def _rounded(x):
+    if isinstance(x, dict):
+        return {k: _rounded(v) for k, v in x.items()}
+    return round(x, 6) if isinstance(x, float) else x
+
+
+def _brief(row: dict) -> dict:
+    return {k: v for k, v in row.items() if k != "samples"}
+
+
+def tpr_change(before: dict, after: dict) -> dict:
+    """TPR reduction (%) and the quality changes in points, the figures the seed's Table 3 compares."""
+    q = ("em", "f1") if "em" in before else ("correct", "helpful")
+    drop = 100.0 * (1 - after["tpr"] / before["tpr"]) if before["tpr"] else float("nan")
+    out = {"tpr_reduction_pct": drop, **{f"{k}_change_points": after[k] - before[k] for k in q}}
+    out["change"] = (f"TPR {before['tpr']:.1f} -> {after['tpr']:.1f} ({drop:.1f}% shorter); " +
+                     ", ".join(f"{k} {before[k]:.1f} -> {after[k]:.1f} ({after[k] - before[k]:+.1f} points)" for k in q))
+    return out
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+
+    def body():
+        cfg = parse_config(GRPOConfig, argv, description=__doc__.split("\n")[0], prog="livemoe grpo")
+        if cfg.progress:
+            print("GRPO config:\n" + format_config(cfg), flush=True)
+        GRPOTrainer(cfg).train()
+
+    return run_cli(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""GRPO rollouts from running servers (`python -m train.grpo --rollout_url URL[,URL...]`): the same
+interface as livemoe.train.rollout.Rollouts (generate / greedy / release / temperature), but each prompt's K
+samples are one /v1/completions request to a rollout server (`livemoe serve`, see the README's
+"Rollout servers for RL"), spread round-robin over the URLs. The request asks for the same seed as the
+in-process decoder would use, the sampled tokens' ids and their raw log-probs (the old_logprobs), so a
+run against a server draws the rollouts an in-process run draws.
+
+After each optimizer step `weights_updated(model)` pushes the new weights to every server:
+- "distributed" (default): the trainer is rank 0 of a torch.distributed group the servers' engine cores
+  join (gloo; NCCL when the module is on a GPU); the tensors are broadcast, nothing touches the disk;
+- "disk": the model is saved to a scratch directory the servers can read, then each loads it
+  (POST /update_weights_from_disk).
+The servers get the trainer's weights once at the start too, so they decode the policy being trained
+whatever checkpoint they were started with (the architecture must match).
+"""
+import concurrent.futures
+import json
+import os
+import shutil
+import socket
+import tempfile
+import urllib.error
+import urllib.parse
+import urllib.request
+
+from livemoe.engine.core.weight_sync import join_servers, push_weights_to_servers
+from livemoe.engine.net import free_port
+from livemoe.train.rollout import Completion, _seed
+
+WEIGHT_SYNCS = ("distributed", "disk")
+
+
+class RemoteRollouts:
+    def __init__(self, urls: list[str], tokenizer, model, *, num_generations: int = 8, max_new_tokens: int = 256,
+                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1, seed: int = 0,
+                 weight_sync: str = "distributed", api_key: str | None = None, timeout_s: float = 600.0):
+        import openai
+
+        if weight_sync not in WEIGHT_SYNCS:
+            raise ValueError(f"weight_sync must be one of {WEIGHT_SYNCS}, got {weight_sync!r}")
+        if not urls:
+            raise ValueError("rollout_url: no URL given")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.tokenizer, self.k, self.max_new_tokens, self.seed = tokenizer, num_generations, max_new_tokens, seed
+        self.sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
+        self.weight_sync, self.api_key, self.timeout_s = weight_sync, api_key, timeout_s
+        self.clients = [openai.OpenAI(base_url=u + "/v1", api_key=api_key or "none", max_retries=2,
+                                      timeout=timeout_s) for u in self.urls]
+        self.model_names = [c.models.list().data[0].id for c in self.clients]
+        self.pool = concurrent.futures.ThreadPoolExecutor(max(8, 4 * len(self.urls)),
+                                                          thread_name_prefix="livemoe-rollout")
+        self.sender = None
+        self.scratch = None
+        if weight_sync == "distributed":
+            device = next(model.parameters()).device
+            self.sender = join_servers(self.urls, "127.0.0.1" if _local(self.urls) else socket.gethostname(),
+                                       free_port(""), backend="nccl" if device.type == "cuda" else "gloo",
+                                       timeout_s=timeout_s, api_key=api_key)
+        else:
+            self.scratch = tempfile.mkdtemp(prefix="livemoe-weights-")
+        self.weights_updated(model)
+
+    @property
+    def temperature(self) -> float:
+        return self.sampling["temperature"]
+
+    def release(self) -> None:
+        """Nothing to free here: the KV caches live in the servers."""
+
+    def weights_updated(self, model) -> None:
+        """Pushes the model's weights to every server (after each optimizer step)."""
+        if self.sender is not None:
+            push_weights_to_servers(self.urls, self.sender, list(model.named_parameters()), api_key=self.api_key,
+                                    timeout_s=self.timeout_s)
+            return
+        from livemoe.engine.loader import save_model
+
+        path = os.path.join(self.scratch, "model")
+        save_model(model, path)
+        for url in self.urls:
+            _post(url + "/update_weights_from_disk", {"model_path": path}, self.api_key, self.timeout_s)
+
+    def close(self) -> None:
+        self.pool.shutdown()
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+
+    # -- rollouts -----------------------------------------------------------------------------------
+
+    def _ids(self, prompt) -> list:
+        return self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
+
+    def _one(self, i: int, prompt_ids: list, n: int, seed, max_tokens: int, greedy: bool) -> list:
+        sampling = dict(temperature=0.0) if greedy else dict(temperature=self.temperature, top_p=self.sampling["top_p"],
+                                                               seed=seed)
+        extra = {"return_token_ids": True}
+        if not greedy and self.sampling["top_k"] > 0:
+            extra["top_k"] = self.sampling["top_k"]
+        client = self.clients[i % len(self.clients)]
+        out = client.completions.create(model=self.model_names[i % len(self.clients)], prompt=prompt_ids, n=n,
+                                        max_tokens=max_tokens, logprobs=0, extra_body=extra, **sampling)
+        comps = []
+        for c in sorted(out.choices, key=lambda c: c.index):
+            ids = c.model_extra["token_ids"]
+            lps = c.logprobs.token_logprobs
+            assert len(lps) == len(ids), (len(lps), len(ids))
+            comps.append(Completion(list(prompt_ids), list(ids), list(lps), c.text, c.finish_reason))
+        return comps
+
+    def generate(self, prompts: list, step, max_new_tokens: int | None = None, n: int | None = None,
+                 keys: list | None = None) -> list:
+        ids = [self._ids(p) for p in prompts]
+        n = n or self.k
+        keys = range(len(ids)) if keys is None else keys
+        max_tokens = max_new_tokens or self.max_new_tokens
+        futures = [self.pool.submit(self._one, i, p, n, _seed(self.seed, step, key) * n, max_tokens, False)
+                   for i, (p, key) in enumerate(zip(ids, keys))]
+        return [f.result() for f in futures]
+
+    def greedy(self, prompts: list, max_new_tokens: int | None = None) -> list:
+        ids = [self._ids(p) for p in prompts]
+        max_tokens = max_new_tokens or self.max_new_tokens
+        futures = [self.pool.submit(self._one, i, p, 1, None, max_tokens, True) for i, p in enumerate(ids)]
+        return [f.result()[0] for f in futures]
+
+    def generate_multi_turn(self, *args, **kwargs):
+        raise NotImplementedError("multi-turn rollouts run in-process only (--multi_turn without --rollout_url)")
+
+
+def _local(urls: list[str]) -> bool:
+    hosts = {urllib.parse.urlparse(u).hostname for u in urls}
+    return hosts <= {"127.0.0.1", "localhost", "::1"}
+
+
+
+
+def _post(url: str, body: dict, api_key: str | None, timeout_s: float) -> dict:
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST", headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        raise RuntimeError(f"{url}: HTTP {e.code}: {e.read().decode(errors='replace')[:500]}") from None

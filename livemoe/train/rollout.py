@@ -1,0 +1,218 @@
+"""Rollouts for GRPO: K completions per prompt from the engine's decoder running THE module being
+trained (`LLM.from_model`: no weight copy; its prefix cache is dropped by the decoder itself when the
+weights change). The KV cache is released for the update (`release()`) and comes back at the next
+generation, so the update never shares memory with it.
+
+Each completion keeps the decoder's raw log-prob of every sampled token (log_softmax(logits / T)
+before top-k/top-p: what the trainer recomputes) as its old_logprobs. Sampling is seeded per
+(run seed, step, prompt): a resumed run draws the same rollouts.
+
+Multi-turn (LiveAssistant): a trajectory is ONE token sequence built turn by turn: the prompt, the
+first completion, then the next user turn's tokens, the next completion, ... The decoder continues
+from exactly those tokens, so the trainer scores exactly what the policy saw; `turn_spans` marks the
+assistant tokens (everything else is masked out of the loss).
+"""
+import random
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+
+from livemoe.engine.llm import LLM
+from livemoe.engine.sampling import SamplingParams
+
+
+@dataclass(slots=True)
+class Completion:
+    prompt_ids: list
+    token_ids: list          # generated tokens, the stop token (EOS) included when it ended the turn
+    old_logprobs: list       # decoder raw logprob of each of token_ids
+    text: str
+    finish_reason: str       # "stop" | "length"
+    turn_spans: list = field(default_factory=list)  # multi-turn: [(start, end)] of assistant tokens in token_ids
+    turn_texts: list = field(default_factory=list)
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish_reason == "length"
+
+    @property
+    def length(self) -> int:
+        """Tokens per response (TPR): generated tokens, the stop token included (as livemoe.train.evaluate
+        counts them); multi-turn: the assistant tokens of all turns."""
+        return len(self.token_ids) if not self.turn_spans else sum(e - s for s, e in self.turn_spans)
+
+
+def _seed(*parts) -> int:
+    return zlib.crc32("/".join(map(str, parts)).encode()) & 0x3FFFFFFF
+
+
+class Rollouts:
+    """`generate(prompts, step)` -> per prompt a list of K Completions; `greedy(prompts)` -> one each."""
+
+    def __init__(self, model, tokenizer, *, num_generations: int = 8, max_new_tokens: int = 256,
+                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1, seed: int = 0,
+                 **engine_options):
+        if num_generations < 1:
+            raise ValueError(f"num_generations must be >= 1, got {num_generations}")
+        if temperature <= 0:
+            raise ValueError(f"rollout temperature must be > 0 (GRPO needs different samples), got {temperature}")
+        engine_options.setdefault("use_tqdm", False)
+        self.llm = LLM.from_model(model, tokenizer, **engine_options)
+        self.tokenizer = tokenizer
+        self.k, self.max_new_tokens, self.seed = num_generations, max_new_tokens, seed
+        self.sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
+
+    @property
+    def temperature(self) -> float:
+        return self.sampling["temperature"]
+
+    def release(self) -> None:
+        """Frees the decoder's KV cache for the update (it comes back at the next generation)."""
+        self.llm.release_kv_cache()
+
+    def weights_updated(self, model) -> None:
+        """Nothing to push: the decoder runs the trained module itself (livemoe/train/remote_rollout.py pushes)."""
+
+    def _params(self, seed, n, max_tokens, greedy=False):
+        if greedy:
+            return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0)
+        return SamplingParams(**self.sampling, n=n, max_tokens=max_tokens, seed=seed, logprobs=0,
+                              logprobs_mode="raw")
+
+    @staticmethod
+    def _completion(prompt_ids, out) -> Completion:
+        lps = [lp[t] for lp, t in zip(out.logprobs, out.token_ids)]
+        return Completion(list(prompt_ids), list(out.token_ids), lps, out.text, out.finish_reason)
+
+    def _ids(self, prompt) -> list:
+        return self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
+
+    def generate(self, prompts: list, step, max_new_tokens: int | None = None, n: int | None = None,
+                 keys: list | None = None) -> list:
+        """n (default K) samples per prompt, seeded by (run seed, step, key); keys default to the
+        prompts' positions."""
+        ids = [self._ids(p) for p in prompts]
+        n = n or self.k
+        keys = range(len(ids)) if keys is None else keys
+        params = [self._params(_seed(self.seed, step, key) * n, n, max_new_tokens or self.max_new_tokens)
+                  for key in keys]
+        outs = self.llm.generate(ids, params)
+        return [[self._completion(p, c) for c in o.outputs] for p, o in zip(ids, outs)]
+
+    def greedy(self, prompts: list, max_new_tokens: int | None = None) -> list:
+        ids = [self._ids(p) for p in prompts]
+        outs = self.llm.generate(ids, self._params(None, 1, max_new_tokens or self.max_new_tokens, greedy=True))
+        return [self._completion(p, o.outputs[0]) for p, o in zip(ids, outs)]
+
+    def generate_multi_turn(self, first_prompts: list, next_turns: list, step: int,
+                            max_new_tokens: int | None = None, greedy: bool = False, keys: list | None = None) -> list:
+        """K trajectories per conversation. first_prompts[i]: the prompt up to the first assistant
+        turn; next_turns[i]: the token ids (or text) inserted before each later assistant turn (the
+        user turn and the assistant header). Returns per conversation K Completions whose token_ids
+        hold all turns and the inserted tokens, with turn_spans / turn_texts / old_logprobs (0 on
+        inserted tokens). greedy: one greedy trajectory per conversation (reference lengths).
+        Samples are seeded by (run seed, step, key, sample, turn); keys default to the conversations'
+        positions (under torchrun: their places in the global batch, so any split draws the same)."""
+        if len(first_prompts) != len(next_turns):
+            raise ValueError("generate_multi_turn: one list of next turns per conversation")
+        if not first_prompts:
+            return []
+        keys = list(range(len(first_prompts))) if keys is None else list(keys)
+        if len(keys) != len(first_prompts):
+            raise ValueError(f"generate_multi_turn: {len(keys)} keys for {len(first_prompts)} conversations")
+        max_new = max_new_tokens or self.max_new_tokens
+        k = 1 if greedy else self.k
+        trajs = []  # (conversation, sample) -> Completion being built
+        for i, p in enumerate(first_prompts):
+            for j in range(k):
+                trajs.append((i, j, Completion(self._ids(p), [], [], "", "stop")))
+        num_turns = [1 + len(t) for t in next_turns]
+        for turn in range(max(num_turns)):
+            live = [(i, j, c) for i, j, c in trajs if turn < num_turns[i]]
+            if turn > 0:
+                for i, _, c in live:
+                    extra = self._ids(next_turns[i][turn - 1])
+                    c.token_ids += extra
+                    c.old_logprobs += [0.0] * len(extra)
+            prompts = [c.prompt_ids + c.token_ids for _, _, c in live]
+            params = [self._params(_seed(self.seed, step, keys[i], j, turn), 1, max_new, greedy) for i, j, _ in live]
+            outs = self.llm.generate(prompts, params)
+            for (_, _, c), o in zip(live, outs):
+                g = o.outputs[0]
+                start = len(c.token_ids)
+                c.token_ids += list(g.token_ids)
+                c.old_logprobs += [lp[t] for lp, t in zip(g.logprobs, g.token_ids)]
+                c.turn_spans.append((start, len(c.token_ids)))
+                c.turn_texts.append(g.text)
+                if g.finish_reason == "length":
+                    c.finish_reason = "length"
+        for _, _, c in trajs:
+            c.text = c.turn_texts[-1]
+        return [[c for i2, _, c in trajs if i2 == i] for i in range(len(first_prompts))]
+
+
+def collate(completions: list, advantages, pad_id: int, mask_truncated: bool = False) -> dict:
+    """Completions -> right-padded training tensors. Position t of `targets` is predicted by the hidden
+    state at t (targets = input_ids shifted by one), so the loss rows are aligned with forward_hidden.
+
+    advantages: one per completion ([N]) or, for multi-turn, one [len(token_ids)] tensor per completion.
+    Returns input_ids, attention_mask [N, T]; targets, completion_mask, old_logprobs, advantages
+    [N, T-1] (completion_mask 1 on generated assistant tokens only)."""
+    n = len(completions)
+    if n == 0:
+        raise ValueError("collate: no completions")
+    lengths = [len(c.prompt_ids) + len(c.token_ids) for c in completions]
+    T = max(lengths)
+    input_ids = torch.full((n, T), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros(n, T, dtype=torch.long)
+    completion_mask = torch.zeros(n, T - 1)
+    old = torch.zeros(n, T - 1)
+    adv = torch.zeros(n, T - 1)
+    for i, c in enumerate(completions):
+        p, g = len(c.prompt_ids), len(c.token_ids)
+        input_ids[i, :p + g] = torch.tensor(c.prompt_ids + c.token_ids, dtype=torch.long)
+        attention_mask[i, :p + g] = 1
+        if mask_truncated and c.truncated:
+            continue
+        spans = c.turn_spans or [(0, g)]
+        for s, e in spans:
+            completion_mask[i, p - 1 + s:p - 1 + e] = 1.0
+        old[i, p - 1:p - 1 + g] = torch.tensor(c.old_logprobs, dtype=torch.float32)
+        a = advantages[i]
+        if isinstance(a, torch.Tensor) and a.dim() == 1:
+            if a.numel() != g:
+                raise ValueError(f"completion {i}: {a.numel()} token advantages for {g} tokens")
+            adv[i, p - 1:p - 1 + g] = a
+        else:
+            adv[i, p - 1:p - 1 + g] = float(a)
+    targets = input_ids[:, 1:].clone()
+    return dict(input_ids=input_ids, attention_mask=attention_mask, targets=targets,
+                completion_mask=completion_mask, old_logprobs=old * completion_mask, advantages=adv * completion_mask)
+
+
+def reference_lengths(rollouts: Rollouts, records: list, prompts: list, cache: dict, samples: int = 0,
+                      batch: int = 1024) -> dict:
+    """L_ref per record id from `rollouts`' model (the starting checkpoint), for the ids missing from
+    `cache` (added to it): samples 0 -> the length of its greedy response; samples n >= 1 -> the mean
+    length of n responses sampled as the rollouts are (temperature, top-p; seeded by record id), which
+    is the scale the rollouts' lengths are compared with. Large batches: a decode step costs about the
+    same for 64 or 512 sequences of a small model, and each batch runs as long as its longest answer."""
+    todo = [(r["id"], p) for r, p in zip(records, prompts) if r["id"] not in cache]
+    for s in range(0, len(todo), batch):
+        chunk = todo[s:s + batch]
+        prompts_ = [p for _, p in chunk]
+        if samples == 0:
+            lengths = [[c.length] for c in rollouts.greedy(prompts_)]
+        else:
+            groups = rollouts.generate(prompts_, "ref", n=samples, keys=[rid for rid, _ in chunk])
+            lengths = [[c.length for c in g] for g in groups]
+        for (rid, _), ls in zip(chunk, lengths):
+            cache[rid] = max(1.0, sum(ls) / len(ls))  # a 0-token reference would leave no interval to aim for
+    return cache
+
+
+def shuffled_order(n: int, seed: int, epoch: int) -> list:
+    order = list(range(n))
+    random.Random(_seed(seed, "epoch", epoch)).shuffle(order)
+    return order

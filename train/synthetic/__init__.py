@@ -1,5 +1,0 @@
-"""The embedded default: a seeded world of live-stream commerce rooms, its scripted teacher, its corpus."""
-from train.synthetic.teacher import ScriptedTeacher, TeacherRates
-from train.synthetic.world import WorldConfig, make_rooms
-
-__all__ = ["ScriptedTeacher", "TeacherRates", "WorldConfig", "make_rooms"]
