@@ -1,6 +1,6 @@
 """Faults of one request stay with that request (LLM level): a row that cannot be sampled, or whose
 logits are non-finite, ends its own request while the rest of the batch decodes on with the tokens it
-gets alone; special tokens written in chat content stay text; the `threads` option; `import engine`
+gets alone; special tokens written in chat content stay text; the `threads` option; `import livemoe.engine`
 without Triton."""
 import os
 import subprocess
@@ -134,7 +134,7 @@ class NoTriton(importlib.abc.MetaPathFinder):
         if name == "triton" or name.startswith("triton."):
             raise ModuleNotFoundError("No module named 'triton' (blocked by the test)")
 sys.meta_path.insert(0, NoTriton())
-import torch, engine
+import torch
 from livemoe.engine import LLM, SamplingParams
 out = LLM(sys.argv[1], dtype=torch.float32, device="cpu", num_kv_blocks=16).generate(
     "no triton here", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
@@ -144,7 +144,7 @@ print("ok")
 
 
 def test_import_engine_and_generate_without_triton(ckpt):
-    """A plain install has no Triton (a test extra): `import engine` and a CPU generation must not need it."""
+    """A plain install has no Triton (a test extra): `import livemoe.engine` and a CPU generation must not need it."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
     env.pop("TRITON_INTERPRET", None)

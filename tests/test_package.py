@@ -50,10 +50,11 @@ def test_pip_installs_one_top_level_name_and_the_data_the_defaults_read():
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         project = tomllib.load(f)
     setuptools = project["tool"]["setuptools"]
-    assert setuptools["packages"]["find"]["include"] == ["livemoe*"]
+    assert setuptools["packages"]["find"] == {"include": ["livemoe*"], "namespaces": False}
     from setuptools import find_packages
 
     packages = find_packages(ROOT, include=setuptools["packages"]["find"]["include"])
+    assert not any(".results" in p or ".assets" in p for p in packages), packages  # results/ is not shipped
     assert "livemoe.engine" in packages and "livemoe.kernels.moe" in packages and "livemoe.train.live" in packages
     assert {p.split(".")[0] for p in packages} == {"livemoe"}
     assert project["project"]["scripts"] == {"livemoe": "livemoe.cli:main"}

@@ -1,6 +1,6 @@
 """`livemoe flops`: parameters, decode FLOPs per token and (with --prompt) prefill FLOPs, as JSON.
 
-The CLI lives here, not in livemoe/engine/flops/__init__.py: `import engine` already imports livemoe.engine.flops (the
+The CLI lives here, not in livemoe/engine/flops/__init__.py: `import livemoe.engine` already imports livemoe.engine.flops (the
 decoder counts FLOPs), and runpy warns when the module it is asked to run as __main__ is imported first.
 """
 import argparse
