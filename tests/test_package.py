@@ -1,7 +1,7 @@
 """One import package: livemoe lives beside Hugging Face's `kernels` and transformers (which imports it from 5.25
 on), installs no other top-level name, and its commands answer as documented: `livemoe SUBCOMMAND`,
 `python -m livemoe SUBCOMMAND`, `python -m livemoe.train.rft`, and the checkout's `python -m train.rft`."""
-import importlib
+import importlib.util
 import os
 import subprocess
 import sys

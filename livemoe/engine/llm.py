@@ -289,7 +289,7 @@ class LLM:
             return self._grammar_compiler
 
     def compile_grammar(self, spec, field: str = "structured"):
-        """The compiled grammar of an livemoe.engine.structured.StructuredOutput (cached by the spec): AsyncLLM
+        """The compiled grammar of a livemoe.engine.structured.StructuredOutput (cached by the spec): AsyncLLM
         calls it in a worker thread before a request reaches the engine loop, which then only looks it up.
         A bad spec raises RequestError naming `field`."""
         return self._grammars().compile(spec, field)

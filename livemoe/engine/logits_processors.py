@@ -42,7 +42,7 @@ def validate(p: SamplingParams, fail) -> None:
         fail(f"min_tokens must be an integer in [0, max_tokens={p.max_tokens}], got {p.min_tokens!r}")
     if p.structured is not None:
         if not isinstance(p.structured, StructuredOutput):
-            fail(f"structured must be an livemoe.engine.structured.StructuredOutput, got {type(p.structured).__name__}")
+            fail(f"structured must be a livemoe.engine.structured.StructuredOutput, got {type(p.structured).__name__}")
         if p.ignore_eos:
             fail("structured output cannot be combined with ignore_eos: the grammar ends the text with EOS")
         if p.min_tokens:  # a grammar that completes earlier would leave no token allowed

@@ -2,7 +2,7 @@
 
 State-dict keys are the hub's (model.layers.{i}.self_attn.q_proj.weight, ...), with MoE experts in
 transformers-v5's fused layout (mlp.experts.gate_up_proj / down_proj); livemoe.engine.loader maps the hub's
-per-expert layout onto it. Built with an livemoe.engine.parallel.TensorParallel, the module is one rank's shard of
+per-expert layout onto it. Built with a livemoe.engine.parallel.TensorParallel, the module is one rank's shard of
 the model (livemoe.engine.parallel.tensor_parallel): the same keys over smaller tensors, the same forward, whose
 collectives leave every rank with the same hidden states and full-vocab logits.
 """
