@@ -87,7 +87,7 @@ def timed_generate(llm, prompts, params, expect_lens):
 @pytest.mark.parametrize("model", list(MODELS))
 def test_decode_moe_cpu(benchmark, bench_mode, tmp_path_factory, one_thread, model):
     from livemoe.engine.llm import LLM
-    from livemoe.engine.sampling import SamplingParams
+    from livemoe.engine.sampling.params import SamplingParams
     from tiny_models import make_checkpoint
 
     path, hf = make_checkpoint(tmp_path_factory.mktemp("bench_decode") / "moe", moe=True, **MODELS[model])
@@ -159,10 +159,10 @@ def decode_floor_s(cfg, batch: int, context: int, bandwidth_Bps: float, dtype_by
 def test_decode_gpu(benchmark, bench_mode):
     from bench.ceilings import measure_ceilings
     from bench.roofline import decode_step, predict_s
-    from livemoe.engine.flops import resolve_config
+    from livemoe.engine.model.flops import resolve_config
     from livemoe.engine.llm import LLM
-    from livemoe.engine.loader import init_model
-    from livemoe.engine.sampling import SamplingParams
+    from livemoe.engine.model.loader import init_model
+    from livemoe.engine.sampling.params import SamplingParams
 
     ceil = measure_ceilings("cuda")
     cfg = resolve_config("qwen3-30b-a3b")

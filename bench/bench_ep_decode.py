@@ -2,7 +2,7 @@
 outputs when every rank holds every token (tensor-parallel attention leaves the hidden states replicated).
 
   ours      all-reduce: each rank runs its E/N experts on the pairs routed to them, one all-reduce of [T, H]
-            partial sums (livemoe.engine.parallel.tensor_parallel.ReplicatedExpertParallel, what the decoder uses);
+            partial sums (livemoe.engine.model.tensor_parallel.ReplicatedExpertParallel, what the decoder uses);
             two rows: the eager form (only this rank's pairs gathered) and the fixed-shape form a CUDA graph
             captures (every pair computed, those routed elsewhere with weight 0)
   baseline  all-to-all: each rank takes 1/N of the tokens through the training EP layer (ep_fused_moe: counts
@@ -27,8 +27,9 @@ def run_rank(size):
 
     import torch.distributed as dist
 
-    from livemoe.engine.parallel import ExpertParallel, TensorParallel, ep_fused_moe
-    from livemoe.engine.parallel.tensor_parallel import ReplicatedExpertParallel
+    from livemoe.engine.model.tensor_parallel import TensorParallel
+    from livemoe.train.parallel import ExpertParallel, ep_fused_moe
+    from livemoe.engine.model.tensor_parallel import ReplicatedExpertParallel
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     rank, n = dist.get_rank(), dist.get_world_size()

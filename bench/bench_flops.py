@@ -1,5 +1,5 @@
 """Decoding cost, the LiveThinking seed's measure: tokens per response (TPR) and decode FLOPs per
-response (2 x active parameters x tokens, livemoe.engine.flops), and the decode FLOP/s the engine achieves.
+response (2 x active parameters x tokens, livemoe.engine.model.flops), and the decode FLOP/s the engine achieves.
 
 - The seed's Table 3 rows for the three published configs: our accounting against the table's D. TFLOPs
   at the table's TPR (a check that the cost measure the trainers report is the seed's).
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from bench.common import record
-from livemoe.engine import flops
+from livemoe.engine.model import flops
 
 SUITE = "decode cost"
 # Table 3 (Tblive-E-Commerce QA): (TPR, D. TFLOPs)
@@ -31,7 +31,7 @@ def test_table3_decode_cost(name):
 
 def test_tpr_and_decode_flops_tiny_moe(benchmark, bench_mode, tmp_path_factory):
     from livemoe.engine.llm import LLM
-    from livemoe.engine.sampling import SamplingParams
+    from livemoe.engine.sampling.params import SamplingParams
     from tiny_models import make_checkpoint
 
     path, hf = make_checkpoint(tmp_path_factory.mktemp("bench_flops") / "moe", moe=True, seed=11)

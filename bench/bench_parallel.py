@@ -5,7 +5,7 @@ On GPUs (test_bench_parallel_gpu, run by bench/gpu_check.sh): the step time of a
 stack with expert parallel over every GPU (one NCCL rank each) against the same layers with FSDP alone, and
 one GPU's step; with a single GPU only that row is measured and the EP case is skipped, saying why.
 
-The collectives are timed by wrapping them (the all-to-all in livemoe.engine.parallel, FSDP2's
+The collectives are timed by wrapping them (the all-to-all in livemoe.train.parallel, FSDP2's
 torch.distributed.all_gather_single / reduce_scatter_single, each waited on at once: on the CPU gloo gives
 no overlap to lose). The global batch is the same for every world size, so a rank's share shrinks as ranks
 are added: the per-rank rate says what the collectives cost, not how far a cluster scales.
@@ -43,8 +43,8 @@ GPU_SIZES = {"quick": Size(256, 2, 16, 4, 128, 1024, 8, 128, 2, 8, 2, 32),
 
 
 def _model(size: Size):
-    from livemoe.engine.config import ModelConfig
-    from livemoe.engine.model import Qwen3ForCausalLM
+    from livemoe.engine.model.config import ModelConfig
+    from livemoe.engine.model.qwen3 import Qwen3ForCausalLM
 
     cfg = ModelConfig.from_dict(dict(model_type="qwen3_moe", vocab_size=size.vocab, hidden_size=size.hidden,
                                      num_hidden_layers=size.layers, num_attention_heads=size.heads,
@@ -85,9 +85,9 @@ def run_steps(size: Size, expert_parallels, world_size: int, device_type: str = 
     no shares (a collective returns once queued on the GPU: timing its call says nothing), so they are 0."""
     import torch.distributed as dist
 
-    from livemoe.engine.parallel import init_distributed
+    from livemoe.train.parallel import init_distributed
 
-    a2a_module = importlib.import_module("livemoe.engine.parallel.all_to_all")  # the module (the package exports the function)
+    a2a_module = importlib.import_module("livemoe.train.parallel.all_to_all")  # the module (the package exports the function)
 
     world = init_distributed(timeout_s=300, backend="gloo" if device_type == "cpu" else None)
     assert world.device.type == device_type, (world.device, device_type)
@@ -112,8 +112,8 @@ def _time_degree(size: Size, ep: int, world_size, world, timers) -> tuple:
     import torch.nn.functional as F
 
     from bench.common import sync
-    from livemoe.engine.parallel import ParallelDims, ParallelMesh, clip_grad_norm_, parallelize
-    from livemoe.engine.parallel.mesh import build_mesh
+    from livemoe.train.parallel import ParallelDims, ParallelMesh, clip_grad_norm_, parallelize
+    from livemoe.train.parallel.mesh import build_mesh
 
     rank, device = world.rank, world.device
     # the GPU computes in bf16: FSDP keeps fp32 parameters and casts (param_dtype); one GPU holds bf16 ones

@@ -14,9 +14,9 @@ from tiny_tokenizer import make_text_checkpoint
 from bench.common import record
 from livemoe.engine.async_llm import AsyncLLM
 from livemoe.engine.core.weight_sync import WeightSender
-from livemoe.engine.loader import load_model
+from livemoe.engine.model.loader import load_model
 from livemoe.engine.net import free_port
-from livemoe.engine.sampling import SamplingParams
+from livemoe.engine.sampling.params import SamplingParams
 
 SIZES = {"quick": [dict(hidden_size=64)], "full": [dict(hidden_size=64), dict(hidden_size=256, num_hidden_layers=6)]}
 THROUGHPUT = {"quick": (16, 8), "full": (64, 32)}  # (requests, max_tokens)

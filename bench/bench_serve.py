@@ -49,7 +49,7 @@ openai = pytest.importorskip("openai", reason="needs openai (the streaming clien
 
 from bench.common import record  # noqa: E402
 from livemoe.engine.async_llm import AsyncLLM  # noqa: E402
-from livemoe.engine.sampling import SamplingParams  # noqa: E402
+from livemoe.engine.sampling.params import SamplingParams  # noqa: E402
 from livemoe.engine.server import ServerProcess  # noqa: E402
 from tiny_tokenizer import make_text_checkpoint  # noqa: E402
 

@@ -19,9 +19,9 @@ pytest.importorskip("xgrammar", reason="needs xgrammar (a runtime dependency: pi
 
 from bench.common import record  # noqa: E402
 from livemoe.engine.llm import LLM  # noqa: E402
-from livemoe.engine.sampler import Sampler  # noqa: E402
-from livemoe.engine.sampling import SamplingParams  # noqa: E402
-from livemoe.engine.structured import GrammarCompiler, StructuredOutput  # noqa: E402
+from livemoe.engine.sampling.sampler import Sampler  # noqa: E402
+from livemoe.engine.sampling.params import SamplingParams  # noqa: E402
+from livemoe.engine.sampling.structured import GrammarCompiler, StructuredOutput  # noqa: E402
 
 SUITE = "structured"
 pytestmark = pytest.mark.usefixtures("one_thread")

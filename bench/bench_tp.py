@@ -1,4 +1,4 @@
-"""Tensor / expert-parallel decode (livemoe/engine/parallel/workers.py): what the ranks cost.
+"""Tensor / expert-parallel decode (livemoe/engine/decoder/workers.py): what the ranks cost.
 
 CPU (gloo): decode throughput of `LLM(tensor_parallel_size=2)` against one process on the same MoE
 checkpoint, in the same run (kind "overhead": the 2-core CPU shows the cost of the worker process and
@@ -37,7 +37,7 @@ def _throughput(llm, prompts, params, reps: int = 3) -> float:
 def test_tp_decode_cpu(benchmark, bench_mode, tmp_path_factory, one_thread):
     from bench.bench_decode import MODELS, random_prompts
     from livemoe.engine.llm import LLM
-    from livemoe.engine.sampling import SamplingParams
+    from livemoe.engine.sampling.params import SamplingParams
     from tiny_models import make_checkpoint
 
     name = "small MoE" if bench_mode == "full" else "tiny MoE"
@@ -66,7 +66,7 @@ def plan_transport_us(batch: int, steps: int = 2000) -> float:
 
     import zmq
 
-    from livemoe.engine.step_plan import StepPlan
+    from livemoe.engine.decoder.step_plan import StepPlan
 
     width = 64  # block-table columns: 1k tokens of context at block size 16
     plan = StepPlan(longs=array.array("q", range(3 * batch)), ints=array.array("i", range(batch * (2 + width) + 1)),
@@ -98,8 +98,8 @@ GPU_LAYOUTS = [(1, False), (2, False), (4, False), (2, True), (4, True)]
 
 @pytest.fixture(scope="module")
 def gpu_checkpoint(tmp_path_factory):
-    from livemoe.engine.flops import resolve_config
-    from livemoe.engine.loader import init_model, save_model
+    from livemoe.engine.model.flops import resolve_config
+    from livemoe.engine.model.loader import init_model, save_model
 
     cfg = resolve_config("qwen3-30b-a3b")
     cfg.num_hidden_layers = NUM_LAYERS
@@ -141,7 +141,7 @@ class _CollectiveTimer:
 
 def _ms_per_step(llm, prompts, new: int) -> float:
     """Decode time per step: (generate N tokens - generate 1) / (N - 1), prefill excluded."""
-    from livemoe.engine.sampling import SamplingParams
+    from livemoe.engine.sampling.params import SamplingParams
 
     def run(n):
         torch.cuda.synchronize()

@@ -135,7 +135,7 @@ def paged_prefill(seqs: int, prefix: int, chunk: int, hq: int, hkv: int, d: int,
 def decode_step(cfg, batch: int, context: int, elt: int = 2) -> Cost:
     """One decode step of a model (engine ModelConfig): the shared weights, the experts its tokens touch and
     their KV once; FLOPs of every matmul a token runs and of its attention over the context."""
-    from livemoe.engine.flops import attention_flops_per_token, param_counts
+    from livemoe.engine.model.flops import attention_flops_per_token, param_counts
 
     c = param_counts(cfg)
     weights = c["active_matmul"] - c["active_experts"]

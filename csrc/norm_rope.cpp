@@ -66,7 +66,7 @@ at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double ep
 }
 
 // One head row: RMSNorm, then out = x * cos + rotate_half(x) * signed_sin, where signed_sin has its first half
-// negated (livemoe.engine.layers.RotaryEmbedding), so rotate_half(x)[i] * sin[i] == x[(i + d/2) % d] * signed_sin[i].
+// negated (livemoe.engine.model.layers.RotaryEmbedding), so rotate_half(x)[i] * sin[i] == x[(i + d/2) % d] * signed_sin[i].
 template <typename scalar_t>
 inline void norm_rope_row(const scalar_t* x, const scalar_t* weight, const scalar_t* cos, const scalar_t* sin,
                           int64_t d, float eps, scalar_t* normed, scalar_t* out) {

@@ -16,19 +16,19 @@ import importlib
 _EXPORTS = {
     "LLM": "livemoe.engine.llm",
     "AsyncLLM": "livemoe.engine.async_llm",
-    "SamplingParams": "livemoe.engine.sampling",
-    "RequestError": "livemoe.engine.sampling",
-    "StructuredOutput": "livemoe.engine.structured",
+    "SamplingParams": "livemoe.engine.sampling.params",
+    "RequestError": "livemoe.engine.errors",
+    "StructuredOutput": "livemoe.engine.sampling.structured",
     "LiveSession": "livemoe.engine.live",
-    "EngineConfig": "livemoe.engine.engine_config",
+    "EngineConfig": "livemoe.engine.decoder.config",
     "CompletionOutput": "livemoe.engine.outputs",
     "RequestOutput": "livemoe.engine.outputs",
     "CheckpointError": "livemoe.engine.errors",
     "RequestFailedError": "livemoe.engine.errors",
-    "load_model": "livemoe.engine.loader",
-    "save_model": "livemoe.engine.loader",
-    "load_tokenizer": "livemoe.engine.loader",
-    "load_config": "livemoe.engine.config",
+    "load_model": "livemoe.engine.model.loader",
+    "save_model": "livemoe.engine.model.loader",
+    "load_tokenizer": "livemoe.engine.model.loader",
+    "load_config": "livemoe.engine.model.config",
 }
 
 __all__ = list(_EXPORTS)

@@ -24,7 +24,7 @@ files = importlib.metadata.distribution("livemoe").files
 tops = {f.parts[0] for f in files if not f.parts[0].endswith((".dist-info", ".egg-info", ".pth")) and
         f.parts[0] not in ("..", "__pycache__")}
 assert tops == {"livemoe"}, f"pip install wrote top-level names other than livemoe: {sorted(tops)}"
-for data in ("livemoe/train/assets/student/model.safetensors", "livemoe/engine/presets/qwen3-30b-a3b.json"):
+for data in ("livemoe/train/assets/student/model.safetensors", "livemoe/engine/model/presets/qwen3-30b-a3b.json"):
     assert any(str(f) == data for f in files), f"{data} is not installed"
 assert not any(str(f).startswith("livemoe/train/results/") for f in files), "the committed results were installed"
 

@@ -117,7 +117,7 @@ def assert_stopped_on_nonfinite(code: int, err: str, out) -> None:
     exit 2 with one line on stderr, no final export, the skipped step logged with its NaN as null and the
     second in a row stopping the run before its row, and one checkpoint: the last good one, with finite weights
     (the loader refuses NaN/Inf)."""
-    from livemoe.engine.loader import load_model
+    from livemoe.engine.model.loader import load_model
     from livemoe.train.checkpoint import resolve_resume
 
     assert code == 2 and "Traceback" not in err

@@ -7,9 +7,11 @@ import asyncio
 import pytest
 import torch
 
-from livemoe.engine.async_llm import AsyncLLM, EngineError
+from livemoe.engine.async_llm import AsyncLLM
+from livemoe.engine.errors import EngineError
 from livemoe.engine.llm import LLM
-from livemoe.engine.sampling import RequestError, SamplingParams
+from livemoe.engine.sampling.params import SamplingParams
+from livemoe.engine.errors import RequestError
 from fixtures import collect_deltas as collect, wait_idle
 from tiny_tokenizer import make_text_checkpoint
 

@@ -1,9 +1,9 @@
 """BlockManager bookkeeping: ref counts, prefix-cache hits with token checks, LRU reuse of freed blocks."""
 import pytest
 
-from livemoe.engine.block_manager import BlockManager
-from livemoe.engine.sampling import SamplingParams
-from livemoe.engine.sequence import Sequence
+from livemoe.engine.decoder.block_manager import BlockManager
+from livemoe.engine.sampling.params import SamplingParams
+from livemoe.engine.decoder.sequence import Sequence
 
 BS = 4
 

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from livemoe.engine.detokenizer import IncrementalDetokenizer
+from livemoe.engine.text.detokenizer import IncrementalDetokenizer
 from tiny_tokenizer import byte_token_ids, train_tokenizer
 
 TEXTS = ["你好，世界！今天的天气很好。", "Emoji 🙂🚀🎉 and café, naïve 😀👍", "ライブ配信のアシスタントです。",

@@ -12,9 +12,11 @@ import time
 import pytest
 import torch
 
-from livemoe.engine.async_llm import AsyncLLM, EngineDeadError
+from livemoe.engine.async_llm import AsyncLLM
+from livemoe.engine.errors import EngineDeadError
 from livemoe.engine.llm import LLM
-from livemoe.engine.sampling import RequestError, SamplingParams
+from livemoe.engine.sampling.params import SamplingParams
+from livemoe.engine.errors import RequestError
 from fixtures import collect_deltas as collect, gone, http_json, require_server_extras, wait_idle
 from tiny_tokenizer import make_text_checkpoint
 

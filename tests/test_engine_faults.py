@@ -9,10 +9,11 @@ import sys
 import pytest
 import torch
 
-from livemoe.engine.engine_config import EngineConfigError
+from livemoe.engine.errors import EngineConfigError
 from livemoe.engine.llm import LLM, RequestFailedError
-from livemoe.engine.prompts import chat_prompt_ids
-from livemoe.engine.sampling import RequestError, SamplingParams
+from livemoe.engine.text.prompts import chat_prompt_ids
+from livemoe.engine.sampling.params import SamplingParams
+from livemoe.engine.errors import RequestError
 from fixtures import POISON_SEED, poisoned_sampler
 from tiny_tokenizer import make_text_checkpoint
 

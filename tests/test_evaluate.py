@@ -3,7 +3,7 @@ reproducible, `samples` responses per prompt are all judged, greedy refuses seve
 import pytest
 import torch
 
-from livemoe.engine.loader import load_model, load_tokenizer
+from livemoe.engine.model.loader import load_model, load_tokenizer
 from test_rollout import make_student
 from livemoe.train.config import ConfigError, RFTConfig, parse_config
 from livemoe.train.evaluate import evaluate

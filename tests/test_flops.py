@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from livemoe.engine import flops
-from livemoe.engine.flops.__main__ import main
+from livemoe.engine.model import flops
+from livemoe.engine.model.flops.__main__ import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -62,9 +62,9 @@ def test_cli_without_prompt_has_no_prefill_and_unknown_preset_lists_the_presets(
 
 
 def test_python_m_engine_flops_runs_without_a_warning():
-    # `import livemoe.engine` imports livemoe.engine.flops; running it as __main__ used to make runpy warn on every run
+    # `import livemoe.engine` imports livemoe.engine.model.flops; running it as __main__ used to make runpy warn on every run
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "PYTHONWARNINGS": "default"}
-    res = subprocess.run([sys.executable, "-m", "livemoe.engine.flops", "qwen3-30b-a3b", "--prompt", "8"], cwd=ROOT, env=env,
+    res = subprocess.run([sys.executable, "-m", "livemoe.engine.model.flops", "qwen3-30b-a3b", "--prompt", "8"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stderr == ""

@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from livemoe.engine.loader import load_model
+from livemoe.engine.model.loader import load_model
 from fixtures import assert_stopped_on_nonfinite
 from test_rollout import make_student
 from livemoe.train.config import ConfigError, parse_config

@@ -2,9 +2,9 @@
 tail included), taken back by the holder's next request, capped by a budget, released by unpin."""
 from itertools import count
 
-from livemoe.engine.block_manager import BlockManager
-from livemoe.engine.sampling import SamplingParams
-from livemoe.engine.sequence import Sequence
+from livemoe.engine.decoder.block_manager import BlockManager
+from livemoe.engine.sampling.params import SamplingParams
+from livemoe.engine.decoder.sequence import Sequence
 
 BS = 4
 IDS = count()

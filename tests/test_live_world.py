@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from livemoe.engine.live.decision import (Decision, DecisionFormatError, decision_regex, format_decision,
-                                  max_decision_chars, parse_decision)
+from livemoe.engine.live.decision import Decision, decision_regex, format_decision, max_decision_chars, parse_decision
+from livemoe.engine.errors import DecisionFormatError
 from livemoe.train.data import DataError
 from livemoe.train.live.data import encode_session, load_sessions, save_sessions
 from livemoe.train.live.judge import accuracy, false_claims, room_states, score_interval, score_session

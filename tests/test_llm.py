@@ -6,10 +6,11 @@ import os
 import pytest
 import torch
 
-from livemoe.engine.engine_config import EngineConfigError
+from livemoe.engine.errors import EngineConfigError
 from livemoe.engine.llm import LLM
-from livemoe.engine.loader import load_model
-from livemoe.engine.sampling import RequestError, SamplingParams
+from livemoe.engine.model.loader import load_model
+from livemoe.engine.sampling.params import SamplingParams
+from livemoe.engine.errors import RequestError
 from tiny_models import make_checkpoint
 
 NEW = 24

@@ -168,7 +168,7 @@ def test_bad_dtype_is_rejected(moe_ckpt):
 
 
 def test_init_model_is_random_and_runs():
-    cfg = engine.load_config(os.path.join(os.path.dirname(engine.__file__), "presets", "qwen3-30b-a3b.json"))
+    cfg = engine.load_config(os.path.join(os.path.dirname(engine.__file__), "model", "presets", "qwen3-30b-a3b.json"))
     small = engine.ModelConfig.from_dict({**cfg.raw, "num_hidden_layers": 1, "hidden_size": 64, "num_experts": 8,
                                           "moe_intermediate_size": 16, "vocab_size": 100, "head_dim": 16})
     model = engine.init_model(small, device="cpu")

@@ -3,7 +3,7 @@ import pytest
 import torch
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
-from livemoe.engine.moe_loss import load_balancing_loss
+from livemoe.engine.model.moe_loss import load_balancing_loss
 
 
 @pytest.mark.parametrize("E,k", [(8, 2), (7, 1), (5, 5)])

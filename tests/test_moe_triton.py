@@ -176,7 +176,7 @@ def test_model_with_triton_kernel_matches_transformers(tmp_path, monkeypatch):
     import functools
 
     from livemoe import engine
-    from livemoe.engine import layers
+    from livemoe.engine.model import layers
     from tiny_models import make_checkpoint
 
     calls = []

@@ -9,7 +9,7 @@ rtol 1e-2 (bf16's ulp is 2^-7) and atol at the outputs' scale.
 import pytest
 import torch
 
-from livemoe.engine.layers import RotaryEmbedding
+from livemoe.engine.model.layers import RotaryEmbedding
 from livemoe.kernels import _ext
 from livemoe.kernels.norm import qk_norm_rope, rms_norm, rms_norm_reference, rotate_half_reference
 

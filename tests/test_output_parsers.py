@@ -4,8 +4,8 @@ import itertools
 
 import pytest
 
-from livemoe.engine.reasoning import ReasoningParser, split_reasoning
-from livemoe.engine.tool_parser import ToolCallParser, parse_tool_calls
+from livemoe.engine.text.reasoning import ReasoningParser, split_reasoning
+from livemoe.engine.text.tool_parser import ToolCallParser, parse_tool_calls
 
 CALL = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
 REASONING_CASES = {

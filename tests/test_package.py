@@ -59,14 +59,14 @@ def test_pip_installs_one_top_level_name_and_the_data_the_defaults_read():
     assert {p.split(".")[0] for p in packages} == {"livemoe"}
     assert project["project"]["scripts"] == {"livemoe": "livemoe.cli:main"}
     # what the installed defaults read: the student of `livemoe rft` and the FLOPs presets
-    from livemoe.engine.flops import PRESET_DIR
+    from livemoe.engine.model.flops import PRESET_DIR
     from livemoe.train.config import DEFAULT_STUDENT
 
     data = setuptools["package-data"]
     assert os.path.isfile(os.path.join(DEFAULT_STUDENT, "model.safetensors"))
     assert DEFAULT_STUDENT == os.path.join(ROOT, "livemoe", "train", "assets", "student")
     assert "assets/student/*" in data["livemoe.train"]
-    assert PRESET_DIR == os.path.join(ROOT, "livemoe", "engine", "presets") and "presets/*.json" in data["livemoe.engine"]
+    assert PRESET_DIR == os.path.join(ROOT, "livemoe", "engine", "model", "presets") and "presets/*.json" in data["livemoe.engine.model"]
     with open(os.path.join(ROOT, "setup.py")) as f:
         assert '"livemoe._C"' in f.read()
 
@@ -112,8 +112,8 @@ def test_the_public_api_from_the_top_is_the_engines_own_and_costs_no_torch_impor
     from livemoe import (LLM, AsyncLLM, LiveSession, SamplingParams, StructuredOutput, load_model, load_tokenizer,
                          save_model)
     from livemoe.engine import LLM as engine_llm
-    from livemoe.engine import loader
-    from livemoe.engine.structured import StructuredOutput as structured
+    from livemoe.engine.model import loader
+    from livemoe.engine.sampling.structured import StructuredOutput as structured
 
     assert LLM is engine_llm and StructuredOutput is structured and load_model is loader.load_model
     assert {AsyncLLM, LiveSession, SamplingParams, load_tokenizer, save_model} <= set(

@@ -96,8 +96,8 @@ def test_two_rank_save_loads_into_one_process(tmp_path):
             assert torch.equal(loaded[name][i], torch.cat(shards)), name
         assert loaded[name][1].abs().sum() > 0, name  # a state that training wrote, not a fresh zero
 
-    from livemoe.engine.config import ModelConfig
-    from livemoe.engine.model import Qwen3ForCausalLM
+    from livemoe.engine.model.config import ModelConfig
+    from livemoe.engine.model.qwen3 import Qwen3ForCausalLM
     from test_parallel_fsdp import CFG
 
     other = Qwen3ForCausalLM(ModelConfig.from_dict({**CFG, "hidden_size": 48}))

@@ -1,4 +1,4 @@
-"""The expert-parallel MoE layer (livemoe.engine.parallel.ep_fused_moe) on 2 and 4 gloo ranks against fused_moe on one
+"""The expert-parallel MoE layer (livemoe.train.parallel.ep_fused_moe) on 2 and 4 gloo ranks against fused_moe on one
 device: the output and the four gradients (tokens, router weight, w_gate_up, w_down), including experts and
 whole ranks that receive no tokens and a rank with no tokens of its own; and the mesh's bad-input errors.
 
@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 from spawn_ranks import spawn_ranks
 
-from livemoe.engine.parallel import ExpertParallel, ParallelDims, ep_fused_moe, init_distributed
-from livemoe.engine.parallel.mesh import build_mesh
+from livemoe.train.parallel import ExpertParallel, ParallelDims, ep_fused_moe, init_distributed
+from livemoe.train.parallel.mesh import build_mesh
 from livemoe.kernels.moe import fused_moe
 
 H, I, TOP_K = 16, 8, 2

@@ -13,10 +13,10 @@ import torch.nn.functional as F
 
 from spawn_ranks import spawn_ranks
 
-from livemoe.engine.config import ModelConfig
-from livemoe.engine.model import Qwen3ForCausalLM
-from livemoe.engine.parallel import ParallelDims, ParallelMesh, clip_grad_norm_, init_distributed, parallelize
-from livemoe.engine.parallel.mesh import build_mesh
+from livemoe.engine.model.config import ModelConfig
+from livemoe.engine.model.qwen3 import Qwen3ForCausalLM
+from livemoe.train.parallel import ParallelDims, ParallelMesh, clip_grad_norm_, init_distributed, parallelize
+from livemoe.train.parallel.mesh import build_mesh
 from livemoe.train.plan import PlanConfig, plan
 
 CFG = dict(model_type="qwen3_moe", vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,

@@ -7,7 +7,7 @@ import torch
 
 from spawn_ranks import spawn_ranks
 
-from livemoe.engine.moe_loss import load_balancing_loss
+from livemoe.engine.model.moe_loss import load_balancing_loss
 from test_parallel_fsdp import build_model
 
 E, K = 4, 2

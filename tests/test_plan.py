@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from livemoe.engine.config import ModelConfig
-from livemoe.engine.flops import resolve_config
-from livemoe.engine.model import Qwen3ForCausalLM
+from livemoe.engine.model.config import ModelConfig
+from livemoe.engine.model.flops import resolve_config
+from livemoe.engine.model.qwen3 import Qwen3ForCausalLM
 from tiny_models import BASE, MOE
 from livemoe.train.plan import PlanConfig, main, plan
 

@@ -1,10 +1,10 @@
-"""livemoe.engine.prompts.encode_text and the IncrementalDetokenizer's decode: the fast paths through the tokenizer's
+"""livemoe.engine.text.prompts.encode_text and the IncrementalDetokenizer's decode: the fast paths through the tokenizer's
 Rust backend give exactly what transformers' encode and decode give."""
 import pytest
 
-from livemoe.engine.detokenizer import IncrementalDetokenizer
-from livemoe.engine.prompts import encode_text
-from livemoe.engine.sampling import RequestError
+from livemoe.engine.text.detokenizer import IncrementalDetokenizer
+from livemoe.engine.text.prompts import encode_text
+from livemoe.engine.errors import RequestError
 from tiny_tokenizer import train_tokenizer
 
 TEXTS = ["", "hello world", "  leading and trailing  ", "直播 🙂 é\n\ttabs", "<|im_start|>user hi<|im_end|>",

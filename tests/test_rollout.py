@@ -5,7 +5,7 @@ computed once."""
 import pytest
 import torch
 
-from livemoe.engine.loader import load_model, load_tokenizer
+from livemoe.engine.model.loader import load_model, load_tokenizer
 from livemoe.kernels.logprobs import fused_linear_logprobs
 from tiny_models import make_checkpoint
 from livemoe.train.rollout import Completion, Rollouts, collate, reference_lengths

@@ -30,8 +30,8 @@ from livemoe.engine.async_llm import AsyncLLM  # noqa: E402
 from livemoe.engine.core.router import Router  # noqa: E402
 from livemoe.engine.core.weight_sync import join_servers, push_weights_to_servers  # noqa: E402
 from livemoe.engine.llm import LLM  # noqa: E402
-from livemoe.engine.loader import load_model  # noqa: E402
-from livemoe.engine.sampling import SamplingParams  # noqa: E402
+from livemoe.engine.model.loader import load_model  # noqa: E402
+from livemoe.engine.sampling.params import SamplingParams  # noqa: E402
 from livemoe.engine.server import BackgroundServer  # noqa: E402
 
 MODEL = "tiny"

@@ -65,7 +65,7 @@ def test_cost_time_is_the_slower_of_bytes_and_flops():
 
 
 def test_decode_step_at_batch_one_reads_the_active_weights_and_kv():
-    from livemoe.engine.flops import param_counts, resolve_config
+    from livemoe.engine.model.flops import param_counts, resolve_config
 
     cfg = resolve_config("qwen3-30b-a3b")
     c = param_counts(cfg)

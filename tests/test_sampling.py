@@ -5,8 +5,9 @@ import math
 import pytest
 import torch
 
-from livemoe.engine.sampler import Sampler, filter_logits
-from livemoe.engine.sampling import RequestError, SamplingParams
+from livemoe.engine.sampling.sampler import Sampler, filter_logits
+from livemoe.engine.sampling.params import SamplingParams
+from livemoe.engine.errors import RequestError
 
 # probabilities 0.4, 0.3, 0.2, 0.1 at shuffled token ids (margins far from float rounding)
 PROBS = {7: 0.4, 2: 0.3, 5: 0.2, 0: 0.1}

@@ -1,8 +1,8 @@
 """Scheduler: token budget, chunked prefill mixed with decodes, max_num_seqs, preemption by recompute."""
-from livemoe.engine.block_manager import BlockManager
-from livemoe.engine.sampling import SamplingParams
-from livemoe.engine.scheduler import Scheduler
-from livemoe.engine.sequence import Sequence, SequenceStatus
+from livemoe.engine.decoder.block_manager import BlockManager
+from livemoe.engine.sampling.params import SamplingParams
+from livemoe.engine.decoder.scheduler import Scheduler
+from livemoe.engine.decoder.sequence import Sequence, SequenceStatus
 
 BS = 4
 

@@ -1,4 +1,4 @@
-"""The decoder's per-step state is explicit (livemoe.engine.context.StepContext, passed down the forward by the model
+"""The decoder's per-step state is explicit (livemoe.engine.model.context.StepContext, passed down the forward by the model
 runner): one module serves a trainer and several engines at once, a forward on another thread during a step
 takes the plain path, and no module attribute holds a KV cache."""
 import threading
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from livemoe.engine.llm import LLM
-from livemoe.engine.loader import load_model
-from livemoe.engine.sampling import SamplingParams
+from livemoe.engine.model.loader import load_model
+from livemoe.engine.sampling.params import SamplingParams
 from tiny_models import make_checkpoint
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

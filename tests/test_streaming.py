@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from livemoe.engine.llm import LLM
-from livemoe.engine.sampling import RequestError, SamplingParams
-from livemoe.engine.streaming import merge_deltas, stream
+from livemoe.engine.sampling.params import SamplingParams
+from livemoe.engine.errors import RequestError
+from livemoe.engine.text.streaming import merge_deltas, stream
 from tiny_tokenizer import make_cycle_checkpoint, make_text_checkpoint
 
 CYCLE_TEXT = "aé你b🙂界"

@@ -13,9 +13,10 @@ jsonschema = pytest.importorskip("jsonschema", reason="needs jsonschema (pip ins
 pytest.importorskip("xgrammar", reason="needs xgrammar (a runtime dependency: pip install -e .)")
 
 from livemoe.engine.llm import LLM  # noqa: E402
-from livemoe.engine.sampler import Sampler  # noqa: E402
-from livemoe.engine.sampling import RequestError, SamplingParams  # noqa: E402
-from livemoe.engine.structured import StructuredOutput, tool_call_schema  # noqa: E402
+from livemoe.engine.sampling.sampler import Sampler  # noqa: E402
+from livemoe.engine.sampling.params import SamplingParams  # noqa: E402
+from livemoe.engine.errors import RequestError  # noqa: E402
+from livemoe.engine.sampling.structured import StructuredOutput, tool_call_schema  # noqa: E402
 from tiny_tokenizer import byte_token_ids, make_text_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -257,7 +258,7 @@ def think_checkpoint(path):
 
 
 def test_grammar_applies_after_the_think_block(tmp_path):
-    from livemoe.engine.reasoning import split_reasoning, think_token_ids
+    from livemoe.engine.text.reasoning import split_reasoning, think_token_ids
 
     path, tok = think_checkpoint(tmp_path / "think")
     llm = LLM(path, dtype=torch.float32, device="cpu", block_size=16, num_kv_blocks=128, use_tqdm=False)

@@ -1,4 +1,4 @@
-"""Tensor- and expert-parallel shard models (livemoe.engine.parallel.tensor_parallel, livemoe.engine.loader with tp) on 2 and 4
+"""Tensor- and expert-parallel shard models (livemoe.engine.model.tensor_parallel, livemoe.engine.model.loader with tp) on 2 and 4
 gloo ranks against the single-process model: the logits of the plain causal forward, greedy tokens through
 LLM.from_model on every rank (SPMD: the same requests, a deterministic scheduler and full logits on every rank
 give every rank the same tokens) against transformers' generate with prefix caching and preemption, each rank's
@@ -17,13 +17,13 @@ import torch
 
 from spawn_ranks import spawn_ranks
 
-from livemoe.engine.config import load_config
-from livemoe.engine.layers import SparseMoeBlock
+from livemoe.engine.model.config import load_config
+from livemoe.engine.model.layers import SparseMoeBlock
 from livemoe.engine.llm import LLM
-from livemoe.engine.loader import load_model
-from livemoe.engine.parallel import TensorParallel, check_tensor_parallel
-from livemoe.engine.parallel.tensor_parallel import ReplicatedExpertParallel
-from livemoe.engine.sampling import SamplingParams
+from livemoe.engine.model.loader import load_model
+from livemoe.engine.model.tensor_parallel import TensorParallel, check_tensor_parallel
+from livemoe.engine.model.tensor_parallel import ReplicatedExpertParallel
+from livemoe.engine.sampling.params import SamplingParams
 from tiny_models import make_checkpoint
 
 NEW = 12
@@ -138,7 +138,7 @@ def run_rank(cases: dict, paths: dict) -> dict:
     """On one gloo rank: each case's shard model -> its logits, greedy outputs, parameter count, bytes read."""
     import torch.distributed as dist
 
-    from livemoe.engine import loader
+    from livemoe.engine.model import loader
 
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
@@ -236,7 +236,7 @@ def test_four_ranks_equal_one_process(tmp_path):
     ({}, 0, False, "tensor_parallel_size must be a positive integer, got 0"),
 ])
 def test_check_tensor_parallel_names_the_values(overrides, size, ep, message):
-    from livemoe.engine.config import ModelConfig
+    from livemoe.engine.model.config import ModelConfig
     from tiny_models import BASE, MOE
 
     raw = {**BASE, **MOE, "model_type": "qwen3_moe", **overrides}
@@ -248,7 +248,7 @@ def test_check_tensor_parallel_names_the_values(overrides, size, ep, message):
 
 
 def test_a_shard_model_is_not_saved(tmp_path):
-    from livemoe.engine.loader import empty_model, save_model
+    from livemoe.engine.model.loader import empty_model, save_model
 
     path, _ = make_checkpoint(tmp_path / "m", moe=True)
     shard = empty_model(load_config(path), torch.float32, torch.device("cpu"), TensorParallel(1, 2, None, True))
@@ -258,7 +258,7 @@ def test_a_shard_model_is_not_saved(tmp_path):
 
 
 def test_expert_parallel_refused_for_a_dense_model():
-    from livemoe.engine.config import ModelConfig
+    from livemoe.engine.model.config import ModelConfig
     from tiny_models import BASE
 
     with pytest.raises(ValueError, match="enable_expert_parallel needs an MoE model"):

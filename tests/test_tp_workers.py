@@ -1,4 +1,4 @@
-"""Tensor / expert-parallel decode over N processes (livemoe/engine/parallel/workers.py), on the CPU with gloo:
+"""Tensor / expert-parallel decode over N processes (livemoe/engine/decoder/workers.py), on the CPU with gloo:
 TP 2 gives transformers' greedy tokens and the single-process engine's logprobs (prefix caching and
 preemption on), through LLM, AsyncLLM (thread and process engine core) and the OpenAI server; the KV
 cache's release and sleep reach the workers; what TP cannot do is refused by name; bad sizes fail before
@@ -14,12 +14,13 @@ import time
 import pytest
 import torch
 
-from livemoe.engine.async_llm import AsyncLLM, EngineDeadError
-from livemoe.engine.engine_config import EngineConfigError
+from livemoe.engine.async_llm import AsyncLLM
+from livemoe.engine.errors import EngineDeadError
+from livemoe.engine.errors import EngineConfigError
 from livemoe.engine.errors import WorkerError
 from livemoe.engine.llm import LLM
-from livemoe.engine.parallel.workers import FAULT_ENV
-from livemoe.engine.sampling import SamplingParams
+from livemoe.engine.decoder.workers import FAULT_ENV
+from livemoe.engine.sampling.params import SamplingParams
 from fixtures import collect_deltas
 from tiny_models import hf_model
 from tiny_tokenizer import make_text_checkpoint
@@ -211,7 +212,7 @@ def test_bad_sizes_fail_before_any_process_starts(checkpoints, options, message)
 
 def test_from_model_and_data_parallel_refused(checkpoints):
     path, hf = checkpoints["moe"]
-    from livemoe.engine.loader import load_model
+    from livemoe.engine.model.loader import load_model
 
     with pytest.raises(EngineConfigError, match="tensor_parallel_size=2 needs LLM\\(model_path"):
         LLM.from_model(load_model(path, dtype=torch.float32, device="cpu"), tensor_parallel_size=2)
@@ -304,7 +305,7 @@ def test_openai_server_with_tensor_parallel_and_sigterm(checkpoints):
     openai = pytest.importorskip("openai")
     import urllib.request
 
-    from livemoe.engine.loader import load_tokenizer
+    from livemoe.engine.model.loader import load_tokenizer
     from livemoe.engine.server import ServerProcess
 
     path, hf = checkpoints["moe"]
@@ -343,8 +344,8 @@ def test_serving_memory_per_gpu_and_the_readme_figures(capsys):
     (one KV head per rank when fewer KV heads than ranks); the README quotes the CLI's figures."""
     import math
 
-    from livemoe.engine.flops import resolve_config
-    from livemoe.engine.parallel.memory import main, param_shapes, rank_numel, serving_memory
+    from livemoe.engine.model.flops import resolve_config
+    from livemoe.engine.model.memory import main, param_shapes, rank_numel, serving_memory
 
     cfg = resolve_config("qwen3-235b-a22b")
     shapes = param_shapes(cfg)

@@ -7,8 +7,8 @@ import torch
 
 from livemoe.engine.errors import CheckpointError
 from livemoe.engine.llm import LLM
-from livemoe.engine.loader import hub_state_dict, load_model
-from livemoe.engine.sampling import SamplingParams
+from livemoe.engine.model.loader import hub_state_dict, load_model
+from livemoe.engine.sampling.params import SamplingParams
 from tiny_tokenizer import make_text_checkpoint
 
 OPTIONS = dict(dtype=torch.float32, device="cpu", block_size=4, num_kv_blocks=256, use_tqdm=False)
@@ -99,7 +99,8 @@ def test_async_llm_in_a_thread_finishes_in_flight_on_old_weights(ckpts):
     A's tokens (in_flight="finish"), the next gets B's; sleep refuses requests until wake_up."""
     import asyncio
 
-    from livemoe.engine.async_llm import AsyncLLM, EngineSleepingError
+    from livemoe.engine.async_llm import AsyncLLM
+    from livemoe.engine.errors import EngineSleepingError
 
     a, b, _, answers = ckpts
     engine = AsyncLLM(a, **OPTIONS)

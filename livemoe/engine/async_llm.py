@@ -32,27 +32,15 @@ import threading
 from collections import deque
 from itertools import count
 
-from livemoe.engine.errors import WorkerError
+from livemoe.engine.core.delivery import deliver, settle
+from livemoe.engine.errors import EngineDeadError, EngineError, EngineSleepingError, WorkerError
 from livemoe.engine.llm import IN_FLIGHT_MODES, LLM, apply_threads
 from livemoe.engine.outputs import RequestOutput
-from livemoe.engine.sampling import RequestError, SamplingParams
-from livemoe.engine.streaming import OutputDeltas, StreamDelta
+from livemoe.engine.sampling.params import SamplingParams
+from livemoe.engine.errors import RequestError
+from livemoe.engine.text.streaming import OutputDeltas, StreamDelta
 
 log = logging.getLogger(__name__)
-
-
-class EngineError(RuntimeError):
-    """The engine ended a request that the caller did not stop: a fault of its own in a step (it alone ends
-    with this), or a step that failed as a whole (the requests in flight end with this); the loop goes on
-    serving new ones."""
-
-
-class EngineDeadError(EngineError):
-    """The engine loop stopped (shut down, or it crashed); requests in flight and new ones get this."""
-
-
-class EngineSleepingError(EngineError):
-    """A request sent while the engine sleeps (sleep(); the server answers 503 until wake_up())."""
 
 
 class RequestStream:
@@ -103,7 +91,7 @@ class RequestStream:
             self._ready.extend(self._deltas.feed(item))
             self.finished |= item.finished
 
-    def _put(self, item: RequestOutput | BaseException) -> None:  # on the loop's thread
+    def push(self, item: RequestOutput | BaseException) -> None:  # on the loop's thread
         self._queue.put_nowait(item)
 
     def abort(self) -> None:
@@ -152,8 +140,8 @@ class AsyncLLM:
 
     def _start_cores(self, model_path, dtype, device, data_parallel_size, devices, on_core_death, options) -> None:
         from livemoe.engine.core.client import CoreClient
-        from livemoe.engine.engine_config import EngineConfig
-        from livemoe.engine.loader import load_tokenizer
+        from livemoe.engine.decoder.config import EngineConfig
+        from livemoe.engine.model.loader import load_tokenizer
 
         config = EngineConfig.from_options(**options)  # bad options fail here, before any process starts
         if data_parallel_size > 1 and config.tensor_parallel_size > 1:
@@ -251,7 +239,7 @@ class AsyncLLM:
         accepted: concurrent.futures.Future = concurrent.futures.Future()
         self._submit(("add", prompt, params, stream, accepted))
         if not self._thread.is_alive():  # stopped meanwhile: nobody will apply the command
-            _settle(accepted, EngineDeadError(f"the engine loop has stopped: {self._dead}"))
+            settle(accepted, EngineDeadError(f"the engine loop has stopped: {self._dead}"))
         try:
             await asyncio.wrap_future(accepted)
         except asyncio.CancelledError:
@@ -406,7 +394,7 @@ class AsyncLLM:
             except queue.Empty:
                 return
             if command[0] == "add":
-                _settle(command[-1], EngineDeadError(f"the engine loop has stopped: {self._dead}"))
+                settle(command[-1], EngineDeadError(f"the engine loop has stopped: {self._dead}"))
 
     def _apply_commands(self, block: bool) -> bool:
         """Applies queued commands (waiting for one when idle); False once told to stop."""
@@ -478,34 +466,6 @@ class AsyncLLM:
         for rid in streams:
             self.llm.abort(rid)
         deliver([(stream, error) for stream in streams.values()])
-
-
-def _settle(future: concurrent.futures.Future, error: BaseException) -> None:
-    try:
-        future.set_exception(error)
-    except concurrent.futures.InvalidStateError:
-        pass  # the engine settled it first
-
-
-def deliver(items: list[tuple[RequestStream, RequestOutput | BaseException]], on_closed_loop=None) -> None:
-    """Hands each (stream, output or error) to its stream, from the engine's thread: one
-    call_soon_threadsafe per caller event loop for all its items (each wakes that loop once), in order.
-    on_closed_loop(stream, item) is called for the items whose loop is closed (nobody will read them)."""
-    by_loop: dict = {}
-    for stream, item in items:
-        by_loop.setdefault(stream.loop, []).append((stream, item))
-    for loop, batch in by_loop.items():
-        try:
-            loop.call_soon_threadsafe(_put_all, batch)
-        except RuntimeError:  # the caller's loop is closed
-            if on_closed_loop is not None:
-                for stream, item in batch:
-                    on_closed_loop(stream, item)
-
-
-def _put_all(items) -> None:
-    for stream, item in items:
-        stream._put(item)
 
 
 LAYOUT_KEYS = ("tensor_parallel_size", "expert_parallel")

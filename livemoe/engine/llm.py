@@ -23,19 +23,21 @@ from itertools import count
 
 import torch
 
-from livemoe.engine import flops
-from livemoe.engine.block_manager import BlockManager
-from livemoe.engine.detokenizer import IncrementalDetokenizer
-from livemoe.engine.engine_config import EngineConfig, EngineConfigError
+from livemoe.engine.model import flops
+from livemoe.engine.decoder.block_manager import BlockManager
+from livemoe.engine.text.detokenizer import IncrementalDetokenizer
+from livemoe.engine.decoder.config import EngineConfig
+from livemoe.engine.errors import EngineConfigError
 from livemoe.engine.errors import RequestFailedError
-from livemoe.engine.logits_processors import check_vocab
-from livemoe.engine.model_runner import ModelRunner
+from livemoe.engine.sampling.params import check_vocab
+from livemoe.engine.decoder.model_runner import ModelRunner
 from livemoe.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from livemoe.engine.prompts import chat_prompt_ids, encode_text
-from livemoe.engine.sampler import SampleResult, Sampler
-from livemoe.engine.sampling import RequestError, SamplingParams
-from livemoe.engine.scheduler import Scheduler
-from livemoe.engine.sequence import Sequence
+from livemoe.engine.text.prompts import chat_prompt_ids, encode_text
+from livemoe.engine.sampling.sampler import SampleResult, Sampler
+from livemoe.engine.sampling.params import SamplingParams
+from livemoe.engine.errors import RequestError
+from livemoe.engine.decoder.scheduler import Scheduler
+from livemoe.engine.decoder.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +59,7 @@ class Request:
 
 class LLM:
     def __init__(self, model_path: str, dtype=None, device=None, **options):
-        from livemoe.engine.loader import load_model, load_tokenizer
+        from livemoe.engine.model.loader import load_model, load_tokenizer
 
         config = EngineConfig.from_options(**options)  # bad options fail before the weights load
         self.threads = DEFAULT_THREADS if config.threads is None else config.threads
@@ -75,12 +77,12 @@ class LLM:
 
     def _start_workers(self, model_path: str, dtype, device, config: EngineConfig) -> torch.nn.Module:
         """Rank 0 of tensor_parallel_size ranks: checks what it can, starts the workers, loads its own
-        shard while they load theirs (livemoe/engine/parallel/workers.py)."""
+        shard while they load theirs (livemoe/engine/decoder/workers.py)."""
         import torch.distributed as dist
 
-        from livemoe.engine.config import load_config
-        from livemoe.engine.loader import resolve_device
-        from livemoe.engine.parallel.workers import WorkerGroup, check_parallel_sizes, load_rank_model, rank_device
+        from livemoe.engine.model.config import load_config
+        from livemoe.engine.model.loader import resolve_device
+        from livemoe.engine.decoder.workers import WorkerGroup, check_parallel_sizes, load_rank_model, rank_device
 
         mc = load_config(model_path)
         device = resolve_device(device)
@@ -136,11 +138,11 @@ class LLM:
         if self.workers is None:
             self.runner = ModelRunner(model, config, self.max_model_len)
         else:
-            from livemoe.engine.parallel.workers import DriverRunner
+            from livemoe.engine.decoder.workers import DriverRunner
 
             self.runner = DriverRunner(model, config, self.max_model_len, self.workers)
         self.sampler = Sampler(config.seed, self.eos_token_ids)
-        self._grammar_compiler = None  # livemoe.engine.structured.GrammarCompiler, made at the first structured request
+        self._grammar_compiler = None  # livemoe.engine.sampling.structured.GrammarCompiler, made at the first structured request
         self._grammar_lock = threading.Lock()
         self.block_manager: BlockManager | None = None
         self.scheduler: Scheduler | None = None
@@ -283,13 +285,13 @@ class LLM:
     def _grammars(self):
         with self._grammar_lock:  # the server's worker threads and the engine thread may both ask first
             if self._grammar_compiler is None:
-                from livemoe.engine.structured import GrammarCompiler
+                from livemoe.engine.sampling.structured import GrammarCompiler
 
                 self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
             return self._grammar_compiler
 
     def compile_grammar(self, spec, field: str = "structured"):
-        """The compiled grammar of a livemoe.engine.structured.StructuredOutput (cached by the spec): AsyncLLM
+        """The compiled grammar of a livemoe.engine.sampling.structured.StructuredOutput (cached by the spec): AsyncLLM
         calls it in a worker thread before a request reaches the engine loop, which then only looks it up.
         A bad spec raises RequestError naming `field`."""
         return self._grammars().compile(spec, field)
@@ -536,8 +538,8 @@ class LLM:
         return [results[i] for i in ids]
 
     def stream(self, prompt, params: SamplingParams | None = None, request_id: str | None = None):
-        """Yields livemoe.engine.streaming.StreamDelta's of one request as its tokens are made (see there)."""
-        from livemoe.engine.streaming import stream  # streaming builds on this module
+        """Yields livemoe.engine.text.streaming.StreamDelta's of one request as its tokens are made (see there)."""
+        from livemoe.engine.text.streaming import stream  # streaming builds on this module
 
         return stream(self, prompt, params, request_id)
 
@@ -546,7 +548,7 @@ class LLM:
              special_tokens_in_content: bool = False) -> list[RequestOutput]:
         """conversations: one list of {"role", "content"} messages, or a list of them; the checkpoint's
         chat template (with the generation prompt) makes each prompt. Special tokens written inside a
-        content stay text unless special_tokens_in_content (see livemoe.engine.prompts).
+        content stay text unless special_tokens_in_content (see livemoe.engine.text.prompts).
 
         tools: OpenAI-style [{"type": "function", "function": {"name", "parameters", ...}}], given to the
         template; each completion's `tool_calls` then holds the Qwen3 / Hermes calls parsed from its text
@@ -555,7 +557,7 @@ class LLM:
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         if tools:
-            from livemoe.engine.tool_parser import tool_choice_constraint
+            from livemoe.engine.text.tool_parser import tool_choice_constraint
 
             params = tool_choice_constraint(tools, tool_choice, params)
         elif tool_choice != "auto":
@@ -564,7 +566,7 @@ class LLM:
                    for c in conversations]
         outputs = self.generate(prompts, params, use_tqdm)
         if tools:
-            from livemoe.engine.tool_parser import parse_tool_calls
+            from livemoe.engine.text.tool_parser import parse_tool_calls
 
             for out in outputs:
                 for c in out.outputs:
@@ -591,7 +593,7 @@ class LLM:
         """Copies (name, tensor) pairs into the loaded parameters in place (hub or engine names, any
         subset; checked whole before the first copy: CheckpointError and the old weights stay), then
         drops the cached prefixes. Returns the number of tensors copied."""
-        from livemoe.engine.core.weights import copy_weights
+        from livemoe.engine.model.weights import copy_weights
 
         self.refuse_tensor_parallel("update_weights")
         named_tensors = list(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
@@ -600,7 +602,7 @@ class LLM:
 
     def update_weights_from_disk(self, model_path: str, in_flight: str = "finish") -> int:
         """update_weights with every tensor of a checkpoint of the same architecture."""
-        from livemoe.engine.core.weights import copy_weights_from_disk
+        from livemoe.engine.model.weights import copy_weights_from_disk
 
         self.refuse_tensor_parallel("update_weights_from_disk")
         self._settle_in_flight(in_flight, "the weights were updated")

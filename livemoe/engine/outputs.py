@@ -32,7 +32,7 @@ class RequestMetrics:
     num_output_tokens: int = 0  # all n completions
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
     num_preemptions: int = 0
-    decode_flops: int = 0  # livemoe.engine.flops.decode_flops over the output tokens (2 x active x tokens)
+    decode_flops: int = 0  # livemoe.engine.model.flops.decode_flops over the output tokens (2 x active x tokens)
 
 
 @dataclass

@@ -38,7 +38,7 @@ import warnings
 import torch
 
 from livemoe.engine.errors import CheckpointError
-from livemoe.engine.loader import apply_umask, first_nonfinite
+from livemoe.engine.model.loader import apply_umask, first_nonfinite
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 TMP_DIR = re.compile(r"^\.tmp-step-\d{8}-(\d+)$")

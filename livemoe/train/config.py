@@ -115,9 +115,9 @@ class RunConfig:
                               "identical (use --eval_samples 1 with --eval_temperature 0)")
         if self.max_steps == 0 and self.epochs <= 0:
             raise ConfigError("--epochs must be > 0 when --max_steps is 0")
-        _choice("bf16", self.bf16, ("auto", "true", "false"))
-        _choice("device", self.device, ("auto", "cpu", "cuda"))
-        _choice("judge_language", self.judge_language, ("en", "zh"))
+        check_choice("bf16", self.bf16, ("auto", "true", "false"))
+        check_choice("device", self.device, ("auto", "cpu", "cuda"))
+        check_choice("judge_language", self.judge_language, ("en", "zh"))
         if self.resume not in ("none", "auto") and not os.path.isdir(self.resume):
             raise ConfigError(f"--resume {self.resume!r}: expected none, auto or an existing checkpoint directory")
         self.check_model()
@@ -185,7 +185,7 @@ class RFTConfig(RunConfig):
             raise ConfigError("--eval_every needs held-out inputs: --eval_data with --data, or --eval_rooms > 0")
         if self.marker_weight <= 0:
             raise ConfigError(f"--marker_weight must be > 0, got {self.marker_weight}")
-        _choice("batching", self.batching, ("bucket", "pad"))
+        check_choice("batching", self.batching, ("bucket", "pad"))
         if self.temperature < 0:
             raise ConfigError(f"--temperature must be >= 0, got {self.temperature}")
         for name in ("wrong_link_rate", "deflect_rate", "verbose_rate"):
@@ -193,7 +193,7 @@ class RFTConfig(RunConfig):
                 raise ConfigError(f"--{name} must be in [0, 1], got {getattr(self, name)}")
         if self.wrong_link_rate + self.deflect_rate > 1:
             raise ConfigError("--wrong_link_rate + --deflect_rate must be <= 1")
-        _choice("selection", self.selection, POLICIES)
+        check_choice("selection", self.selection, POLICIES)
         if self.teacher not in ("scripted",) and not self.teacher.startswith(("http://", "https://")) \
                 and not os.path.isdir(self.teacher):
             raise ConfigError(f"--teacher {self.teacher!r}: expected scripted, an http(s) URL or a checkpoint directory")
@@ -206,7 +206,7 @@ def check_at_least(cfg, low, *names: str) -> None:
             raise ConfigError(f"--{name} must be >= {low}, got {getattr(cfg, name)}")
 
 
-def _choice(name, value, choices):
+def check_choice(name, value, choices):
     if value not in choices:
         raise ConfigError(f"--{name} must be one of {', '.join(choices)}; got {value!r}")
 

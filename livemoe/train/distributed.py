@@ -1,5 +1,5 @@
 """What a trainer needs to run under torchrun, in one place: the mesh, this rank's share of a global batch,
-sums over ranks, rank 0 alone writing, the model parallelized (livemoe.engine.parallel) and exported gathered.
+sums over ranks, rank 0 alone writing, the model parallelized (livemoe.train.parallel) and exported gathered.
 
     torchrun --nproc_per_node N -m train.rft --expert_parallel E ...
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from livemoe.engine.parallel import ParallelMesh, clip_grad_norm_, destroy_distributed, init_distributed, parallelize
+from livemoe.train.parallel import ParallelMesh, clip_grad_norm_, destroy_distributed, init_distributed, parallelize
 
 
 @dataclass
@@ -213,7 +213,7 @@ class Distributed:
     def inference_copy(self, model, dtype: torch.dtype):
         """A plain one-device model in `dtype` holding `model`'s whole weights, on every rank: what each rank's
         rollout decoder runs (refresh it with refresh_copy after each optimizer step)."""
-        from livemoe.engine.loader import empty_model
+        from livemoe.engine.model.loader import empty_model
 
         copy = empty_model(model.config, dtype, self.mesh.device)
         self.refresh_copy(model, copy)
@@ -240,8 +240,8 @@ class Distributed:
         """A plain one-device model holding `state` (full_state_dict's), or `model` itself in one process."""
         if not self.mesh.distributed:
             return model
-        from livemoe.engine.layers import RotaryEmbedding
-        from livemoe.engine.model import Qwen3ForCausalLM
+        from livemoe.engine.model.layers import RotaryEmbedding
+        from livemoe.engine.model.qwen3 import Qwen3ForCausalLM
 
         cfg = model.config
         with torch.device("meta"):  # no memory, no init: the gathered tensors are assigned below
@@ -270,7 +270,7 @@ def metrics_logger(d: Distributed, *args, **kwargs):
 
 def single_process() -> Distributed:
     """World size 1, whatever the environment says (a trainer function called directly)."""
-    from livemoe.engine.parallel import ParallelDims, ParallelMesh
+    from livemoe.train.parallel import ParallelDims, ParallelMesh
 
     return Distributed(ParallelMesh(dims=ParallelDims(world_size=1), rank=0, local_rank=0, device=torch.device("cpu")))
 
@@ -291,7 +291,7 @@ def setup_trainer(cfg, output_dir: str, model: str | None = None) -> Distributed
     import json
     import os
 
-    from livemoe.engine.config import load_config
+    from livemoe.engine.model.config import load_config
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size > 1 and cfg.batch_size < world_size:

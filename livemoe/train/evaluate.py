@@ -1,5 +1,5 @@
 """Held-out evaluation in the shape of the seed's Table 3: correctness, helpfulness (or EM / F1 on MuSiQue),
-tokens per response (TPR) and decode cost per response (2 x active parameters x tokens, livemoe.engine.flops).
+tokens per response (TPR) and decode cost per response (2 x active parameters x tokens, livemoe.engine.model.flops).
 
 `evaluate(model, tokenizer, records, judge)` generates with the engine decoder over the very module
 (no copy) and releases the decoder's KV cache afterwards, so training can follow in the same process.
@@ -16,8 +16,8 @@ def evaluate(model, tokenizer, records: list, judge, max_new_tokens: int = 256, 
     sampled per record, each request with its own seed (one seed shared by every request would draw
     the same noise for all of them: correlated samples, not an estimate), metrics averaged over all."""
     from livemoe.engine.llm import LLM
-    from livemoe.engine.flops import decode_flops, param_counts
-    from livemoe.engine.sampling import SamplingParams
+    from livemoe.engine.model.flops import decode_flops, param_counts
+    from livemoe.engine.sampling.params import SamplingParams
 
     if temperature == 0 and samples != 1:
         raise ValueError(f"evaluate: samples={samples} needs temperature > 0 (greedy responses are identical)")

@@ -36,13 +36,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from livemoe.engine import flops
-from livemoe.engine.loader import load_model, load_tokenizer, save_model
+from livemoe.engine.model import flops
+from livemoe.engine.model.loader import load_model, load_tokenizer, save_model
 from livemoe.kernels.logprobs import fused_linear_logprobs
 from livemoe.train import distributed
 from livemoe.train.advantages import SCALE_REWARDS, group_advantages, multi_turn_advantages, token_advantages
 from livemoe.train.checkpoint import is_sharded, latest_checkpoint, load_checkpoint, model_dir
-from livemoe.train.config import (ConfigError, RFTConfig, RunConfig, _choice, check_at_least, default_of, format_config, opt,
+from livemoe.train.config import (ConfigError, RFTConfig, RunConfig, check_choice, check_at_least, default_of, format_config, opt,
                           parse_config, run_cli, save_config)
 from livemoe.train.data import build_prompt, load_inputs, split_thought
 from livemoe.train.judges import make_judge
@@ -129,9 +129,9 @@ class GRPOConfig(RunConfig):
             raise ConfigError(f"--temperature must be > 0 for rollouts, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"--top_p must be in (0, 1], got {self.top_p}")
-        _choice("scale_rewards", self.scale_rewards, SCALE_REWARDS)
-        _choice("old_logprobs", self.old_logprobs, ("decoder", "trainer"))
-        _choice("weight_sync", self.weight_sync, ("distributed", "disk"))
+        check_choice("scale_rewards", self.scale_rewards, SCALE_REWARDS)
+        check_choice("old_logprobs", self.old_logprobs, ("decoder", "trainer"))
+        check_choice("weight_sync", self.weight_sync, ("distributed", "disk"))
         if self.rollout_url and self.multi_turn:
             raise ConfigError("--multi_turn runs its rollouts in-process; leave out --rollout_url")
         if not 0 <= self.turn_weight <= 1:

@@ -340,7 +340,7 @@ def parse_verdict(text: str, which: str):
 def engine_complete(path: str, max_tokens: int = 512):
     """`complete` over a local checkpoint with the engine decoder (greedy, the checkpoint's chat template)."""
     from livemoe.engine.llm import LLM
-    from livemoe.engine.sampling import SamplingParams
+    from livemoe.engine.sampling.params import SamplingParams
 
     llm = LLM(path)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)

@@ -2,7 +2,7 @@
 
     livemoe plan --model qwen3-30b-a3b --gpus 8 --gpu_mem_gb 141 --expert_parallel 8 --trainer grpo
 
-The layout is livemoe.engine.parallel's: bf16 compute, fp32 master parameters, fp32 gradients and fp32 AdamW states
+The layout is livemoe.train.parallel's: bf16 compute, fp32 master parameters, fp32 gradients and fp32 AdamW states
 (exp_avg, exp_avg_sq, step), all sharded. FSDP2 shards each tensor on dim 0 over its mesh: the dense tensors
 over all `gpus` ranks, the expert tensors (their EP rank's E/ep experts) over the gpus/ep ranks that hold the
 same experts; a rank holds ceil(rows / ranks) rows (rank 0, the fullest rank, is the one reported). These
@@ -26,10 +26,10 @@ import sys
 from dataclasses import asdict, dataclass
 
 
-from livemoe.engine.config import ModelConfig
+from livemoe.engine.model.config import ModelConfig
 from livemoe.engine.errors import CheckpointError
-from livemoe.engine.flops import preset_names, resolve_config
-from livemoe.engine.parallel.memory import is_expert_param, param_shapes  # shared with the serving planner
+from livemoe.engine.model.flops import preset_names, resolve_config
+from livemoe.engine.model.memory import is_expert_param, param_shapes  # shared with the serving planner
 
 GB = 1e9
 TRAINERS = ("rft", "grpo")
@@ -63,7 +63,7 @@ class PlanConfig:
             raise ValueError(f"--trainer must be one of {TRAINERS}, got {self.trainer!r}")
         if self.rollout_weights not in ROLLOUT_WEIGHTS:
             raise ValueError(f"--rollout_weights must be one of {ROLLOUT_WEIGHTS}, got {self.rollout_weights!r}")
-        from livemoe.engine.parallel import ParallelDims
+        from livemoe.train.parallel import ParallelDims
 
         ParallelDims(world_size=self.gpus, expert_parallel=self.expert_parallel).check_experts(cfg.num_experts)
         if self.sequences_per_step % self.gpus:

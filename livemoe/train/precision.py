@@ -1,5 +1,5 @@
 """fp32 master weights for a module that computes in bf16 on one device: FSDP2's MixedPrecisionPolicy
-(livemoe.engine.parallel.parallelize) without the sharding.
+(livemoe.train.parallel.parallelize) without the sharding.
 
 The module holds bf16 parameters (what the forward, the backward and the rollout decoder read, so decoding stays
 as fast as today); the optimizer holds fp32 copies (the master weights) and its AdamW states in fp32. Each bf16

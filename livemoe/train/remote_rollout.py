@@ -25,7 +25,7 @@ import urllib.request
 
 from livemoe.engine.core.weight_sync import join_servers, push_weights_to_servers
 from livemoe.engine.net import free_port
-from livemoe.train.rollout import Completion, _seed
+from livemoe.train.rollout import Completion, derive_seed
 
 WEIGHT_SYNCS = ("distributed", "disk")
 
@@ -73,7 +73,7 @@ class RemoteRollouts:
             push_weights_to_servers(self.urls, self.sender, list(model.named_parameters()), api_key=self.api_key,
                                     timeout_s=self.timeout_s)
             return
-        from livemoe.engine.loader import save_model
+        from livemoe.engine.model.loader import save_model
 
         path = os.path.join(self.scratch, "model")
         save_model(model, path)
@@ -113,7 +113,7 @@ class RemoteRollouts:
         n = n or self.k
         keys = range(len(ids)) if keys is None else keys
         max_tokens = max_new_tokens or self.max_new_tokens
-        futures = [self.pool.submit(self._one, i, p, n, _seed(self.seed, step, key) * n, max_tokens, False)
+        futures = [self.pool.submit(self._one, i, p, n, derive_seed(self.seed, step, key) * n, max_tokens, False)
                    for i, (p, key) in enumerate(zip(ids, keys))]
         return [f.result() for f in futures]
 

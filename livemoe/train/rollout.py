@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from livemoe.engine.llm import LLM
-from livemoe.engine.sampling import SamplingParams
+from livemoe.engine.sampling.params import SamplingParams
 
 
 @dataclass(slots=True)
@@ -43,7 +43,7 @@ class Completion:
         return len(self.token_ids) if not self.turn_spans else sum(e - s for s, e in self.turn_spans)
 
 
-def _seed(*parts) -> int:
+def derive_seed(*parts) -> int:
     return zlib.crc32("/".join(map(str, parts)).encode()) & 0x3FFFFFFF
 
 
@@ -95,7 +95,7 @@ class Rollouts:
         ids = [self._ids(p) for p in prompts]
         n = n or self.k
         keys = range(len(ids)) if keys is None else keys
-        params = [self._params(_seed(self.seed, step, key) * n, n, max_new_tokens or self.max_new_tokens)
+        params = [self._params(derive_seed(self.seed, step, key) * n, n, max_new_tokens or self.max_new_tokens)
                   for key in keys]
         outs = self.llm.generate(ids, params)
         return [[self._completion(p, c) for c in o.outputs] for p, o in zip(ids, outs)]
@@ -136,7 +136,7 @@ class Rollouts:
                     c.token_ids += extra
                     c.old_logprobs += [0.0] * len(extra)
             prompts = [c.prompt_ids + c.token_ids for _, _, c in live]
-            params = [self._params(_seed(self.seed, step, keys[i], j, turn), 1, max_new, greedy) for i, j, _ in live]
+            params = [self._params(derive_seed(self.seed, step, keys[i], j, turn), 1, max_new, greedy) for i, j, _ in live]
             outs = self.llm.generate(prompts, params)
             for (_, _, c), o in zip(live, outs):
                 g = o.outputs[0]
@@ -214,5 +214,5 @@ def reference_lengths(rollouts: Rollouts, records: list, prompts: list, cache: d
 
 def shuffled_order(n: int, seed: int, epoch: int) -> list:
     order = list(range(n))
-    random.Random(_seed(seed, "epoch", epoch)).shuffle(order)
+    random.Random(derive_seed(seed, "epoch", epoch)).shuffle(order)
     return order

@@ -21,7 +21,7 @@ class EngineTeacher:
         self.max_new_tokens, self.seed = max_new_tokens, seed
 
     def sample(self, records: list, k: int = 4, temperature: float = 0.7) -> list:
-        from livemoe.engine.sampling import SamplingParams
+        from livemoe.engine.sampling.params import SamplingParams
 
         params = SamplingParams(temperature=temperature, n=k, max_tokens=self.max_new_tokens, seed=self.seed)
         prompts = [build_prompt(r, self.llm.tokenizer) for r in records]

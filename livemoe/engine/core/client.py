@@ -1,6 +1,6 @@
 """The client side of the engine cores: starts N core processes (livemoe.engine.core.proc), routes each request
 to one (livemoe.engine.core.router), turns the cores' token deltas back into cumulative RequestOutputs for the
-streams (which detokenize: livemoe.engine.streaming.OutputDeltas), and forwards calls (weight updates, sleep).
+streams (which detokenize: livemoe.engine.text.streaming.OutputDeltas), and forwards calls (weight updates, sleep).
 
 One reader thread receives from every core (zmq waits without the GIL) and hands each step's outputs
 to the callers' event loops, as AsyncLLM's engine thread does. Sends come from any thread, under a lock.
@@ -20,8 +20,8 @@ import threading
 import time
 from itertools import count
 
-# livemoe.engine.async_llm imports this module lazily (inside AsyncLLM), so importing it here makes no cycle
-from livemoe.engine.async_llm import EngineDeadError, EngineError, _settle, deliver
+from livemoe.engine.core.delivery import deliver, settle
+from livemoe.engine.errors import CoreDeadError, EngineDeadError, EngineError
 from livemoe.engine.core import messages as m
 from livemoe.engine.core.router import Router
 from livemoe.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -30,10 +30,6 @@ log = logging.getLogger("livemoe.engine.core")
 
 POLL_MS = 100  # the longest a dead core goes unnoticed
 START_TIMEOUT_S = 600.0  # loading a large checkpoint
-
-
-class CoreDeadError(RuntimeError):
-    pass
 
 
 class Replica:
@@ -183,7 +179,7 @@ class CoreClient:
 
     def add(self, request_id: str, prompt_text, prompt_ids: list[int], params, stream) -> concurrent.futures.Future:
         """Sends a request to a replica; the future settles when the core accepted or refused it."""
-        from livemoe.engine.sampling import RequestError
+        from livemoe.engine.errors import RequestError
 
         accepted: concurrent.futures.Future = concurrent.futures.Future()
         with self.lock:
@@ -345,10 +341,10 @@ class CoreClient:
         for i in indices:
             self.router.forget(i)
         for _, t in doomed:
-            _settle(t.accepted, error)
+            settle(t.accepted, error)
         deliver([(t.stream, error) for _, t in doomed])
         for _, f in calls:
-            _settle(f, error)
+            settle(f, error)
 
     def _dispatch(self, r: Replica, message: list) -> None:
         kind = message[0]
@@ -360,7 +356,7 @@ class CoreClient:
             with self.lock:
                 entry = self.calls.pop(call_id, None)
             if entry is not None:
-                entry[1].set_result(result) if ok else _settle(entry[1], result)
+                entry[1].set_result(result) if ok else settle(entry[1], result)
         else:
             raise AssertionError(f"unknown engine-core message {kind!r}")
 
@@ -374,7 +370,7 @@ class CoreClient:
                 t = self.tracked.pop(rid, None)
                 self.router.remove(rid)
                 if t is not None:
-                    _settle(t.accepted, error)
+                    settle(t.accepted, error)
             updates, ended = [], []
             for rid, completions, metrics in deltas:
                 t = self.tracked.get(rid)
@@ -391,7 +387,7 @@ class CoreClient:
                 self.router.remove(rid)
                 if t is not None:
                     ended.append((t.stream, EngineError(f"request {rid} failed: {why}")))
-                    _settle(t.accepted, EngineError(f"request {rid} failed: {why}"))
+                    settle(t.accepted, EngineError(f"request {rid} failed: {why}"))
         deliver(updates + ended, lambda stream, _: self.abort(stream.request_id))  # a closed loop: nobody reads
 
     def _apply_delta(self, t: Tracked, completions, metrics) -> int:

@@ -171,7 +171,7 @@ class CoreLoop:
     def _add(self, rid: str, prompt_ids: list[int], params) -> None:
         try:
             if self.llm.sleep_level:
-                from livemoe.engine.async_llm import EngineSleepingError
+                from livemoe.engine.errors import EngineSleepingError
 
                 raise EngineSleepingError("the engine is asleep (wake_up() first)")
             self.llm.add_request(prompt_ids, params, rid)

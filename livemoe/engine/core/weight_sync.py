@@ -1,7 +1,7 @@
 """Weights from a trainer to running engine cores over a torch.distributed group, with no checkpoint on
 disk (as OpenRLHF and verl push them to vLLM): the trainer is rank 0 and broadcasts each tensor; each
 engine core (replica i) is rank rank_offset + i and receives into a fresh buffer, then copies it in
-through the loader's name mapping (livemoe.engine.core.weights).
+through the loader's name mapping (livemoe.engine.model.weights).
 
 The group is standalone (a TCPStore and a ProcessGroupGloo / ProcessGroupNCCL of its own), not
 torch.distributed's default group, so it lives beside a trainer's own FSDP group and several can exist

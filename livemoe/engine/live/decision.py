@@ -13,15 +13,13 @@ character, so characters <= tokens).
 import re
 from dataclasses import dataclass, field
 
+from livemoe.engine.errors import DecisionFormatError
+
 KINDS = ("OBS", "MEM", "ANS")
 TASKS = ("answer", "thank", "welcome", "correct")
 MAX_RECIPIENT_CHARS = 24
 MAX_MESSAGE_CHARS = 160
 _RECIPIENT = rf"[A-Za-z0-9_]{{1,{MAX_RECIPIENT_CHARS}}}"
-
-
-class DecisionFormatError(ValueError):
-    """Text that is not a decision; the message says what is wrong."""
 
 
 @dataclass(slots=True)
@@ -30,7 +28,7 @@ class DecisionMetrics:
     cached_prompt_tokens: int = 0  # of those, served from the KV cache (not prefilled)
     completion_tokens: int = 0  # the decision's tokens, the end token included
     latency_s: float = 0.0  # wall time of step(), events in to decision out
-    decode_flops: int = 0  # livemoe.engine.flops.decode_flops over the completion tokens
+    decode_flops: int = 0  # livemoe.engine.model.flops.decode_flops over the completion tokens
     compacted: bool = False  # this step compacted the context (and re-prefilled it)
     compaction_tokens: int = 0  # tokens the compaction re-prefilled (its cost)
 

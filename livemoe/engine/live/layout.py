@@ -16,7 +16,7 @@ Events are one interval's list of {"type", "user", "text"} dicts, one line each:
     meta: viewers 120.
 Audio and video enter as text in this release (transcript from ASR, frame captions).
 """
-from livemoe.engine.sampling import RequestError
+from livemoe.engine.errors import RequestError
 
 EVENT_TYPES = ("comment", "gift", "join", "transcript", "frame", "meta")
 _NEEDS_USER = ("comment", "gift", "join")

@@ -23,10 +23,12 @@ else the engine is running); `LiveSession.step` is that with one.
 import time
 from itertools import count
 
-from livemoe.engine.live.decision import (MAX_MESSAGE_CHARS, TASKS, Decision, DecisionFormatError, decision_regex,
-                                  max_decision_chars, parse_decision)
+from livemoe.engine.live.decision import (MAX_MESSAGE_CHARS, TASKS, Decision, decision_regex, max_decision_chars,
+                                          parse_decision)
+from livemoe.engine.errors import DecisionFormatError
 from livemoe.engine.live.layout import encode, interval_segment, memory_segment, render_events, system_segment
-from livemoe.engine.sampling import RequestError, SamplingParams
+from livemoe.engine.sampling.params import SamplingParams
+from livemoe.engine.errors import RequestError
 
 _ids = count()
 
@@ -62,7 +64,7 @@ class LiveSession:
         self.ids: list = list(self.system_ids)  # the context as the model has it (what the next step extends)
         self.records: list = []  # per interval: (events text, decision token ids with the end token)
         self.notes: list = []  # MEM notes: the session's memory, kept through compactions
-        self.pin = None  # livemoe.engine.block_manager.Pin of the blocks kept between steps (set by the block manager)
+        self.pin = None  # livemoe.engine.decoder.block_manager.Pin of the blocks kept between steps (set by the block manager)
         self.num_compactions = 0
         self.num_dropped_notes = 0  # MEM notes a compaction had no room for (the oldest)
         self.closed = False
@@ -190,7 +192,7 @@ class LiveSession:
 
 def decision_constraint(tasks, max_message_chars: int) -> dict:
     """The SamplingParams fields that hold a decode to the decision grammar."""
-    from livemoe.engine.structured import StructuredOutput
+    from livemoe.engine.sampling.structured import StructuredOutput
 
     return {"structured": StructuredOutput(regex=decision_regex(tasks, max_message_chars))}
 

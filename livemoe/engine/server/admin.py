@@ -23,21 +23,21 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from pydantic import Field
 
-from livemoe.engine.server.protocol import _Strict, error_body
+from livemoe.engine.server.protocol import StrictModel, error_body
 
-log = logging.getLogger("livemoe.engine.serve")
+log = logging.getLogger("livemoe.engine.server.__main__")
 
 ADMIN_PATHS = ("/update_weights_from_disk", "/init_weights_update_group", "/update_weights_from_distributed",
                "/sleep", "/wake_up", "/is_sleeping", "/get_server_info")
 InFlight = Literal["finish", "abort"]
 
 
-class UpdateFromDisk(_Strict):
+class UpdateFromDisk(StrictModel):
     model_path: str = Field(min_length=1)
     in_flight: InFlight = "finish"
 
 
-class InitGroup(_Strict):
+class InitGroup(StrictModel):
     master_address: str = Field(min_length=1)
     master_port: int = Field(gt=0, lt=65536)
     rank_offset: int = Field(ge=1)
@@ -46,14 +46,14 @@ class InitGroup(_Strict):
     timeout_s: float = Field(default=300.0, gt=0)
 
 
-class UpdateFromDistributed(_Strict):
+class UpdateFromDistributed(StrictModel):
     names: list[str] = Field(min_length=1)
     dtypes: list[str] = Field(min_length=1)
     shapes: list[list[int]] = Field(min_length=1)
     in_flight: InFlight = "finish"
 
 
-class Sleep(_Strict):
+class Sleep(StrictModel):
     level: Literal[1, 2] = 1
 
 

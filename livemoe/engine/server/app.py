@@ -38,9 +38,11 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import StreamingResponse
 
-from livemoe.engine.async_llm import AsyncLLM, EngineDeadError, EngineSleepingError, RequestStream
-from livemoe.engine.prompts import chat_prompt_ids, encode_text
-from livemoe.engine.sampling import RequestError, SamplingParams
+from livemoe.engine.async_llm import AsyncLLM, RequestStream
+from livemoe.engine.errors import EngineDeadError, EngineSleepingError
+from livemoe.engine.text.prompts import chat_prompt_ids, encode_text
+from livemoe.engine.sampling.params import SamplingParams
+from livemoe.engine.errors import RequestError
 from livemoe.engine.server.admin import add_admin_routes
 from livemoe.engine.server.config import ServerConfig
 from livemoe.engine.server.guard import RequestGuard
@@ -50,7 +52,7 @@ from livemoe.engine.server.metrics import ServerMetrics
 from livemoe.engine.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from livemoe.engine.server.responses import Run
 
-log = logging.getLogger("livemoe.engine.serve")
+log = logging.getLogger("livemoe.engine.server.__main__")
 
 
 INLINE_TOKENIZE_CHARS = 1024  # prompts (or token-id lists) up to this many items in all: tokenized on the loop
@@ -199,7 +201,7 @@ class SSEResponse(StreamingResponse):
 
 class OpenAIServer:
     def __init__(self, engine: AsyncLLM, model_name: str, config: ServerConfig, reasoning_parser: str | None = None):
-        from livemoe.engine.reasoning import REASONING_PARSERS
+        from livemoe.engine.text.reasoning import REASONING_PARSERS
 
         if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"unknown reasoning parser {reasoning_parser!r}; choose one of {REASONING_PARSERS}")
@@ -207,7 +209,7 @@ class OpenAIServer:
         self.reasoning_parser = reasoning_parser
         self.think_tokens = None  # with a reasoning parser: (<think>, </think>) ids, when single tokens
         if reasoning_parser is not None and self.tokenizer is not None:
-            from livemoe.engine.reasoning import think_token_ids
+            from livemoe.engine.text.reasoning import think_token_ids
 
             self.think_tokens = think_token_ids(self.tokenizer)
         self.metrics = ServerMetrics(engine.replica_stats)
@@ -298,7 +300,7 @@ class OpenAIServer:
 
     def answer_only_constraint(self, params: SamplingParams) -> SamplingParams:
         """With a reasoning parser, a chat's output constraint applies to the answer after the think block
-        (livemoe.engine.structured), as vLLM does; when </think> is not one token it applies to the whole output."""
+        (livemoe.engine.sampling.structured), as vLLM does; when </think> is not one token it applies to the whole output."""
         if params.structured is None or self.think_tokens is None:
             return params
         return dataclasses.replace(params, structured=dataclasses.replace(params.structured,

@@ -3,8 +3,8 @@
 and tool_choice is not "none"). The same parser serves the JSON answer (the whole text fed at once)
 and the event stream (deltas), so a stream joins to exactly the JSON answer's message.
 """
-from livemoe.engine.reasoning import ReasoningParser
-from livemoe.engine.tool_parser import ToolCallParser, openai_tool_calls
+from livemoe.engine.text.reasoning import ReasoningParser
+from livemoe.engine.text.tool_parser import ToolCallParser, openai_tool_calls
 
 
 class ChoiceParser:

@@ -7,46 +7,47 @@ best_of != n).
 The only fields accepted without an effect are NO_EFFECT_FIELDS, which by nature mean nothing to a
 local server. Extensions in the body: `top_k`, `min_p`, `ignore_eos`, `return_token_ids` (each choice,
 streamed or not, also carries its token ids), `repetition_penalty`, `min_tokens`, and vLLM's
-`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (livemoe.engine.structured).
+`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (livemoe.engine.sampling.structured).
 
 Types are strict: `"5"` or `true` is no integer, and NaN, Infinity or 1e999 no number. The server's
 limits (ServerConfig) are checked by the app. On chat, `special_tokens_in_content` (default false)
-reads special tokens written in a message as tokens rather than text (livemoe.engine.prompts).
+reads special tokens written in a message as tokens rather than text (livemoe.engine.text.prompts).
 """
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from livemoe.engine.sampling import RequestError, SamplingParams
-from livemoe.engine.structured import StructuredOutput
+from livemoe.engine.sampling.params import SamplingParams
+from livemoe.engine.errors import RequestError
+from livemoe.engine.sampling.structured import StructuredOutput
 
 # OpenAI fields that have no effect on a local server by nature: an end-user id for abuse monitoring,
 # tags and storage for OpenAI's dashboard, a billing tier. Accepted (type-checked) and not used.
 NO_EFFECT_FIELDS = ("user", "metadata", "store", "service_tier")
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
     # an unknown field is a 400 naming it, never ignored; no coercion ("5" -> 5, true -> 1); finite floats
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
-class JsonSchemaFormat(_Strict):
+class JsonSchemaFormat(StrictModel):
     name: str = Field(max_length=64)
     description: str | None = None
     schema_: dict | None = Field(default=None, alias="schema")
     strict: bool | None = None  # the schema is always enforced (by the grammar), strict or not
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(StrictModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class _Common(_Strict):
+class _Common(StrictModel):
     model: str
     max_tokens: int | None = None
     temperature: float | None = None
@@ -161,23 +162,23 @@ class CompletionRequest(_Common):
                             found[0] if found else None)
 
 
-class TextPart(_Strict):
+class TextPart(StrictModel):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(_Strict):
+class FunctionCall(StrictModel):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
 
 
-class ToolCall(_Strict):
+class ToolCall(StrictModel):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictModel):
     role: Literal["system", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None  # given to the chat template with the message
@@ -192,7 +193,7 @@ class ChatMessage(_Strict):
         if self.name is not None:
             message["name"] = self.name
         if self.tool_calls:
-            from livemoe.engine.tool_parser import template_tool_calls
+            from livemoe.engine.text.tool_parser import template_tool_calls
 
             message["tool_calls"] = template_tool_calls([c.model_dump() for c in self.tool_calls])
         if self.tool_call_id is not None:
@@ -200,23 +201,23 @@ class ChatMessage(_Strict):
         return message
 
 
-class FunctionDef(_Strict):
+class FunctionDef(StrictModel):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
     description: str | None = None
     parameters: dict | None = None
     strict: bool | None = None  # arguments always match the parameters when the grammar enforces a call
 
 
-class Tool(_Strict):
+class Tool(StrictModel):
     type: Literal["function"]
     function: FunctionDef
 
 
-class NamedFunction(_Strict):
+class NamedFunction(StrictModel):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(StrictModel):
     type: Literal["function"]
     function: NamedFunction
 

@@ -4,19 +4,27 @@ per-request metrics (the server's Prometheus metrics and log line) as each engin
 """
 import asyncio
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import msgspec
 
-from livemoe.engine.async_llm import EngineError, RequestStream
+from livemoe.engine.async_llm import RequestStream
+from livemoe.engine.errors import EngineError
 from livemoe.engine.outputs import RequestMetrics
-from livemoe.engine.sampling import SamplingParams
+from livemoe.engine.sampling.params import SamplingParams
 from livemoe.engine.server.chat_output import ChoiceParser
 from livemoe.engine.server.protocol import error_body
-from livemoe.engine.streaming import StreamDelta, merge_deltas
+from livemoe.engine.text.streaming import StreamDelta, merge_deltas
 
-if TYPE_CHECKING:
-    from livemoe.engine.server.app import OpenAIServer
+class Server(Protocol):
+    """What a Run reads of the server (livemoe.engine.server.app.OpenAIServer), which imports this module."""
+
+    model_name: str
+    tokenizer: Any
+    reasoning_parser: str | None
+    metrics: Any
+
+    def token_text(self, token_id: int) -> str: ...
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf (a token filtered out in "processed" mode)
 
@@ -35,7 +43,7 @@ class Choice:
 class Run:
     """The engine requests of one HTTP request, turned into an OpenAI answer or event stream."""
 
-    def __init__(self, server: "OpenAIServer", rid: str, body, params: SamplingParams, streams: list[RequestStream],
+    def __init__(self, server: Server, rid: str, body, params: SamplingParams, streams: list[RequestStream],
                  prompt_lens: list[int], chat: bool):
         self.server, self.rid, self.body, self.params, self.streams = server, rid, body, params, streams
         self.prompt_lens, self.chat = prompt_lens, chat

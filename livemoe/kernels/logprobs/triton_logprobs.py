@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from livemoe.kernels._ext import sm_count
+from livemoe.kernels.dot_precision import dot_precision
 
 NEG_INIT = tl.constexpr(-1e30)  # a constexpr object: jit code may read only those globals
 
@@ -117,10 +118,6 @@ def _logprobs_bwd_dz_kernel(h_ptr, w_ptr, tgt_ptr, n_valid_ptr, lse_ptr, gl_ptr,
              mask=row_ok[:, None] & col_ok[None, :])
 
 
-def _precision(dtype) -> str:
-    # fp32 inputs get a true fp32 product (the reference's); tf32 would cost ~1e-3 relative
-    return "ieee" if dtype == torch.float32 else "tf32"
-
 
 def launch_meta(n: int, h: int, dtype: torch.dtype) -> dict:
     """Tiles and warps of both kernels (also what bench/kernel_launches.py compiles for sm_90a). The 64-row tile
@@ -128,7 +125,7 @@ def launch_meta(n: int, h: int, dtype: torch.dtype) -> dict:
     a thread (8 warps per SM); fp32 operands take half the K depth, which keeps them out of local memory."""
     block_n = 16 if n <= 16 else (32 if n <= 32 else 64)
     block_k = 32 if h <= 32 or dtype == torch.float32 else 64
-    return dict(BLOCK_N=block_n, BLOCK_V=128, BLOCK_K=block_k, INPUT_PRECISION=_precision(dtype),
+    return dict(BLOCK_N=block_n, BLOCK_V=128, BLOCK_K=block_k, INPUT_PRECISION=dot_precision(dtype),
                 num_warps=8 if block_n == 64 else 4)
 
 

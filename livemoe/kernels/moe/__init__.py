@@ -11,7 +11,8 @@ Block sizes: configs.py (heuristic, per-GPU JSON cache, autotune; `python -m liv
 """
 import torch
 
-from livemoe.kernels.moe.align import moe_align, moe_align_reference, num_align_blocks
+from livemoe.kernels.moe.align import moe_align
+from livemoe.kernels.moe.align_reference import moe_align_reference, num_align_blocks
 from livemoe.kernels.moe.configs import MoEConfig
 from livemoe.kernels.moe.reference import experts_reference, fused_moe_reference
 from livemoe.kernels.moe.routing import check_top_k, route

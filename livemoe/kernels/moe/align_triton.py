@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from livemoe.kernels.moe.align import num_align_blocks
+from livemoe.kernels.moe.align_reference import num_align_blocks
 
 
 @triton.jit

@@ -6,9 +6,9 @@ import torch
 
 from livemoe.kernels.moe import align_triton as at
 from livemoe.kernels.moe import grouped_gemm as gg
-from livemoe.kernels.moe.align import num_align_blocks
+from livemoe.kernels.moe.align_reference import num_align_blocks
 from livemoe.kernels.moe.configs import MoEConfig
-from livemoe.kernels.moe.triton_moe import _precision
+from livemoe.kernels.dot_precision import dot_precision
 from livemoe.kernels.static_resources import Launch
 
 DT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -23,7 +23,7 @@ def moe_launches(cfg: MoEConfig, num_tokens: int, hidden: int, inter: int, num_e
     P = T * k
     num_pid_m = num_align_blocks(P, E, cfg.block_m)
     tiles = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                 PRECISION=_precision(dtype))
+                 PRECISION=dot_precision(dtype))
     case = f"T={T} {DT[dtype]}"
     out = []
 
@@ -52,7 +52,7 @@ def moe_launches(cfg: MoEConfig, num_tokens: int, hidden: int, inter: int, num_e
         num_pairs=P, a_div=1, N=H, K=2 * I, num_pid_m=num_pid_m, stride_am=2 * I, stride_ak=1,
         stride_be=2 * I * H, stride_bn=1, stride_bk=H, stride_om=H, SCALE_ROWS=False, **tiles))
     grad_tiles = dict(BLOCK_M=cfg.grad_block_m, BLOCK_N=cfg.grad_block_n, BLOCK_K=cfg.grad_block_k,
-                      PRECISION=_precision(dtype))
+                      PRECISION=dot_precision(dtype))
     add(gg.expert_grad_kernel, "dW_gate_up", dict(
         a_ptr=dtype, b_ptr=dtype, scale_ptr=dtype, out_ptr=dtype, sorted_ids_ptr=i32, seg_start_ptr=i32,
         counts_ptr=i32, a_div=1, b_div=k, M=2 * I, N=H, stride_am=2 * I, stride_bm=H, stride_oe=2 * I * H,

@@ -11,15 +11,14 @@ import os
 import torch
 import triton
 
+from livemoe.kernels.dot_precision import dot_precision
 from livemoe.kernels.moe import grouped_gemm as gg
-from livemoe.kernels.moe.align import moe_align, num_align_blocks
+from livemoe.kernels.moe.align import moe_align
+from livemoe.kernels.moe.align_reference import num_align_blocks
 from livemoe.kernels.moe.configs import MoEConfig, bucket_key, device_name, get_config, load_tuned, tune
 
 _TUNED: set[str] = set()  # buckets tuned (or found tuned) in this process
 
-
-def _precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"  # fp32 stays exact; tf32 only affects fp32 inputs
 
 
 def _gather_gemm(a, b, out, scale, sorted_ids, expert_ids, num_pairs, a_div, n, kdim, strides_b, cfg: MoEConfig):
@@ -29,7 +28,7 @@ def _gather_gemm(a, b, out, scale, sorted_ids, expert_ids, num_pairs, a_div, n, 
         a, b, out, scale if scale is not None else a, sorted_ids, expert_ids, num_pairs, a_div, n, kdim, num_pid_m,
         a.stride(0), a.stride(1), *strides_b, out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        SCALE_ROWS=scale is not None, PRECISION=_precision(a.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        SCALE_ROWS=scale is not None, PRECISION=dot_precision(a.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def _expert_grad(a, b, scale, out, sorted_ids, seg_start, counts, a_div, b_div, cfg: MoEConfig):
@@ -39,7 +38,7 @@ def _expert_grad(a, b, scale, out, sorted_ids, seg_start, counts, a_div, b_div, 
         a, b, scale if scale is not None else a, out, sorted_ids, seg_start, counts, a_div, b_div, m, n,
         a.stride(0), b.stride(0), out.stride(0), out.stride(1),
         BLOCK_M=cfg.grad_block_m, BLOCK_N=cfg.grad_block_n, BLOCK_K=cfg.grad_block_k, SCALE_A=scale is not None,
-        PRECISION=_precision(a.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        PRECISION=dot_precision(a.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def experts_forward(x, w_gate_up, w_down, topk_weights, topk_ids, cfg: MoEConfig, save_preact: bool):
@@ -59,7 +58,7 @@ def experts_forward(x, w_gate_up, w_down, topk_weights, topk_ids, cfg: MoEConfig
         num_pid_m, x.stride(0), x.stride(1), w_gate_up.stride(0), w_gate_up.stride(1), w_gate_up.stride(2),
         act.stride(0), preact.stride(0) if save_preact else 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        SAVE_PREACT=save_preact, PRECISION=_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        SAVE_PREACT=save_preact, PRECISION=dot_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     _gather_gemm(act, w_down, y, topk_weights.reshape(-1), sorted_ids, expert_ids, num_pairs, 1, hidden, inter,
                  (w_down.stride(0), w_down.stride(1), w_down.stride(2)), cfg)
@@ -98,7 +97,7 @@ class TritonMoEFunction(torch.autograd.Function):
             inter, num_pid_m, dout.stride(0), dout.stride(1), w_down.stride(0), w_down.stride(1), w_down.stride(2),
             preact.stride(0), act.stride(0),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            PRECISION=_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            PRECISION=dot_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         d_topk_w = dw_part.sum(0).view(num_tokens, top_k).to(topk_weights.dtype)
 
         dx = dw_gate_up = dw_down = None

@@ -1,5 +1,5 @@
 """The seed's Figure 5: RFT held-out loss curves (`livemoe.train.rft --eval_every`) of the MoE student against dense
-students of equal ACTIVE and of equal TOTAL parameters (counted by livemoe.engine.flops.param_counts).
+students of equal ACTIVE and of equal TOTAL parameters (counted by livemoe.engine.model.flops.param_counts).
 
 All three are random-initialised with the base student's tokenizer and, but for the MLP, its shape (layers,
 width, heads): pre-training each the way the committed student was made takes 40 minutes apiece, beyond
@@ -29,8 +29,8 @@ DECIMALS = {"Eval loss at step 0": 3, "Final eval loss": 3, "Lowest eval loss": 
 
 
 def counts(raw: dict) -> dict:
-    from livemoe.engine.config import ModelConfig
-    from livemoe.engine.flops import param_counts
+    from livemoe.engine.model.config import ModelConfig
+    from livemoe.engine.model.flops import param_counts
 
     return param_counts(ModelConfig.from_dict(raw, source="moe_vs_dense"))
 
@@ -94,7 +94,7 @@ def run(args: ExperimentArgs) -> str:
     notes = f"""Seed (Qwen3-30B-A3B, 3B active): the MoE's eval loss approaches a ~7.5B dense model's and is far below
 the small dense models'. Here: the MoE student's shape (`{args.model}`) and two dense Qwen3 models with the same
 layers, width, heads and tokenizer, whose MLP width makes their parameter count equal the MoE's active (resp.
-total) count as livemoe.engine.flops counts them (embedding and output head included; a dense model's active = total).
+total) count as livemoe.engine.model.flops counts them (embedding and output head included; a dense model's active = total).
 All three are random-initialised (transformers' init, seed {args.seed}): pre-training each as the committed
 student was made takes 40 minutes apiece, and a pre-trained MoE against random dense models would compare
 pre-training, not architectures. Each then runs the same RFT (same teacher samples, selection, steps, lr, λ_aux

@@ -4,7 +4,7 @@ import os
 from dataclasses import dataclass, field
 
 from livemoe.train.advantages import SCALE_REWARDS
-from livemoe.train.config import DEFAULT_STUDENT, ConfigError, _choice, default_of
+from livemoe.train.config import DEFAULT_STUDENT, ConfigError, check_choice, default_of
 from livemoe.train.live.gspo import CREDITS, GSPOOptions
 from livemoe.train.live.msft import MSFTOptions
 from livemoe.train.live.options import StageOptions
@@ -75,10 +75,10 @@ class LiveConfig:
     lambda_aux: float = default_of(StageOptions, "lambda_aux")  # one flag for both stages
 
     def validate(self) -> None:
-        _choice("stage", self.stage, ("sft", "gspo", "all"))
-        _choice("device", self.device, ("auto", "cpu", "cuda"))
-        _choice("credit", self.credit, CREDITS)
-        _choice("gspo_scale_rewards", self.gspo_scale_rewards, SCALE_REWARDS)
+        check_choice("stage", self.stage, ("sft", "gspo", "all"))
+        check_choice("device", self.device, ("auto", "cpu", "cuda"))
+        check_choice("credit", self.credit, CREDITS)
+        check_choice("gspo_scale_rewards", self.gspo_scale_rewards, SCALE_REWARDS)
         for name, path in (("model", self.model), ("replay", self.replay)):
             if path is not None and not os.path.isdir(path):
                 raise ConfigError(f"--{name} {path}: no such checkpoint directory")

@@ -3,7 +3,7 @@ decoder, the decision grammar, the session's cached context), one interval at a 
 
 The row per stage is the seed's table: state, recipient and task accuracy (%), plus grounding (%),
 the trajectory reward, the mean decision latency (ms per interval, one session at a time) and the
-decode GFLOPs per interval (livemoe.engine.flops: 2 x active parameters x decision tokens)."""
+decode GFLOPs per interval (livemoe.engine.model.flops: 2 x active parameters x decision tokens)."""
 import time
 
 from livemoe.engine.live.session import LiveSession

@@ -34,7 +34,7 @@ import random
 from dataclasses import dataclass
 
 from livemoe.engine.live.decision import format_decision
-from livemoe.train.synthetic.world import CATALOG, PRICES, Product, _product, fact
+from livemoe.train.synthetic.world import CATALOG, PRICES, Product, make_product, fact
 
 VIEWERS = ("amy", "bob", "carl", "dina", "ed", "fay", "gus", "hana", "ivan", "june", "kai", "lily", "max",
            "nora", "omar", "pia", "quin", "rosa", "sam", "tina")
@@ -107,7 +107,7 @@ def _products(rng: random.Random, cfg: LiveWorldConfig) -> list:
     pool = [nm for c in cat for nm in CATALOG[c]["names"]]
     names = rng.sample(pool, k=min(rng.randint(*cfg.num_products), len(pool)))
     links = sorted(rng.sample(range(1, cfg.max_link + 1), k=len(names)))
-    products = [_product(rng, nm, ln) for nm, ln in zip(names, links)]
+    products = [make_product(rng, nm, ln) for nm, ln in zip(names, links)]
     for p in products:
         p.attributes["stock"] = "in stock"
     return products

@@ -95,7 +95,7 @@ def attribute_question(rng: random.Random, p: Product, attr: str) -> str:
                        f"what is the {attr} of link {p.link}?"])
 
 
-def _product(rng: random.Random, name: str, link: int) -> Product:
+def make_product(rng: random.Random, name: str, link: int) -> Product:
     cat = CATEGORY_OF[name]
     attrs = {a: rng.choice(vals) for a, vals in CATALOG[cat]["attrs"].items()}
     if cat == "zongzi" and name != "zongzi gift box":  # the name says the filling
@@ -111,7 +111,7 @@ def make_room(rng: random.Random, cfg: WorldConfig, room_id: str) -> dict:
     pool = [nm for c in cats for nm in CATALOG[c]["names"]]
     names = rng.sample(pool, k=min(n, len(pool)))
     links = rng.sample(range(1, cfg.max_link + 1), k=len(names))
-    products = [_product(rng, nm, ln) for nm, ln in zip(names, sorted(links))]
+    products = [make_product(rng, nm, ln) for nm, ln in zip(names, sorted(links))]
 
     history = []
     for _ in range(rng.randint(0, cfg.max_history)):

@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from livemoe.engine.loader import load_model, load_tokenizer
+from livemoe.engine.model.loader import load_model, load_tokenizer
 from livemoe.train.live.__main__ import engine_for
 from livemoe.train.live.evaluate import play
 from livemoe.train.live.gspo import SMGSPO, GSPOOptions

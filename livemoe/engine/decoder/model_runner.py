@@ -1,0 +1,282 @@
+"""ModelRunner: owns the KV cache, turns a scheduled step into tensors (slot_mapping, block tables,
+context lens, cu_seqlens), runs the engine model with them and the cache's per-layer views as the step's
+StepContext (an argument of the forward: nothing is attached to the shared module), and returns logits only
+for the rows that sample. Decode steps replay CUDA graphs captured over a ladder of batch sizes; every
+decode step that cannot (batch too large) runs eagerly and is counted and logged.
+"""
+import array
+import logging
+import math
+
+import torch
+
+from livemoe.engine.model.attention import Attention
+from livemoe.engine.model.context import StepContext
+from livemoe.engine.decoder.config import EngineConfig
+from livemoe.engine.errors import EngineConfigError
+from livemoe.engine.decoder.scheduler import SchedulerOutput
+from livemoe.engine.decoder.step_plan import StepPlan
+from livemoe.kernels._ext import sm_count
+from livemoe.kernels.attention import choose_num_splits
+
+log = logging.getLogger(__name__)
+_ARRAY_TYPECODE = {torch.long: "q", torch.int32: "i"}
+assert array.array("i").itemsize == 4 and array.array("q").itemsize == 8
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, config: EngineConfig, max_model_len: int):
+        self.model = model
+        self.config = config
+        self.max_model_len = max_model_len
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.block_size = config.block_size
+        backend = config.attention_backend  # auto: the kernels dispatch (flash-attn/Triton on CUDA, torch on CPU)
+        if (backend == "triton" or (backend == "auto" and self.device.type == "cuda")) and self.block_size < 16:
+            raise EngineConfigError(f"EngineConfig: the Triton attention kernels need block_size >= 16, "
+                                    f"got {self.block_size}")
+        self.backend = backend
+        attn_layers = sorted((m for m in model.modules() if isinstance(m, Attention)), key=lambda m: m.layer_idx)
+        assert attn_layers, "the model has no livemoe.engine.model.attention.Attention layers"
+        # a layer reads its cache as step.kv_caches[layer_idx]
+        assert [a.layer_idx for a in attn_layers] == list(range(len(attn_layers))), [a.layer_idx for a in attn_layers]
+        self.num_layers = len(attn_layers)
+        self.num_kv_heads, self.head_dim = attn_layers[0].num_kv_heads, attn_layers[0].head_dim
+        self.max_blocks_per_seq = math.ceil(max_model_len / self.block_size)
+        self.kv_cache: torch.Tensor | None = None
+        self.layer_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # per-layer (K, V) views of kv_cache
+        self.num_blocks = 0
+        self.use_cuda_graphs = self.device.type == "cuda" and not config.enforce_eager
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graph_vars: dict[str, torch.Tensor] = {}
+        self.graph_pool = None
+        self.num_eager_fallbacks = 0
+        self.num_graph_replays = 0
+
+    # -- KV cache -----------------------------------------------------------------------------------
+
+    @property
+    def block_bytes(self) -> int:
+        """K and V of one block across all layers."""
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    def budget_num_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        if self.device.type == "cuda":
+            num = self._profile_gpu_blocks()
+            budget = "gpu_memory_utilization"
+        else:
+            num = cfg.kv_cache_bytes // self.block_bytes
+            budget = "kv_cache_bytes"
+        if num < 1:
+            raise EngineConfigError(f"EngineConfig: {budget} leaves no room for one KV block "
+                                    f"({self.block_bytes} bytes)")
+        return int(num)
+
+    @torch.inference_mode()
+    def _profile_gpu_blocks(self) -> int:
+        """Free memory after a warm-up forward of a full token budget, as a fraction of the device."""
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        n = min(self.config.max_num_batched_tokens, self.max_model_len)
+        ids = torch.zeros(1, n, dtype=torch.long, device=self.device)
+        hidden = self.model.forward_hidden(ids)
+        self.model.compute_logits(hidden[0, : self.config.max_num_seqs])
+        del hidden
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        used = total - free
+        activations = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
+        available = total * self.config.gpu_memory_utilization - used - activations
+        return int(available // self.block_bytes)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        assert self.kv_cache is None, "KV cache already allocated"
+        shape = (2, self.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.num_blocks = num_blocks
+        self.layer_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(self.num_layers)]
+        log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.block_size,
+                 self.kv_cache.numel() * self.dtype.itemsize / 2**20)
+
+    def free_kv_cache(self) -> None:
+        self.kv_cache = None
+        self.layer_caches = []
+        self.num_blocks = 0
+        self.graphs.clear()  # they hold pointers into the freed cache
+        self.graph_vars.clear()
+        self.graph_pool = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # -- a step -------------------------------------------------------------------------------------
+
+    def plan(self, out: SchedulerOutput) -> StepPlan:
+        """The step's inputs on the host, all the forward needs (what tensor-parallel workers receive)."""
+        bs = self.block_size
+        seqs = out.seqs
+        is_decode = out.is_decode_only
+        if is_decode:  # the common step: one token per sequence (row i is seq i)
+            positions = [seq.num_computed_tokens for seq in seqs]
+            input_ids = [seq.token_ids[p] for seq, p in zip(seqs, positions)]
+            slots = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions)]
+            context_lens = [p + 1 for p in positions]
+            cu = list(range(len(seqs) + 1))
+            # a row samples when its token is the sequence's last (not a 1-token prefill chunk)
+            sample_rows = [i for i, (seq, n) in enumerate(zip(seqs, context_lens)) if n == len(seq.token_ids)]
+            sampling_seqs = sample_rows
+        else:
+            input_ids, positions, slots, cu, context_lens, sample_rows, sampling_seqs = [], [], [], [0], [], [], []
+            for i, (seq, n) in enumerate(zip(seqs, out.num_new_tokens)):
+                start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+                input_ids.extend(seq.token_ids[start:end])
+                positions.extend(range(start, end))
+                table = seq.block_table
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+                cu.append(cu[-1] + n)
+                context_lens.append(end)
+                if end == len(seq):
+                    sample_rows.append(cu[-1] - 1)
+                    sampling_seqs.append(i)
+        width = max(len(seq.block_table) for seq in seqs)
+        ints = context_lens + cu
+        for seq in seqs:
+            ints += seq.block_table
+            ints += [-1] * (width - len(seq.block_table))
+        return StepPlan(longs=array.array("q", input_ids + positions + slots), ints=array.array("i", ints),
+                        sample_rows=sample_rows, num_seqs=len(seqs), width=width,
+                        max_seqlen_q=max(out.num_new_tokens), is_decode=is_decode,
+                        max_context_len=max(context_lens), sampling_seqs=sampling_seqs)
+
+    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, StepContext, list[int], list[int]]:
+        """(input_ids [N], positions [N], StepContext, the rows that sample (indices into N), the seqs they belong
+        to (indices into out.seqs), in the same order)."""
+        plan = self.plan(out)
+        return *self.step_inputs(plan), plan.sample_rows, plan.sampling_seqs
+
+    def step_inputs(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, StepContext]:
+        """(input_ids [N], positions [N], StepContext) on the device."""
+        S, N, width = plan.num_seqs, plan.num_tokens, plan.width
+        # one tensor per dtype (a host-to-device copy each); the step's tensors are views of them
+        longs = self._to_device(plan.longs, torch.long)
+        ints = self._to_device(plan.ints, torch.int32)
+        ctx = StepContext(kv_caches=self.layer_caches, slot_mapping=longs[2 * N:], context_lens=ints[:S],
+                          cu_seqlens_q=ints[S:2 * S + 1], block_tables=ints[2 * S + 1:].view(S, width),
+                          max_seqlen_q=plan.max_seqlen_q, is_decode=plan.is_decode, backend=self.backend,
+                          max_context_len=plan.max_context_len)
+        return longs[:N], longs[N:2 * N], ctx
+
+    def _to_device(self, data: array.array, dtype: torch.dtype) -> torch.Tensor:
+        assert data.typecode == _ARRAY_TYPECODE[dtype], (data.typecode, dtype)
+        # through an array: 3x faster than torch.tensor(list) (~40 us a step)
+        host = torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
+        if self.device.type == "cpu":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+    def run(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
+        """Runs one step; returns (logits [num_sampling_seqs, V] fp32, indices into out.seqs that sample)."""
+        plan = self.plan(out)
+        return self.execute(plan), plan.sampling_seqs
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        """The forward of a planned step: logits [len(plan.sample_rows), V] fp32."""
+        assert self.kv_cache is not None, "no KV cache: reserve_kv_cache() first"
+        input_ids, positions, ctx = self.step_inputs(plan)
+        sample_rows = plan.sample_rows
+        if ctx.is_decode and self.use_cuda_graphs:
+            hidden = self._run_decode_graph(input_ids, positions, ctx)
+        else:
+            hidden = self._run_eager(input_ids, positions, ctx)
+        if len(sample_rows) < hidden.shape[0]:  # logits only for the rows that sample
+            hidden = hidden.index_select(0, torch.tensor(sample_rows, dtype=torch.long, device=self.device))
+        return self.model.compute_logits(hidden).float()
+
+    def _run_eager(self, input_ids, positions, ctx: StepContext) -> torch.Tensor:
+        return self.model.forward_hidden(input_ids[None], positions[None], step=ctx)[0]
+
+    # -- CUDA graphs (decode) -----------------------------------------------------------------------
+
+    def graph_batch_sizes(self) -> list[int]:
+        top = min(self.config.max_num_seqs, self.config.max_graph_batch_size)
+        sizes = [b for b in (1, 2, 4, 8) if b <= top] + list(range(16, top + 1, 16))
+        if sizes[-1] != top:
+            sizes.append(top)
+        return sizes
+
+    def _graph_buffers(self, top: int) -> dict[str, torch.Tensor]:
+        """The static tensors a decode graph reads and writes (rows past the batch are padding)."""
+        dev = self.device
+        return dict(
+            input_ids=torch.zeros(top, dtype=torch.long, device=dev),
+            positions=torch.zeros(top, dtype=torch.long, device=dev),
+            slot_mapping=torch.full((top,), -1, dtype=torch.long, device=dev),
+            context_lens=torch.zeros(top, dtype=torch.int32, device=dev),
+            block_tables=torch.full((top, self.max_blocks_per_seq), -1, dtype=torch.int32, device=dev),
+            hidden=torch.zeros(top, self.model.config.hidden_size, dtype=self.dtype, device=dev),
+        )
+
+    def _graph_context(self, b: int) -> StepContext:
+        """The step a decode graph of batch b captures: the static buffers' first b rows and the cache's
+        layer views (the cache is allocated once and the graphs are dropped when it is freed)."""
+        v = self.graph_vars
+        num_splits = choose_num_splits(b, self.num_kv_heads, self.max_model_len, self.block_size,
+                                       sm_count(self.device))
+        return StepContext(kv_caches=self.layer_caches, slot_mapping=v["slot_mapping"][:b],
+                           context_lens=v["context_lens"][:b], block_tables=v["block_tables"][:b], is_decode=True,
+                           backend=self.backend, num_splits=num_splits)
+
+    def _graph_forward(self, b: int) -> None:
+        """What a decode graph of batch b holds: the forward over the static buffers' first b rows."""
+        v = self.graph_vars
+        step = self._graph_context(b)
+        v["hidden"][:b] = self.model.forward_hidden(v["input_ids"][:b][None], v["positions"][:b][None], step=step)[0]
+
+    def _fill_graph_buffers(self, input_ids, positions, ctx: StepContext, size: int) -> None:
+        """Copies a decode step of B <= size rows in; rows B..size become padding (slot -1: nothing
+        stored; context 0: attention output 0)."""
+        B = input_ids.shape[0]
+        v = self.graph_vars
+        v["input_ids"][:B] = input_ids
+        v["positions"][:B] = positions
+        v["slot_mapping"][:size].fill_(-1)
+        v["slot_mapping"][:B] = ctx.slot_mapping
+        v["context_lens"][:size].zero_()
+        v["context_lens"][:B] = ctx.context_lens
+        v["block_tables"][:B, :ctx.block_tables.shape[1]] = ctx.block_tables
+
+    @torch.inference_mode()
+    def capture_cuda_graphs(self) -> None:
+        assert self.kv_cache is not None and self.device.type == "cuda"
+        sizes = self.graph_batch_sizes()
+        self.graph_vars = self._graph_buffers(sizes[-1])
+        for b in reversed(sizes):  # largest first, so the pool is sized once
+            self._graph_forward(b)  # warm-up: compiles the kernels outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, self.graph_pool):
+                self._graph_forward(b)
+            if self.graph_pool is None:
+                self.graph_pool = graph.pool()
+            self.graphs[b] = graph
+        torch.cuda.synchronize()
+        log.info("captured %d decode CUDA graphs for batch sizes %s", len(sizes), sizes)
+
+    def _run_decode_graph(self, input_ids, positions, ctx: StepContext) -> torch.Tensor:
+        B = input_ids.shape[0]
+        if not self.graphs:
+            self.capture_cuda_graphs()
+        if B > max(self.graphs):
+            self.num_eager_fallbacks += 1
+            log.warning("decode batch %d exceeds the largest CUDA graph (%d): running eagerly "
+                        "(eager fallbacks so far: %d)", B, max(self.graphs), self.num_eager_fallbacks)
+            return self._run_eager(input_ids, positions, ctx)
+        size = min(b for b in self.graphs if b >= B)
+        self._fill_graph_buffers(input_ids, positions, ctx, size)
+        self.graphs[size].replay()
+        self.num_graph_replays += 1
+        return self.graph_vars["hidden"][:B]

@@ -1,0 +1,88 @@
+"""Sequence: one stream of tokens being decoded (a request with n > 1 holds n of them).
+
+`num_computed_tokens` counts the tokens whose K/V are in the cache; a step computes the next
+`num_new_tokens` of them (a prefill chunk, or the last token for a decode) and samples only when the
+chunk reaches the end of the sequence.
+"""
+import time
+from enum import Enum, auto
+from itertools import count
+
+import torch
+
+from livemoe.engine.sampling.params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    _ids = count()
+
+    def __init__(self, token_ids: list[int], params: SamplingParams, request_id: str = "", index: int = 0,
+                 seed: int | None = None, arrival_time: float | None = None):
+        assert token_ids, "a sequence needs at least one prompt token"
+        self.seq_id = next(Sequence._ids)
+        self.request_id = request_id
+        self.index = index  # which of the request's n completions
+        self.params = params
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = len(token_ids)
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # chained hashes of the full blocks registered so far
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.seed = seed
+        self.generator: torch.Generator | None = None  # made on the sampling device at first use
+        self.logprobs: list[dict] = []  # per output token: {token_id: logprob, ...} (sampled first)
+        self.num_preemptions = 0
+        self.num_cached_prompt_tokens = 0  # prefix-cache hit at first scheduling
+        self.text = ""  # detokenized output, kept only when stop strings need it
+        self.detokenizer = None  # IncrementalDetokenizer of the output: stop strings, in-flight text
+        self.grammar = None  # livemoe.engine.sampling.structured.GrammarState when the request's output is constrained
+        # metrics
+        self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def num_blocks(self, block_size: int, num_tokens: int | None = None) -> int:
+        n = len(self) if num_tokens is None else num_tokens
+        return (n + block_size - 1) // block_size
+
+    def block_tokens(self, i: int, block_size: int) -> list[int]:
+        return self.token_ids[i * block_size:(i + 1) * block_size]
+
+    def append_token(self, token_id: int, now: float | None = None) -> None:
+        now = time.perf_counter() if now is None else now
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.last_token_time = now
+        self.token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, req={self.request_id!r}, len={len(self)}, "
+                f"computed={self.num_computed_tokens}, status={self.status.name})")

@@ -1,0 +1,138 @@
+"""Qwen3 (dense) and Qwen3-MoE as one nn.Module, shared by the trainers and the decoder.
+
+State-dict keys are the hub's (model.layers.{i}.self_attn.q_proj.weight, ...), with MoE experts in
+transformers-v5's fused layout (mlp.experts.gate_up_proj / down_proj); livemoe.engine.model.loader maps the hub's
+per-expert layout onto it. Built with a livemoe.train.parallel.TensorParallel, the module is one rank's shard of
+the model (livemoe.engine.model.tensor_parallel): the same keys over smaller tensors, the same forward, whose
+collectives leave every rank with the same hidden states and full-vocab logits.
+"""
+import torch
+from torch import nn
+
+from livemoe.engine.model.attention import Attention
+from livemoe.engine.model.config import ModelConfig
+from livemoe.engine.model.context import StepContext
+from livemoe.engine.model.layers import MLP, RMSNorm, RotaryEmbedding, SparseMoeBlock, qk_norm_rotary
+from livemoe.engine.model.moe_loss import load_balancing_loss
+from livemoe.engine.model.tensor_parallel import (ParallelLMHead, TensorParallel, VocabParallelEmbedding, column_linear,
+                                             gather_logits, row_linear)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TensorParallel | None = None):
+        super().__init__()
+        heads, kv_heads, d, hidden = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+        bias = cfg.attention_bias
+        q_rows = kv_rows = None  # this rank's heads (None: all of them, one process)
+        if tp is not None:
+            q_rows, kv_rows = tp.split(heads, d), tp.kv_heads(kv_heads, heads, d)
+            heads, kv_heads = q_rows.size // d, kv_rows.size // d
+        self.num_heads, self.num_kv_heads, self.head_dim = heads, kv_heads, d
+        self.q_proj = column_linear(hidden, heads * d, bias, tp, q_rows)
+        self.k_proj = column_linear(hidden, kv_heads * d, bias, tp, kv_rows)
+        self.v_proj = column_linear(hidden, kv_heads * d, bias, tp, kv_rows)
+        self.o_proj = row_linear(cfg.num_attention_heads * d, hidden, bias, tp, q_rows)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)  # Qwen3: per-head RMSNorm on q and k
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, layer_idx)
+
+    def forward(self, x, cos, sin, attention_mask=None, step: StepContext | None = None):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        q, k = qk_norm_rotary(q, k, self.q_norm, self.k_norm, cos, sin)
+        out = self.attn(q, k, v, attention_mask, step)
+        return self.o_proj(out.reshape(B, T, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TensorParallel | None = None):
+        super().__init__()
+        self.self_attn = SelfAttention(cfg, layer_idx, tp)
+        if cfg.is_moe_layer(layer_idx):
+            self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size,
+                                      cfg.num_experts_per_tok, cfg.norm_topk_prob, tp)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, tp)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, attention_mask=None, step: StepContext | None = None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention_mask, step)
+        out, router_logits = self.mlp(self.post_attention_layernorm(x))
+        return x + out, router_logits
+
+
+class Qwen3Model(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
+        super().__init__()
+        self.embed_tokens = (nn.Embedding(cfg.vocab_size, cfg.hidden_size) if tp is None
+                             else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+
+
+class Qwen3ForCausalLM(nn.Module):
+    """`model(input_ids [B, T]) -> logits [B, T, V]`; `forward_hidden` gives the final hidden states
+    (for fused losses) and, on request, each MoE layer's router logits. With `tp`: one rank's shard (config
+    stays the whole model's; see the module doc)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
+        super().__init__()
+        self.config = cfg
+        self.tensor_parallel = tp
+        self.model = Qwen3Model(cfg, tp)
+        if cfg.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = (nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if tp is None
+                            else ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp))
+        self.gradient_checkpointing = False
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """[V, H]: the output projection (the embedding when tied), for fused log-prob kernels (a rank's
+        [V/N padded, H] rows under tensor parallel)."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward_hidden(self, input_ids, positions=None, attention_mask=None, return_router_logits=False,
+                       step: StepContext | None = None):
+        """input_ids [B, T] -> final hidden states [B, T, H] (after the last norm); with
+        return_router_logits, also a tuple of router logits [B*T, E], one per MoE layer. `step`: the decoder's
+        step (livemoe.engine.model.context; input_ids then one flattened row [1, N]); None is the plain causal forward."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+        if positions is None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary_emb(positions, x.dtype)
+        router_logits = []
+        for layer in self.model.layers:
+            if self.gradient_checkpointing and self.training:
+                x, logits = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, attention_mask, step,
+                                                              use_reentrant=False)
+            else:
+                x, logits = layer(x, cos, sin, attention_mask, step)
+            if logits is not None:
+                router_logits.append(logits)
+        hidden = self.model.norm(x)
+        return (hidden, tuple(router_logits)) if return_router_logits else hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [..., V] (the full vocab on every rank under tensor parallel)."""
+        logits = torch.nn.functional.linear(hidden, self.lm_head_weight)
+        tp = self.tensor_parallel
+        return logits if tp is None else gather_logits(logits, tp, self.config.vocab_size)
+
+    def forward(self, input_ids, positions=None, attention_mask=None):
+        return self.compute_logits(self.forward_hidden(input_ids, positions, attention_mask))
+
+    def load_balancing_loss(self, router_logits, attention_mask=None, mode: str = "global", group=None):
+        """Unscaled MoE load-balancing loss of `forward_hidden(..., return_router_logits=True)`'s logits;
+        the trainer multiplies by its λ_aux (config.router_aux_loss_coef by default). `group`: the
+        data-parallel ranks whose tokens it counts (see livemoe.engine.model.moe_loss)."""
+        cfg = self.config
+        return load_balancing_loss(router_logits, cfg.num_experts, cfg.num_experts_per_tok, attention_mask, mode,
+                                   group)

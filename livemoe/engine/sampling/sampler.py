@@ -1,0 +1,125 @@
+"""Sampler: logits of the sampling rows -> next tokens (+ logprobs), per-row parameters in one batch.
+
+Filters (see livemoe.engine.sampling.params for the order) become -inf logits; sampling is the exponential race
+argmax(p / E), E ~ Exp(1), with E drawn from the row's own generator when the request has a seed, so a
+seeded request gets the same tokens whatever else is in the batch.
+
+Before temperature, the rows that ask for it get their logits processed (livemoe.engine.sampling.logits_processors: the
+grammar mask, min_tokens, logit_bias, penalties); "raw" logprobs stay those of the unprocessed logits.
+"""
+from dataclasses import dataclass
+
+import torch
+
+from livemoe.engine.sampling.logits_processors import process_logits
+from livemoe.engine.sampling.params import SamplingParams
+
+
+@dataclass(slots=True)
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None]  # per row: {sampled token: lp, top-1: lp, ...} or None
+
+
+def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] (already divided by temperature); top_k [B] (<= 0: off), top_p [B], min_p [B].
+    Returns logits with the tokens outside each row's kept set at -inf."""
+    V = logits.shape[-1]
+    out = logits
+    need_sort = bool(((top_k > 0) & (top_k < V)).any() or (top_p < 1.0).any())
+    if need_sort:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        rank = torch.arange(V, device=logits.device)
+        k = torch.where(top_k > 0, top_k, V).clamp(max=V)
+        remove = rank[None, :] >= k[:, None]
+        sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+        probs = sorted_logits.softmax(-1)
+        before = probs.cumsum(-1) - probs  # probability of the tokens ranked above
+        remove = remove | (before >= top_p[:, None])  # the token that crosses top_p has before < top_p
+        out = logits.masked_fill(remove.scatter(1, order, remove), float("-inf"))
+    if bool((min_p > 0).any()):
+        # p_i >= min_p * p_max  <=>  logit_i >= logit_max + log(min_p): no softmax needed
+        threshold = out.max(-1, keepdim=True).values + torch.log(min_p.clamp(min=1e-30))[:, None]
+        out = out.masked_fill(out < threshold, float("-inf"))
+    return out
+
+
+class Sampler:
+    def __init__(self, seed: int = 0, eos_token_ids=()):
+        self.seed = seed
+        self.eos_token_ids = set(eos_token_ids)  # what min_tokens bans
+        self._generators: dict[torch.device, torch.Generator] = {}  # for requests without a seed
+
+    def _shared_generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return self._generators[device]
+
+    @torch.no_grad()
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
+                 generators: list[torch.Generator | None], seqs=None) -> SampleResult:
+        """logits [B, V]; params and generators (None: the shared one) per row; seqs (livemoe.engine.decoder.sequence's,
+        per row: their tokens and grammar state) are needed only when a row's params process logits."""
+        B, V = logits.shape
+        assert len(params) == B == len(generators)
+        raw_logits, any_processing = logits, any(p.processes_logits for p in params)
+        if any_processing:
+            assert seqs is not None and len(seqs) == B, "logits processing needs the rows' sequences"
+            logits = process_logits(logits.float(), params, seqs, self.eos_token_ids)
+        if all(p.greedy and p.logprobs is None for p in params):  # greedy, nothing else asked
+            return SampleResult(logits.argmax(-1).tolist(), [None] * B)
+        logits = logits.float()
+        device = logits.device
+        # greedy rows (temperature below MIN_TEMPERATURE) are divided by 1: their raw logprobs are log_softmax(logits)
+        divisor = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)[:, None]
+        scaled = logits / divisor
+        raw_scaled = raw_logits.float() / divisor if any_processing else scaled
+        any_filter = any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params)
+        if any_filter:
+            filtered = filter_logits(
+                scaled, torch.tensor([0 if p.greedy else p.top_k for p in params], device=device),
+                torch.tensor([1.0 if p.greedy else p.top_p for p in params], device=device),
+                torch.tensor([0.0 if p.greedy else p.min_p for p in params], device=device))
+        else:
+            filtered = scaled
+
+        sample_rows = [i for i in range(B) if not params[i].greedy]
+        every_row = len(sample_rows) == B  # a rollout batch: skip the row indexing
+        tokens = None if every_row else logits.argmax(-1)
+        if sample_rows:
+            noise = torch.empty(len(sample_rows), V, device=device)
+            shared = [j for j, i in enumerate(sample_rows) if generators[i] is None]
+            if shared:
+                noise[shared] = torch.empty(len(shared), V, device=device).exponential_(
+                    generator=self._shared_generator(device))
+            noise_rows = noise.unbind(0)
+            for j, i in enumerate(sample_rows):
+                if generators[i] is not None:
+                    noise_rows[j].exponential_(generator=generators[i])
+            if every_row:
+                tokens = (filtered.softmax(-1) / noise).argmax(-1)
+            else:
+                tokens[sample_rows] = (filtered[sample_rows].softmax(-1) / noise).argmax(-1)
+
+        token_ids = tokens.tolist()
+        logprobs: list[dict[int, float] | None] = [None] * B
+        rows = [i for i in range(B) if params[i].logprobs is not None]
+        if rows:
+            pick = (lambda t: t) if len(rows) == B else (lambda t: t[rows])  # a rollout batch asks on every row
+            raw = pick(raw_scaled).log_softmax(-1)
+            dist = raw
+            if any_filter or any_processing:
+                processed = pick(filtered).log_softmax(-1)
+                use_raw = torch.tensor([params[i].logprobs_mode == "raw" for i in rows], device=device)
+                dist = torch.where(use_raw[:, None], raw, processed)
+            # the sampled tokens' logprobs in one gather (a rollout asks for them at every step)
+            sampled = dist.gather(1, pick(tokens)[:, None])[:, 0].tolist()
+            for j, i in enumerate(rows):
+                entry = {token_ids[i]: sampled[j]}
+                n = min(params[i].logprobs, V)
+                if n:
+                    top_lp, top_ids = dist[j].topk(n)
+                    for t, lp in zip(top_ids.tolist(), top_lp.tolist()):
+                        entry.setdefault(t, lp)
+                logprobs[i] = entry
+        return SampleResult(token_ids, logprobs)
