@@ -58,7 +58,7 @@ async def throughput(engine: AsyncLLM, requests: int, max_tokens: int) -> float:
 
 def test_weight_update_and_replicas(benchmark, bench_mode, device, tmp_path):
     if device != "cpu":
-        pytest.skip("the CPU figures (gloo); on a GPU the same calls use NCCL: run the README commands")
+        pytest.skip("the CPU figures (gloo); on a GPU the same calls use NCCL: run the commands of docs/serving.md")
     reps = 1 if bench_mode == "quick" else 3
     for shape in SIZES[bench_mode]:
         path = make_text_checkpoint(tmp_path / f"h{shape['hidden_size']}", moe=True, **shape)[0]

@@ -55,7 +55,7 @@ def test_cli_prints_json(capsys, tmp_path):
 
 def test_cli_without_prompt_has_no_prefill_and_unknown_preset_lists_the_presets(capsys):
     assert main(["qwen3-32b"]) == 0
-    assert "prefill_flops" not in json.loads(capsys.readouterr().out)  # only with --prompt, as the README says
+    assert "prefill_flops" not in json.loads(capsys.readouterr().out)  # only with --prompt, as docs/decoder.md says
     assert main(["qwen3-99b"]) == 2
     err = capsys.readouterr().err
     assert "qwen3-99b" in err and all(name in err for name in flops.preset_names())

@@ -21,6 +21,7 @@ from livemoe.engine.errors import WorkerError
 from livemoe.engine.llm import LLM
 from livemoe.engine.decoder.workers import FAULT_ENV
 from livemoe.engine.sampling.params import SamplingParams
+from docs_text import section
 from fixtures import collect_deltas
 from tiny_models import hf_model
 from tiny_tokenizer import make_text_checkpoint
@@ -339,9 +340,9 @@ def test_openai_server_with_tensor_parallel_and_sigterm(checkpoints):
     assert gone(procs)
 
 
-def test_serving_memory_per_gpu_and_the_readme_figures(capsys):
+def test_serving_memory_per_gpu_and_the_docs_figures(capsys):
     """Per-rank weights: every tensor split N ways except norms and the router (whole) and k/v projections
-    (one KV head per rank when fewer KV heads than ranks); the README quotes the CLI's figures."""
+    (one KV head per rank when fewer KV heads than ranks); docs/serving.md's section on it quotes the CLI's figures."""
     import math
 
     from livemoe.engine.model.flops import resolve_config
@@ -362,9 +363,9 @@ def test_serving_memory_per_gpu_and_the_readme_figures(capsys):
     assert serving_memory(cfg, 2)["kv_bytes_per_token_per_gpu"] == 2 * 94 * 2 * 128 * 2
     main(["--model", "qwen3-235b-a22b", "--tensor-parallel-size", "8"])
     out = capsys.readouterr().out
-    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    _, doc = section("One model over several GPUs: serving Qwen3-235B-A22B on 8 GPUs")
     for figure in (f"{m['weights_gb_per_gpu']:.1f} GB", f"{m['model_weights_gb']:.1f}", "47.0 KiB", "67.9 GB"):
-        assert figure in out and figure in readme, figure
+        assert figure in out and figure in doc, figure
 
 
 def test_live_session_decides_the_same_with_tp2(tmp_path):

@@ -1,6 +1,6 @@
 """GRPO rollouts from running servers (`python -m train.grpo --rollout_url URL[,URL...]`): the same
 interface as livemoe.train.rollout.Rollouts (generate / greedy / release / temperature), but each prompt's K
-samples are one /v1/completions request to a rollout server (`livemoe serve`, see the README's
+samples are one /v1/completions request to a rollout server (`livemoe serve`, see docs/serving.md,
 "Rollout servers for RL"), spread round-robin over the URLs. The request asks for the same seed as the
 in-process decoder would use, the sampled tokens' ids and their raw log-probs (the old_logprobs), so a
 run against a server draws the rollouts an in-process run draws.
