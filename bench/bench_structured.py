@@ -62,16 +62,16 @@ def step_time(llm: LLM, batch: int, constrained: int, steps: int) -> float:
                            SamplingParams(temperature=1.0, seed=i, max_tokens=400,
                                           **({"structured": spec} if i < constrained else {"ignore_eos": True})))
            for i in range(batch)]
-    while any(s.num_output_tokens == 0 for r in llm.requests.values() for s in r.seqs):
+    while any(s.num_output_tokens == 0 for r in llm.core.requests.values() for s in r.seqs):
         llm.step()  # prefill
     times = []
     for _ in range(steps):
-        if llm.runner.device.type == "cuda":
+        if llm.core.runner.device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         llm.step()
         times.append(time.perf_counter() - t0)
-    assert len(llm.requests) == batch, "a request finished while the steps were timed"
+    assert len(llm.core.requests) == batch, "a request finished while the steps were timed"
     for rid in ids:
         llm.abort(rid)
     return statistics.median(times)
@@ -123,13 +123,13 @@ def test_grammar_compile_time(engine, bench_mode):
     reps = 10 if bench_mode == "full" else 2
     times = []
     for _ in range(reps):
-        compiler = GrammarCompiler(engine.tokenizer, engine.vocab_size, engine.eos_token_ids)  # an empty cache
+        compiler = GrammarCompiler(engine.tokenizer, engine.core.vocab_size, engine.core.eos_token_ids)  # an empty cache
         t0 = time.perf_counter()
         compiler.compile(StructuredOutput(json=json.dumps(DECISION)))
         times.append(time.perf_counter() - t0)
     t0 = time.perf_counter()
     compiler.compile(StructuredOutput(json=DECISION))  # a cache hit (the same schema as a dict)
     hit = time.perf_counter() - t0
-    record(suite=SUITE, case=f"compile the decision schema (vocab {engine.vocab_size})", metric="ms",
+    record(suite=SUITE, case=f"compile the decision schema (vocab {engine.core.vocab_size})", metric="ms",
            ours=statistics.median(times) * 1e3, extra={"cache hit ms": hit * 1e3})
     assert compiler.num_compiled == 1 and hit < statistics.median(times)

@@ -49,18 +49,18 @@ POISON_SEED = 666  # the injected fault: sampling any batch holding this seed ra
 @contextlib.contextmanager
 def poisoned_sampler(llm):
     """llm's sampler raises (as a seed >= 2**64 once did, mid-step) for any batch holding POISON_SEED."""
-    real = llm.sampler
+    real = llm.core.sampler
 
     def sampler(logits, params, generators, seqs=None):
         if any(p.seed == POISON_SEED for p in params):
             raise RuntimeError("Overflow when unpacking long long")
         return real(logits, params, generators, seqs)
 
-    llm.sampler = sampler
+    llm.core.sampler = sampler
     try:
         yield
     finally:
-        llm.sampler = real
+        llm.core.sampler = real
 
 
 async def collect_deltas(gen):

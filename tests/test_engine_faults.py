@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from livemoe.engine.errors import EngineConfigError
-from livemoe.engine.llm import LLM, RequestFailedError
+from livemoe.engine.llm import LLM
+from livemoe.engine.errors import RequestFailedError
 from livemoe.engine.text.prompts import chat_prompt_ids
 from livemoe.engine.sampling.params import SamplingParams
 from livemoe.engine.errors import RequestError
@@ -52,15 +53,15 @@ def test_a_request_that_breaks_sampling_fails_alone(ckpt):
         failed = llm.take_failed()
         assert set(finished) == {a, b} and list(failed) == [bad] and "Overflow" in failed[bad]
         assert [finished[a].token_ids, finished[b].token_ids] == [o.token_ids for o in alone]
-        assert llm.block_manager.num_used_blocks == 0 and llm.stats()["num_failed_requests"] == 1
+        assert llm.core.block_manager.num_used_blocks == 0 and llm.stats()["num_failed_requests"] == 1
         # generate() raises for its own failed request (and leaves nothing behind)
         with pytest.raises(RequestFailedError, match="Overflow"):
             llm.generate(["x", "y"], [GREEDY, SamplingParams(seed=POISON_SEED, max_tokens=4)])
-        assert not llm.has_unfinished_requests() and llm.block_manager.num_used_blocks == 0
+        assert not llm.has_unfinished_requests() and llm.core.block_manager.num_used_blocks == 0
         # and so does stream(): its request's fault ends the generator with the reason, not silently
         with pytest.raises(RequestFailedError, match="Overflow"):
             list(llm.stream("mean viewer", SamplingParams(seed=POISON_SEED, max_tokens=4)))
-        assert not llm.has_unfinished_requests() and llm.block_manager.num_used_blocks == 0
+        assert not llm.has_unfinished_requests() and llm.core.block_manager.num_used_blocks == 0
         assert [o.token_ids for o in llm.generate(["first viewer"], GREEDY)] == [alone[0].token_ids]
 
 

@@ -82,7 +82,7 @@ def test_bad_ids_events_and_fields(served):
 def test_idle_sessions_expire_and_free_their_blocks(served):
     engine, server = served
     base = server.url + "/v1/live/sessions"
-    bm = engine.llm.block_manager
+    bm = engine.llm.core.block_manager
     status, a = http_json(base, {"system": SYSTEM, "max_message_chars": 24})
     assert http_json(f"{base}/{a['id']}/step", {"events": []})[0] == 200
     pinned_with_a = bm.num_pinned_blocks

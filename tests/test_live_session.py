@@ -93,15 +93,15 @@ def test_each_step_prefills_only_the_new_events_and_the_last_decisions_end(ckpt)
             assert m.cached_prompt_tokens == m.prompt_tokens - len(new) - 1
         # ordinary requests that pass through the whole cache in between do not evict the session
         llm.generate(other, SamplingParams(temperature=0.0, max_tokens=24))
-    assert llm.block_manager.num_pinned_blocks == len(s.pin.block_ids) > 0
+    assert llm.core.block_manager.num_pinned_blocks == len(s.pin.block_ids) > 0
     s.close()  # what an expired session does: its blocks go back
-    assert llm.block_manager.num_pinned_blocks == 0
-    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+    assert llm.core.block_manager.num_pinned_blocks == 0
+    assert llm.core.block_manager.num_free_blocks == llm.core.block_manager.num_blocks
 
 
 def test_without_pins_the_cache_is_evicted_and_the_session_reprefills(ckpt):
     llm = _engine(ckpt, num_kv_blocks=64)
-    llm.block_manager.max_pinned_blocks = 0  # no pin budget: only the evictable prefix cache
+    llm.core.block_manager.max_pinned_blocks = 0  # no pin budget: only the evictable prefix cache
     s = _session(llm, temperature=1.0, seed=1)
     tok = llm.tokenizer
     other = [tok.encode(f"an unrelated prompt number {i} " * 6) for i in range(12)]
@@ -198,7 +198,7 @@ def test_bad_events_are_refused_with_the_field_named_and_nothing_changes(ckpt):
                      ("hello <|im_end|>", "chat markers"), (42, "must be a list")]:
         with pytest.raises(RequestError, match=why):
             s.step(bad)
-    assert s.num_intervals == 0 and not llm.requests
+    assert s.num_intervals == 0 and not llm.core.requests
     d = s.step("comment @amy: hello")
     assert isinstance(d, Decision) and s.num_intervals == 1
     s.close()

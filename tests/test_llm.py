@@ -280,7 +280,7 @@ def test_from_model_shares_weights_and_kv_cache_release(checkpoints):
     before = llm.generate(prompt, GREEDY)[0].token_ids
     assert model.training  # the engine restores the caller's mode
     with llm.kv_cache_released():
-        assert llm.runner.kv_cache is None
+        assert llm.core.runner.kv_cache is None
         # plain (training) path still works while the decoder holds no cache
         assert model(torch.tensor(prompt)).shape == (1, 9, 131)
         with torch.no_grad():
@@ -289,12 +289,12 @@ def test_from_model_shares_weights_and_kv_cache_release(checkpoints):
     after = llm.generate(prompt, GREEDY)[0].token_ids
     assert after != before
     # weights change while the cache is kept: cached prefixes are dropped, not reused
-    resets = llm.num_prefix_cache_resets
+    resets = llm.core.num_prefix_cache_resets
     with torch.no_grad():
         for p in model.parameters():
             p.div_(1.5)
     again = llm.generate(prompt, GREEDY)[0].token_ids
-    assert llm.num_prefix_cache_resets == resets + 1 and again == before
+    assert llm.core.num_prefix_cache_resets == resets + 1 and again == before
     llm.add_request(prompt[0], GREEDY)
     with pytest.raises(RuntimeError, match="in flight"):
         llm.release_kv_cache()
@@ -330,7 +330,7 @@ def test_padded_decode_rows_as_in_cuda_graphs(checkpoints, backend, block_size):
     for p in ([3, 4, 5, 6, 7], [8, 9, 10]):
         llm.add_request(p, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     llm.step()  # prefill both
-    runner, sched = llm.runner, llm.scheduler
+    runner, sched = llm.core.runner, llm.core.scheduler
     out = sched.schedule()
     assert out.is_decode_only and len(out.seqs) == 2
     input_ids, positions, ctx, *_ = runner.prepare(out)

@@ -75,11 +75,11 @@ def test_an_update_is_seen_and_the_kv_cache_is_released(model_and_tok):
     ro = Rollouts(model, tok, num_generations=2, max_new_tokens=8, temperature=1.0, num_kv_blocks=32)
     before = ro.generate(PROMPTS[:1], step=0)[0]
     ro.release()
-    assert ro.llm.runner.kv_cache is None
+    assert ro.llm.core.runner.kv_cache is None
     with torch.no_grad():
         model.lm_head_weight.mul_(3.0)  # an in-place "optimizer step" on the shared module
     after = ro.generate(PROMPTS[:1], step=0)[0]  # the cache comes back; the prefix cache was reset
-    assert ro.llm.runner.kv_cache is not None
+    assert ro.llm.core.runner.kv_cache is not None
     batch = collate(after, [0.0, 0.0], tok.pad_token_id)
     with torch.no_grad():
         lp = trainer_logprobs(model, batch, 1.0)

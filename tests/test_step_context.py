@@ -42,7 +42,7 @@ def module_tensors(model: torch.nn.Module):
 
 
 def assert_no_module_holds_a_kv_cache(model, *engines):
-    caches = [e.runner.kv_cache.untyped_storage().data_ptr() for e in engines]
+    caches = [e.core.runner.kv_cache.untyped_storage().data_ptr() for e in engines]
     held = [name for name, t in module_tensors(model) if t.untyped_storage().data_ptr() in caches]
     assert not held, f"module attributes hold an engine's KV cache: {held}"
 
@@ -119,5 +119,5 @@ def test_two_engines_over_one_module_interleaving_steps(model):
     assert_no_module_holds_a_kv_cache(model, a, b)
 
     b.release_kv_cache()
-    assert b.runner.kv_cache is None
+    assert b.core.runner.kv_cache is None
     assert [o.token_ids for o in a.generate(prompts_a, GREEDY)] == want_a

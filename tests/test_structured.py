@@ -49,7 +49,7 @@ def test_json_schema_outputs_validate(llm):
     outs = llm.generate(prompts, params)
     assert len(outs) == len(prompts)
     for o in outs:
-        assert o.finish_reason == "stop" and o.stop_reason in llm.eos_token_ids, o.text
+        assert o.finish_reason == "stop" and o.stop_reason in llm.core.eos_token_ids, o.text
         jsonschema.validate(json.loads(o.text), SCHEMA)
     assert len({o.text for o in outs}) > 1  # sampled, not one forced string
 
@@ -98,9 +98,9 @@ def test_constrained_request_leaves_batch_neighbours_unchanged(llm):
 
 
 def test_rollback_restores_the_matcher(llm):
-    state = llm._grammars().state(StructuredOutput(choice=["abc", "abd"]))
+    state = llm.core.input_processor.grammars().state(StructuredOutput(choice=["abc", "abd"]))
     ids = byte_token_ids(llm.tokenizer, "ab")
-    V = llm.vocab_size
+    V = llm.core.vocab_size
     mask = torch.zeros(1, (V + 31) // 32, dtype=torch.int32)
     state.fill(mask, 0)
     before = mask.clone()
@@ -120,7 +120,7 @@ def test_rollback_restores_the_matcher(llm):
 def test_bad_spec_is_refused(llm, spec, needle):
     with pytest.raises(RequestError, match=needle):
         llm.generate("x", SamplingParams(max_tokens=4, structured=spec))
-    assert not llm.requests
+    assert not llm.core.requests
 
 
 def test_spec_validation():
@@ -211,7 +211,7 @@ def test_penalties_and_bias_equal_reference():
 
 
 def test_min_tokens_and_penalties_in_the_engine(llm):
-    eos = next(iter(llm.eos_token_ids))
+    eos = next(iter(llm.core.eos_token_ids))
     bias = {eos: 100.0}  # EOS would come first, but min_tokens bans it until 5 tokens exist
     out = llm.generate("hi", SamplingParams(temperature=0.0, max_tokens=20, min_tokens=5, logit_bias=bias))[0]
     assert len(out.token_ids) == 6 and out.token_ids[-1] == eos and out.finish_reason == "stop"

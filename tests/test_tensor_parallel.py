@@ -160,7 +160,7 @@ def run_rank(cases: dict, paths: dict) -> dict:
                          logits=logits,
                          logprobs=[o.outputs[0].token_logprobs for o in outs], stats=llm.stats(),
                          numel=sum(p.numel() for p in model.parameters()), bytes_read=bytes_read,
-                         kv_heads=llm.runner.num_kv_heads, layout=model.tensor_parallel.to_dict())
+                         kv_heads=llm.core.runner.num_kv_heads, layout=model.tensor_parallel.to_dict())
     return out
 
 

@@ -144,7 +144,7 @@ def test_tp2_greedy_equals_transformers_and_one_process(checkpoints, tp2, name, 
     expected = [hf_greedy(hf, p) for p in ps]
     one = LLM(path, num_kv_blocks=256, **OPTIONS).generate(ps, GREEDY)
     llm = tp2(name, ep)
-    assert len(llm.workers.pids) == 1
+    assert len(llm.core.workers.pids) == 1
     outs = llm.generate(ps, GREEDY)
     again = llm.generate(ps[:3], GREEDY)  # the shared prefix is cached now
     stats = llm.stats()
@@ -169,7 +169,7 @@ def test_kv_cache_release_sleep_refusals_and_close(checkpoints, tp2):
     llm = tp2.take("dense")
     try:
         with llm.kv_cache_released():  # every rank frees its cache, and allocates it again after
-            assert llm.runner.kv_cache is None
+            assert llm.core.runner.kv_cache is None
         assert [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY)] == expected
         llm.sleep(1)
         llm.wake_up()
@@ -180,7 +180,7 @@ def test_kv_cache_release_sleep_refusals_and_close(checkpoints, tp2):
             with pytest.raises(RuntimeError, match=f"{what} is not supported with tensor_parallel_size=2"):
                 call()
         assert [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY)] == expected
-        pids = llm.workers.pids
+        pids = llm.core.workers.pids
         before = children(os.getpid())
         with pytest.raises(EngineConfigError, match="another engine with tensor_parallel_size > 1 \\(close\\(\\) it"):
             LLM(path, tensor_parallel_size=2, **OPTIONS)
@@ -225,7 +225,7 @@ def test_from_model_and_data_parallel_refused(checkpoints):
 
 def test_no_worker_left_after_garbage_collection(tp2):
     llm = tp2.take("moe")
-    pids = llm.workers.pids
+    pids = llm.core.workers.pids
     assert pids and all(p in children(os.getpid()) for p in pids)
     del llm
     gc.collect()
@@ -237,7 +237,7 @@ def test_a_failed_worker_ends_rank_0_with_its_rank_and_cause(checkpoints, monkey
     if fault == "exception":
         monkeypatch.setenv(FAULT_ENV, "1:5")  # worker rank 1 raises at its 6th step
     llm = LLM(checkpoints["moe"][0], tensor_parallel_size=2, num_kv_blocks=64, **OPTIONS)
-    (pid,) = llm.workers.pids
+    (pid,) = llm.core.workers.pids
     try:
         if fault == "kill":
             llm.generate(prompts()[:1], GREEDY)
@@ -280,7 +280,7 @@ def test_async_llm_streaming_and_abort_thread_and_process_core(checkpoints):
         assert tokens == expected
 
     thread = AsyncLLM(path, tensor_parallel_size=2, num_kv_blocks=128, **OPTIONS)
-    pids = thread.llm.workers.pids
+    pids = thread.llm.core.workers.pids
     try:
         asyncio.run(main(thread))
     finally:

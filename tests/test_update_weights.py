@@ -37,9 +37,9 @@ def test_update_weights_switches_answers(ckpts, names):
     model_b = load_model(b, dtype=torch.float32, device="cpu")
     tensors = dict(model_b.named_parameters()) if names == "engine" else \
         hub_state_dict(model_b, "fused" if names == "hub_fused" else "per_expert")
-    resets = llm.num_prefix_cache_resets
+    resets = llm.core.num_prefix_cache_resets
     assert llm.update_weights(tensors) == len(tensors)
-    assert llm.num_prefix_cache_resets == resets + 1
+    assert llm.core.num_prefix_cache_resets == resets + 1
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == answers["b"]
     assert llm.update_weights_from_disk(a) > 0
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == answers["a"]
@@ -73,7 +73,7 @@ def test_requests_in_flight(ckpts, in_flight):
         (out,) = llm.step()
         assert out.request_id == rid and out.finished and out.token_ids == answers["a"][0]
     else:
-        assert llm.take_failed() == {rid: "aborted: the weights were updated"} and not llm.requests
+        assert llm.take_failed() == {rid: "aborted: the weights were updated"} and not llm.core.requests
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == answers["b"]
     with pytest.raises(ValueError, match="in_flight"):
         llm.update_weights_from_disk(b, in_flight="later")
@@ -84,7 +84,7 @@ def test_sleep_and_wake_up(ckpts):
     llm = LLM(a, **OPTIONS)
     for level in (1, 2):
         llm.sleep(level)
-        assert llm.sleep_level == level and llm.runner.kv_cache is None
+        assert llm.sleep_level == level and llm.core.runner.kv_cache is None
         with pytest.raises(RuntimeError, match="asleep already"):
             llm.sleep(1)
         llm.wake_up()

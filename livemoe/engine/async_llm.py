@@ -34,7 +34,10 @@ from itertools import count
 
 from livemoe.engine.core.delivery import deliver, settle
 from livemoe.engine.errors import EngineDeadError, EngineError, EngineSleepingError, WorkerError
-from livemoe.engine.llm import IN_FLIGHT_MODES, LLM, apply_threads
+from livemoe.engine.decoder.config import apply_threads
+from livemoe.engine.decoder.engine_core import IN_FLIGHT_MODES
+from livemoe.engine.decoder.input_processor import tokenize_prompt
+from livemoe.engine.llm import LLM
 from livemoe.engine.outputs import RequestOutput
 from livemoe.engine.sampling.params import SamplingParams
 from livemoe.engine.errors import RequestError
@@ -259,7 +262,7 @@ class AsyncLLM:
     async def _add_to_core(self, prompt, params: SamplingParams, stream: RequestStream) -> RequestStream:
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
-        text, prompt_ids = LLM._tokenize(self, prompt)  # tokenized here: only ids go to the core
+        text, prompt_ids = tokenize_prompt(self._tokenizer, prompt)  # tokenized here: only ids go to the core
         accepted = self._core.add(stream.request_id, text, prompt_ids, params, stream)
         try:
             await asyncio.wrap_future(accepted)

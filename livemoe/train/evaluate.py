@@ -31,7 +31,7 @@ def evaluate(model, tokenizer, records: list, judge, max_new_tokens: int = 256, 
                                  seed=base + r * samples) for r in range(len(records))]
         outs = llm.generate([build_prompt(r, tokenizer) for r in records], params)
     finally:
-        if not llm.requests:
+        if not llm.has_unfinished_requests():
             llm.release_kv_cache()
     model.train(was_training)
     prompts = len(records)

@@ -21,6 +21,7 @@ import time
 from itertools import count
 
 from livemoe.engine.core.delivery import deliver, settle
+from livemoe.engine.decoder.output_processor import final_text
 from livemoe.engine.errors import CoreDeadError, EngineDeadError, EngineError
 from livemoe.engine.core import messages as m
 from livemoe.engine.core.router import Router
@@ -400,18 +401,12 @@ class CoreClient:
                 c.logprobs = (c.logprobs or []) + lps
             if finish_reason is not None:
                 c.finish_reason, c.stop_reason = finish_reason, stop_reason
-                c.text = text if text is not None else self._final_text(c, t.params)
+                c.text = text if text is not None else final_text(self.tokenizer, c.token_ids, finish_reason, stop_reason,
+                                                                    t.params.skip_special_tokens)
         if metrics is not None:
             out.finished = True
             out.metrics = RequestMetrics(*metrics)
         return new_tokens
-
-    def _final_text(self, c: CompletionOutput, params) -> str:
-        """The completion's text as LLM._output makes it (a stop token is left out)."""
-        if self.tokenizer is None:
-            return ""
-        ids = c.token_ids[:-1] if c.finish_reason == "stop" and isinstance(c.stop_reason, int) else c.token_ids
-        return self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
 
 
 def _snapshot(out: RequestOutput) -> RequestOutput:

@@ -20,8 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from livemoe.engine.core import messages as m
 from livemoe.engine.errors import WorkerError
-from livemoe.engine.llm import LLM, apply_threads
-from livemoe.engine.outputs import CompletionOutput, RequestOutput
+from livemoe.engine.decoder.config import apply_threads
+from livemoe.engine.llm import LLM
 
 log = logging.getLogger("livemoe.engine.core")
 
@@ -49,7 +49,7 @@ def run_core(model_path: str, engine_kwargs: dict, in_addr: str, out_addr: str, 
     outbox.setsockopt(zmq.LINGER, 2000)
     codec = m.Codec()
     try:
-        llm = CoreLLM(model_path, **engine_kwargs)
+        llm = LLM(model_path, text_in_flight=False, **engine_kwargs)  # the client detokenizes
     except BaseException as e:  # noqa: BLE001 (reported to the client, which raises it)
         outbox.send(codec.encode([m.FAILED_TO_START, m.as_object(e)]))
         outbox.close()
@@ -64,20 +64,6 @@ def run_core(model_path: str, engine_kwargs: dict, in_addr: str, out_addr: str, 
         inbox.close(0)
         outbox.close()
         ctx.term()
-
-
-class CoreLLM(LLM):
-    """An LLM whose in-flight outputs carry no text and no metrics: the client detokenizes, and reads
-    metrics at the finish (LLM._output's in-flight text costs a detokenizer push per sequence per step,
-    on the process that steps). Finished outputs are LLM's own (the stop-string cut text)."""
-
-    def _output(self, req):
-        if req.finished:
-            return super()._output(req)
-        logprobs = req.params.logprobs is not None
-        return RequestOutput(req.request_id, req.prompt, req.prompt_ids,
-                             [CompletionOutput(s.index, "", s.output_token_ids, s.finish_reason, s.stop_reason,
-                                               s.logprobs if logprobs else None) for s in req.seqs], False)
 
 
 class CoreLoop:
@@ -237,14 +223,14 @@ class CoreLoop:
     def call_init_weights_update_group(self, **kw) -> None:
         from livemoe.engine.core.weight_sync import WeightReceiver
 
-        self.llm.refuse_tensor_parallel("init_weights_update_group")
+        self.llm.core.refuse_tensor_parallel("init_weights_update_group")
         self.receiver = WeightReceiver(**kw)
 
     def call_update_weights_from_distributed(self, names, dtypes, shapes, in_flight: str = "finish") -> int:
         receiver = getattr(self, "receiver", None)
         if receiver is None:
             raise RuntimeError("no weight-update group: POST /init_weights_update_group first")
-        device = self.llm.runner.device
+        device = self.llm.core.runner.device
         tensors = receiver.receive(names, dtypes, shapes, device)
         return self.call_update_weights(tensors, in_flight)
 
@@ -266,8 +252,8 @@ class CoreLoop:
         except WorkerError:  # a tensor-parallel worker is gone: this core cannot step any more (it exits)
             raise
         except Exception as e:  # noqa: BLE001 (a failed step: end what is in flight, keep serving)
-            log.exception("engine step failed; aborting %d request(s)", len(llm.requests))
-            for rid in list(llm.requests):
+            log.exception("engine step failed; aborting %d request(s)", len(llm.core.requests))
+            for rid in list(llm.core.requests):
                 llm.abort(rid)
                 self.failed[rid] = f"engine step failed: {e!r}"
             outputs = []

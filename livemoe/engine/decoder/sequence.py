@@ -86,3 +86,17 @@ class Sequence:
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, req={self.request_id!r}, len={len(self)}, "
                 f"computed={self.num_computed_tokens}, status={self.status.name})")
+
+
+class Request:
+    """One request in flight: its prompt and params and its n sequences."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
+                 seqs: list[Sequence]):
+        self.request_id, self.prompt, self.prompt_ids, self.params, self.seqs = request_id, prompt, prompt_ids, params, seqs
+        self.arrival_time = seqs[0].arrival_time
+        self.finish_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)

@@ -47,7 +47,7 @@ def run_worker(model_path, dtype, device, rank: int, size: int, dist_port: int, 
 def serve(rank, size, model_path, dtype, device, dist_port, plans, replies, parent_pid, config, max_model_len):
     import torch
 
-    from livemoe.engine.llm import DEFAULT_THREADS, apply_threads
+    from livemoe.engine.decoder.config import DEFAULT_THREADS, apply_threads
     from livemoe.engine.decoder.model_runner import ModelRunner
     from livemoe.engine.decoder.step_plan import StepPlan
 

@@ -35,9 +35,8 @@ import time
 
 import torch
 
-from livemoe.engine.decoder.config import EngineConfig
-from livemoe.engine.errors import EngineConfigError
-from livemoe.engine.errors import WorkerError
+from livemoe.engine.decoder.config import EngineConfig, resolve_max_model_len
+from livemoe.engine.errors import EngineConfigError, WorkerError
 from livemoe.engine.decoder.model_runner import ModelRunner
 from livemoe.engine.net import free_port
 from livemoe.engine.model.tensor_parallel import TensorParallel, check_tensor_parallel
@@ -295,6 +294,29 @@ class WorkerGroup:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 (a group whose peers died may not tear down cleanly)
                 log.warning("tensor-parallel process group: teardown failed", exc_info=True)
+
+
+def start_tensor_parallel(model_path: str, dtype, device, config: EngineConfig) -> tuple[torch.nn.Module, "WorkerGroup"]:
+    """Rank 0 of tensor_parallel_size ranks: checks what it can, starts the workers, loads its own shard while
+    they load theirs; (rank 0's shard, the workers)."""
+    import torch.distributed as dist
+
+    from livemoe.engine.model.config import load_config
+    from livemoe.engine.model.loader import resolve_device
+
+    mc = load_config(model_path)
+    device = resolve_device(device)
+    check_parallel_sizes(mc, config.tensor_parallel_size, config.enable_expert_parallel, device)
+    workers = WorkerGroup(model_path, dtype, device, config, resolve_max_model_len(config, mc),
+                          logging.getLogger().level)
+    try:
+        model = load_rank_model(model_path, dtype, rank_device(device, 0), 0, config.tensor_parallel_size,
+                                dist.group.WORLD, config.enable_expert_parallel)
+        workers.wait_ready()
+    except BaseException:
+        workers.close()
+        raise
+    return model, workers
 
 
 class DriverRunner(ModelRunner):

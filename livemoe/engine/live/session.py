@@ -59,7 +59,7 @@ class LiveSession:
                                      max_tokens=max_decision_chars(self.tasks, max_message_chars) + 1,
                                      **decision_constraint(self.tasks, max_message_chars))
         tok = llm.tokenizer
-        self.end_id = tok.eos_token_id if tok.eos_token_id is not None else min(llm.eos_token_ids)
+        self.end_id = tok.eos_token_id if tok.eos_token_id is not None else min(llm.core.eos_token_ids)
         self.system_ids = encode(tok, system_segment(system))
         self.ids: list = list(self.system_ids)  # the context as the model has it (what the next step extends)
         self.records: list = []  # per interval: (events text, decision token ids with the end token)
@@ -85,7 +85,7 @@ class LiveSession:
         t0 = time.perf_counter()
         text, prompt, compacted = self._prepare(events, t)
         rid = self._request_id()
-        bm = self.llm.block_manager
+        bm = self.llm.core.block_manager
         bm.pin_on_finish(rid, self)  # a dict entry the engine thread reads when the request finishes
         ids, parts, metrics = [], [], None
         try:
@@ -101,7 +101,7 @@ class LiveSession:
     def close(self, from_other_thread: bool = False) -> None:
         """Gives the session's pinned blocks back to the engine (they stay cached until evicted).
         from_other_thread: the engine runs in another thread (AsyncLLM): they go back at its next step."""
-        bm = self.llm.block_manager
+        bm = self.llm.core.block_manager
         if bm is not None:
             (bm.unpin_later if from_other_thread else bm.unpin)(self.pin)
         self.pin = None
@@ -166,7 +166,7 @@ class LiveSession:
         """Takes the decision in: its tokens join the context, its MEM note the memory."""
         ids = list(token_ids)
         completion_tokens = len(ids)
-        if not ids or ids[-1] not in self.llm.eos_token_ids:
+        if not ids or ids[-1] not in self.llm.core.eos_token_ids:
             ids.append(self.end_id)  # cut by max_tokens (the grammar leaves room, so only without one)
         try:
             d = parse_decision(out_text, self.tasks)
@@ -209,19 +209,19 @@ def step_sessions(llm, pairs) -> list:
         raise RequestError("step_sessions: every session must belong to this engine")
     t0 = time.perf_counter()
     prepared = [s._prepare(events, t) for s, events, t in pairs]
-    if llm.scheduler is None:
+    if llm.core.scheduler is None:
         llm.reserve_kv_cache()
     rids = []
     try:
         for s, (_, prompt, _) in zip(sessions, prepared):
             rid = s._request_id()
-            llm.block_manager.pin_on_finish(rid, s)
+            llm.core.block_manager.pin_on_finish(rid, s)
             rids.append(llm.add_request(prompt, s.params, request_id=rid))
-        outs = _run(llm, rids)
+        outs = llm.core.run_until_finished(rids)
     except BaseException:
         for s in sessions:
             rid = s._request_id()
-            llm.block_manager.cancel_pin_on_finish(rid)
+            llm.core.block_manager.cancel_pin_on_finish(rid)
             llm.abort(rid)
         raise
     latency = time.perf_counter() - t0
@@ -229,15 +229,3 @@ def step_sessions(llm, pairs) -> list:
                       compacted, latency)
             for s, (text, prompt, compacted), rid in zip(sessions, prepared, rids)]
 
-
-def _run(llm, request_ids: list) -> dict:
-    """Steps the engine until these requests finish; finished outputs of others wait for the caller's
-    next LLM.step() (LLM.generate's contract)."""
-    mine, results = set(request_ids), {}
-    while len(results) < len(mine):
-        for o in llm._step(finished_only=True):
-            if o.request_id in mine:
-                results[o.request_id] = o
-            else:
-                llm._pending.append(o)
-    return results

@@ -114,12 +114,12 @@ def stream(llm, prompt, params: SamplingParams | None = None, request_id: str | 
             for out in llm.step():
                 if out.request_id != request_id:
                     if out.finished:
-                        llm._pending.append(out)  # someone else's: the next step() returns it
+                        llm.core.pending.append(out)  # someone else's: the next step() returns it
                     continue
                 finished = out.finished
                 yield from deltas.feed(out)
-            if not finished and request_id not in llm.requests:
-                why = llm.failed.pop(request_id, None)
+            if not finished and request_id not in llm.core.requests:
+                why = llm.core.failed.pop(request_id, None)
                 if why is not None:  # the engine ended it (a fault of this request alone)
                     raise RequestFailedError(f"the engine ended request {request_id}: {why}")
                 return  # aborted from elsewhere

@@ -1,0 +1,399 @@
+"""EngineCore: the step loop. It owns the model runner, the scheduler and block manager, the sampler and the
+requests in flight; `add_request` queues a tokenized request (validated here, once), `step` runs one scheduled
+forward, samples, and returns the outputs the OutputProcessor assembles. Weight updates, sleep / wake and the KV
+cache's lifetime are here too, because they must not overlap a step.
+
+A step that fails because of one request (its row gives non-finite logits, or cannot be sampled or detokenized)
+ends that request alone (`take_failed()` says which, and why); the others go on. Cached prefixes are dropped when
+the weights change (any in-place update of a parameter bumps its version counter, which each step checks).
+"""
+import contextlib
+import logging
+import math
+import time
+import weakref
+from itertools import count
+
+import torch
+
+from livemoe.engine.decoder.block_manager import BlockManager
+from livemoe.engine.decoder.config import EngineConfig, resolve_max_model_len
+from livemoe.engine.decoder.input_processor import InputProcessor
+from livemoe.engine.decoder.model_runner import ModelRunner
+from livemoe.engine.decoder.output_processor import OutputProcessor
+from livemoe.engine.decoder.scheduler import Scheduler
+from livemoe.engine.decoder.sequence import Request, Sequence
+from livemoe.engine.errors import RequestError, RequestFailedError
+from livemoe.engine.model import flops
+from livemoe.engine.outputs import RequestOutput
+from livemoe.engine.sampling.params import SamplingParams
+from livemoe.engine.sampling.sampler import SampleResult, Sampler
+
+log = logging.getLogger(__name__)
+
+IN_FLIGHT_MODES = ("finish", "abort")  # update_weights / sleep: what happens to requests in flight
+
+
+class EngineCore:
+    def __init__(self, model: torch.nn.Module, tokenizer, config: EngineConfig, workers=None,
+                 text_in_flight: bool = True):
+        """workers: the tensor-parallel WorkerGroup when `model` is rank 0's shard (livemoe/engine/decoder/workers.py);
+        the core stops them at close(). text_in_flight: see OutputProcessor."""
+        self.model, self.tokenizer, self.config, self.workers = model, tokenizer, config, workers
+        if workers is not None:  # close(), garbage collection or exit stop them (the callback holds no core)
+            self._finalizer = weakref.finalize(self, workers.close)
+        mc = model.config
+        self.max_model_len = resolve_max_model_len(config, mc)
+        self.vocab_size = mc.vocab_size
+        self.eos_token_ids = set(mc.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(tokenizer.eos_token_id)
+        if workers is None:
+            self.runner = ModelRunner(model, config, self.max_model_len)
+        else:
+            from livemoe.engine.decoder.workers import DriverRunner  # the worker processes' side: only with them
+
+            self.runner = DriverRunner(model, config, self.max_model_len, workers)
+        self.sampler = Sampler(config.seed, self.eos_token_ids)
+        self.input_processor = InputProcessor(tokenizer, self.vocab_size, self.max_model_len, self.eos_token_ids)
+        self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len,
+                                                flops.decode_flops(mc, 1), text_in_flight)
+        self.block_manager: BlockManager | None = None
+        self.scheduler: Scheduler | None = None
+        self.requests: dict[str, Request] = {}
+        self.pending: list[RequestOutput] = []  # finished outside their caller's loop: the next step() returns them
+        self._ids = count()
+        self._params = list(model.parameters())
+        self._weights_version = self._param_version()
+        self.sleep_level = 0  # 0 awake; 1 the KV cache is freed; 2 also the weights moved to the host
+        self.num_steps = 0
+        self.num_prefix_cache_resets = 0
+        self.failed: dict[str, str] = {}  # request id -> why the engine ended it (see take_failed)
+        self.num_failed_requests = 0
+        self.num_nonfinite_logits_steps = 0
+        self.last_logits_finite = True  # whether the last step that sampled got finite logits on every row
+        self.reserve_kv_cache()
+
+    def close(self) -> None:
+        """Stops the tensor-parallel worker processes (if any); the engine cannot step after it."""
+        if self.workers is not None:
+            self._finalizer()
+
+    def refuse_tensor_parallel(self, what: str, instead: str = "restart the engine on the new checkpoint") -> None:
+        """What a multi-process engine does not do: a clear error naming it."""
+        n = self.config.tensor_parallel_size
+        if n > 1:
+            raise RuntimeError(f"{what} is not supported with tensor_parallel_size={n} (the weights live in {n} "
+                               f"processes): {instead}")
+
+    # -- KV cache lifetime --------------------------------------------------------------------------
+
+    def reserve_kv_cache(self, num_blocks: int | None = None) -> None:
+        """Allocates the KV cache (the configured budget unless num_blocks is given)."""
+        if self.runner.kv_cache is not None:
+            return
+        num_blocks = num_blocks or self.runner.budget_num_blocks()
+        self.runner.allocate_kv_cache(num_blocks)
+        self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens,
+                                   self.config.max_running_seqs_per_request)
+        self._weights_version = self._param_version()
+
+    def release_kv_cache(self) -> None:
+        """Frees the KV cache memory (e.g. for a training update); the next request brings it back."""
+        if self.requests:
+            raise RuntimeError(f"release_kv_cache: {len(self.requests)} request(s) in flight; finish or abort them")
+        self.runner.free_kv_cache()
+        self.block_manager = self.scheduler = None
+
+    @contextlib.contextmanager
+    def kv_cache_released(self):
+        self.release_kv_cache()
+        try:
+            yield
+        finally:
+            self.reserve_kv_cache()
+
+    def reset_prefix_cache(self) -> None:
+        if self.block_manager is not None:
+            self.block_manager.reset_prefix_cache()
+        self.num_prefix_cache_resets += 1
+
+    def _param_version(self) -> int:
+        return sum(p._version for p in self._params)
+
+    # -- requests -----------------------------------------------------------------------------------
+
+    def new_request_id(self) -> str:
+        """The next counter value that no request in flight uses (a caller may have chosen ids like "3")."""
+        while (rid := str(next(self._ids))) in self.requests:
+            pass
+        return rid
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """RequestError for a request this engine cannot serve as asked (it changes nothing)."""
+        if self.scheduler is None:
+            self.reserve_kv_cache()
+        self.input_processor.validate(prompt_ids, params, self.block_manager.num_blocks * self.config.block_size)
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
+                    validated: bool = False) -> None:
+        """Queues a tokenized request, validated first unless the caller just did (a bad one raises RequestError
+        and changes nothing)."""
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in flight")
+        if not validated:
+            self.validate(prompt_ids, params)
+        now = time.perf_counter()
+        seqs = [Sequence(prompt_ids, params, request_id, i, None if params.seed is None else params.seed + i, now)
+                for i in range(params.n)]
+        if params.structured is not None:
+            for seq in seqs:
+                seq.grammar = self.input_processor.grammars().state(params.structured, prompt_ids)
+        self.requests[request_id] = Request(request_id, prompt, prompt_ids, params, seqs)
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Stops a request and frees its blocks; False if it is not in flight."""
+        req = self.requests.pop(str(request_id), None)
+        if req is None:
+            return False
+        for seq in req.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def take_failed(self) -> dict[str, str]:
+        """The requests the engine ended because of a fault of their own since the last call, and why
+        (they get no further output)."""
+        failed, self.failed = self.failed, {}
+        return failed
+
+    def run_until_finished(self, request_ids: list[str], on_finished=None) -> dict[str, RequestOutput]:
+        """Steps until these requests finish; their final outputs by id (on_finished(output) is called for each as
+        it comes). Others' finished outputs wait for the next step(). RequestFailedError if the engine ended one
+        of them."""
+        mine, results = set(request_ids), {}
+        while len(results) < len(mine):
+            for o in self.step(finished_only=True):
+                if o.request_id in mine:
+                    results[o.request_id] = o
+                    if on_finished is not None:
+                        on_finished(o)
+                else:
+                    self.pending.append(o)  # someone else's: the next step() returns it
+            mine_failed = [f"{rid}: {self.failed.pop(rid)}" for rid in request_ids if rid in self.failed]
+            if mine_failed:
+                raise RequestFailedError("the engine ended request(s) " + "; ".join(mine_failed))
+        return results
+
+    # -- the loop -----------------------------------------------------------------------------------
+
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """Runs one scheduled step; returns an output for each request that got tokens or finished (cumulative;
+        `finished` says whether it is the last), or with finished_only only for those that finished."""
+        pending, self.pending = self.pending, []
+        if not self.requests:
+            return pending
+        version = self._param_version()
+        if version != self._weights_version:
+            self._weights_version = version
+            self.reset_prefix_cache()
+        out = self.scheduler.schedule()
+        if not out.seqs:
+            raise RuntimeError("scheduler found nothing to run although requests are waiting (KV cache too small?)")
+        was_training = self.model.training
+        if was_training:  # a trainer's module: decode in eval mode, hand it back as it came
+            self.model.eval()
+        try:
+            logits, sampling = self.runner.run(out)
+        finally:
+            if was_training:
+                self.model.train()
+        self.scheduler.update_computed(out)
+        self.num_steps += 1
+        seqs = self._drop_nonfinite_rows([out.seqs[i] for i in sampling], logits)
+        for seq in seqs:
+            if seq.generator is None and seq.seed is not None:
+                try:
+                    seq.generator = torch.Generator(device=logits.device).manual_seed(seq.seed)
+                except Exception as e:  # noqa: BLE001 (one request's seed: fail it alone)
+                    self._fail(seq.request_id, f"its generator could not be seeded with {seq.seed}: {e!r}")
+        seqs, result = self._sample(logits, seqs)
+        return pending + self._advance(seqs, result, finished_only)
+
+    def _advance(self, seqs: list[Sequence], result: SampleResult, finished_only: bool) -> list[RequestOutput]:
+        """Appends the sampled tokens, ends the sequences they stop; the outputs of the requests to report: every
+        sampled one, or (finished_only) only those a finishing sequence completes."""
+        now = time.perf_counter()
+        touched: dict[str, Request] = {}
+        for seq, token, lp in zip(seqs, result.token_ids, result.logprobs):
+            if seq.request_id not in self.requests:
+                continue  # failed earlier in this step (another of its n samples)
+            seq.append_token(token, now)
+            if seq.grammar is not None:
+                seq.grammar.advance([token])
+            if lp is not None:
+                seq.logprobs.append(lp)
+            try:
+                self.output_processor.check_stop(seq)
+            except Exception as e:  # noqa: BLE001 (e.g. its stop strings could not be detokenized)
+                self._fail(seq.request_id, f"checking its stop conditions failed: {e!r}")
+                continue
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
+                touched[seq.request_id] = self.requests[seq.request_id]
+            elif not finished_only:
+                touched[seq.request_id] = self.requests[seq.request_id]
+        outputs = []
+        for req in touched.values():
+            if req.finished:
+                req.finish_time = now
+                del self.requests[req.request_id]
+                outputs.append(self.output_processor.make_output(req))
+            elif not finished_only:
+                outputs.append(self.output_processor.make_output(req))
+        return outputs
+
+    # -- faults of one request ----------------------------------------------------------------------
+
+    def _drop_nonfinite_rows(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Sequence]:
+        """Fails the requests whose logits hold NaN or +inf (sampling them would pick garbage) and counts
+        the step (`stats()["last_logits_finite"]`: /health reports a model that produces them). A max
+        propagates NaN and shows +inf: one over the batch on the hot path (~2 us), per row only if it fails."""
+        if not seqs:
+            return seqs
+        self.last_logits_finite = math.isfinite(logits.amax().item())
+        if self.last_logits_finite:
+            return seqs
+        bad = (~torch.isfinite(logits.amax(-1))).nonzero()[:, 0].tolist()
+        self.num_nonfinite_logits_steps += 1
+        for i in bad:
+            self._fail(seqs[i].request_id, "the model produced non-finite logits (NaN or inf) for it")
+        log.error("step %d: the model produced non-finite logits for %d of %d rows", self.num_steps, len(bad),
+                  len(seqs))
+        return [seq for seq in seqs if seq.request_id in self.requests]
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[Sequence], SampleResult]:
+        """The batch sampled at once; if that fails, row by row, so only the rows that fail lose their request."""
+        rows = [i for i, seq in enumerate(seqs) if seq.request_id in self.requests]
+        if len(rows) < len(seqs):
+            seqs, logits = [seqs[i] for i in rows], logits[rows]
+        try:
+            return seqs, self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs], seqs)
+        except Exception:  # noqa: BLE001
+            log.exception("sampling a batch of %d rows failed; sampling them one by one", len(seqs))
+        kept, tokens, logprobs = [], [], []
+        for i, seq in enumerate(seqs):
+            if seq.request_id not in self.requests:
+                continue
+            try:
+                r = self.sampler(logits[i:i + 1], [seq.params], [seq.generator], [seq])
+            except Exception as e:  # noqa: BLE001
+                self._fail(seq.request_id, f"sampling failed: {e!r}")
+                continue
+            kept.append(seq)
+            tokens += r.token_ids
+            logprobs += r.logprobs
+        return kept, SampleResult(tokens, logprobs)
+
+    def _fail(self, request_id: str, why: str) -> None:
+        if self.abort(request_id):
+            log.error("request %s failed: %s", request_id, why)
+            self.failed[request_id] = why
+            self.num_failed_requests += 1
+
+    # -- weights and memory (rollout servers for RL: livemoe/engine/core) ----------------------------------
+
+    def settle_in_flight(self, in_flight: str, why: str) -> None:
+        """Requests in flight before the weights change: "finish" runs them to the end on the old weights
+        (their outputs are kept for the next step()), "abort" ends each (take_failed() says why)."""
+        if in_flight not in IN_FLIGHT_MODES:
+            raise ValueError(f"in_flight must be one of {IN_FLIGHT_MODES}, got {in_flight!r}")
+        if in_flight == "abort":
+            for rid in list(self.requests):
+                self._fail(rid, f"aborted: {why}")
+            return
+        finished = []
+        while self.requests:
+            finished += [o for o in self.step() if o.finished]
+        self.pending += finished
+
+    def update_weights(self, named_tensors, in_flight: str = "finish") -> int:
+        """Copies (name, tensor) pairs into the loaded parameters in place (hub or engine names, any
+        subset; checked whole before the first copy: CheckpointError and the old weights stay), then
+        drops the cached prefixes. Returns the number of tensors copied."""
+        from livemoe.engine.model.weights import copy_weights  # safetensors reading: only for updates
+
+        self.refuse_tensor_parallel("update_weights")
+        named_tensors = list(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
+        self.settle_in_flight(in_flight, "the weights were updated")
+        return self._weights_changed(copy_weights(self.model, named_tensors))
+
+    def update_weights_from_disk(self, model_path: str, in_flight: str = "finish") -> int:
+        """update_weights with every tensor of a checkpoint of the same architecture."""
+        from livemoe.engine.model.weights import copy_weights_from_disk
+
+        self.refuse_tensor_parallel("update_weights_from_disk")
+        self.settle_in_flight(in_flight, "the weights were updated")
+        return self._weights_changed(copy_weights_from_disk(self.model, model_path))
+
+    def _weights_changed(self, num_copied: int) -> int:
+        self.reset_prefix_cache()
+        self._weights_version = self._param_version()
+        return num_copied
+
+    def sleep(self, level: int = 1, in_flight: str = "abort") -> None:
+        """Frees the KV cache (level 1) and moves the weights to host memory (level 2; on a CPU device they
+        are there already); wake_up() brings them back. Requests in flight end as `in_flight` says."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        if self.sleep_level:
+            raise RuntimeError(f"the engine is asleep already (level {self.sleep_level})")
+        if level == 2:
+            self.refuse_tensor_parallel("sleep(level=2)", "sleep(level=1) frees every rank's KV cache")
+        self.settle_in_flight(in_flight, "the engine was put to sleep")
+        self.release_kv_cache()
+        if level == 2 and self.runner.device.type != "cpu":
+            with torch.no_grad():
+                for p in self._params:
+                    p.data = p.data.to("cpu", non_blocking=True).pin_memory()
+        self.sleep_level = level
+
+    def wake_up(self) -> None:
+        if self.sleep_level == 2 and self.runner.device.type != "cpu":
+            with torch.no_grad():
+                for p in self._params:
+                    p.data = p.data.to(self.runner.device, non_blocking=True)
+        self.sleep_level = 0
+        self.reserve_kv_cache()
+
+    # -- introspection ------------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        bm, sched = self.block_manager, self.scheduler
+        return dict(
+            num_requests=len(self.requests),
+            num_running=len(sched.running) if sched else 0,
+            num_waiting=len(sched.waiting) if sched else 0,
+            kv_blocks_total=bm.num_blocks if bm else 0,
+            kv_blocks_used=bm.num_used_blocks if bm else 0,
+            prefix_cache_queries=bm.stats.queries if bm else 0,
+            prefix_cache_hits=bm.stats.hits if bm else 0,
+            prefix_cache_hit_rate=bm.stats.hit_rate if bm else 0.0,
+            recompute_hits=bm.stats.recompute_hits if bm else 0,
+            num_preemptions=sched.num_preemptions if sched else 0,
+            num_eager_fallbacks=self.runner.num_eager_fallbacks,
+            num_graph_replays=self.runner.num_graph_replays,
+            num_steps=self.num_steps,
+            num_failed_requests=self.num_failed_requests,
+            num_nonfinite_logits_steps=self.num_nonfinite_logits_steps,
+            last_logits_finite=self.last_logits_finite,
+            tensor_parallel_size=self.config.tensor_parallel_size,  # the parallel layout (/metrics)
+            expert_parallel=self.config.enable_expert_parallel,
+        )
