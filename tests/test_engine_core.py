@@ -150,19 +150,19 @@ def test_rest_of_burst_waits_for_arrivals_within_the_gap(monkeypatch):
         return thread
 
     def add(i):
-        return [m.ADD, f"r{i}", [1, 2], None]
+        return m.AddRequest(f"r{i}", [1, 2], SamplingParams())
 
     try:
         monkeypatch.setattr(proc, "BURST_GAP_MS", 50)
         monkeypatch.setattr(proc, "BURST_MAX_MS", 5000)
         t0 = time.monotonic()
         sender = send([add(i) for i in range(4)], 0.01)  # the first comes while it waits, the others follow
-        assert [c[1] for c in loop._rest_of_burst(poller)] == ["r0", "r1", "r2", "r3"]
+        assert [c.request_id for c in loop._rest_of_burst(poller)] == ["r0", "r1", "r2", "r3"]
         assert time.monotonic() - t0 < 1.0  # it returned after one quiet gap, not at BURST_MAX_MS
         sender.join()
-        sender = send([add(4), [m.ABORT, ["r4"]], add(5)], 0.01)
+        sender = send([add(4), m.Abort(["r4"]), add(5)], 0.01)
         got = loop._rest_of_burst(poller)  # the abort ends the wait; r5 may have come with it or not
-        assert [c[0] for c in got][:2] == [m.ADD, m.ABORT] and len(got) <= 3
+        assert [type(c) for c in got][:2] == [m.AddRequest, m.Abort] and len(got) <= 3
         sender.join()
         loop._drain()
         monkeypatch.setattr(proc, "BURST_MAX_MS", 60)
@@ -172,7 +172,6 @@ def test_rest_of_burst_waits_for_arrivals_within_the_gap(monkeypatch):
         assert 0 < len(got) < 20 and time.monotonic() - t0 < 0.3  # cut at BURST_MAX_MS
         sender.join()
     finally:
-        loop.worker.shutdown()
         push.close(0)
         pull.close(0)
         ctx.term()

@@ -1,417 +1,71 @@
-"""The client side of the engine cores: starts N core processes (livemoe.engine.core.proc), routes each request
-to one (livemoe.engine.core.router), turns the cores' token deltas back into cumulative RequestOutputs for the
-streams (which detokenize: livemoe.engine.text.streaming.OutputDeltas), and forwards calls (weight updates, sleep).
+"""EngineCoreClient: what AsyncLLM asks of the engine, whichever core runs it (vLLM v1's EngineCoreClient):
 
-One reader thread receives from every core (zmq waits without the GIL) and hands each step's outputs
-to the callers' event loops, as AsyncLLM's engine thread does. Sends come from any thread, under a lock.
+- InprocClient (inproc.py): one engine thread in this process over an LLM; a trainer's module can be shared;
+- MPClient (mp_client.py): N engine-core processes (data-parallel replicas), ZeroMQ and msgpack, a router.
 
-A core that dies (its process exits, or is killed) ends its requests and calls with EngineDeadError at
-once: the reader checks the processes whenever no message came for POLL_MS. `on_death` (the server's
-policy: exit, or restart the replica) is called on the reader thread.
+Both speak the one command protocol (service.py): requests are tokenized by the caller and validated by the core;
+each step's outputs go to the callers' event loops as they are made; a request the engine ends on its own ends
+its stream with EngineError, and a core that stops ends its requests with EngineDeadError.
 """
 import concurrent.futures
-import logging
-import multiprocessing
-import os
-import queue
-import shutil
-import tempfile
-import threading
-import time
-from itertools import count
+from abc import ABC, abstractmethod
 
-from livemoe.engine.core.delivery import deliver, settle
-from livemoe.engine.decoder.output_processor import final_text
-from livemoe.engine.errors import CoreDeadError, EngineDeadError, EngineError
-from livemoe.engine.core import messages as m
-from livemoe.engine.core.router import Router
-from livemoe.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-
-log = logging.getLogger("livemoe.engine.core")
-
-POLL_MS = 100  # the longest a dead core goes unnoticed
-START_TIMEOUT_S = 600.0  # loading a large checkpoint
+from livemoe.engine.sampling.params import SamplingParams
 
 
-class Replica:
-    """One core process and its sockets."""
-
-    def __init__(self, index: int, ctx, ipc_dir: str, model_path: str, engine_kwargs: dict, env: dict, log_level,
-                 generation: int = 0):
-        import zmq
-
-        self.index = index
-        self.to_core, self.from_core = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-        in_addr, out_addr = f"ipc://{ipc_dir}/in{index}.{generation}", f"ipc://{ipc_dir}/out{index}.{generation}"
-        self.to_core.bind(in_addr)
-        self.from_core.bind(out_addr)
-        self.to_core.setsockopt(zmq.LINGER, 0)
-        self.from_core.setsockopt(zmq.LINGER, 0)
-        spawn = multiprocessing.get_context("spawn")
-        from livemoe.engine.core.proc import run_core
-
-        self.process = spawn.Process(target=run_core, name=f"livemoe-core{index}", daemon=True,
-                                     args=(model_path, engine_kwargs, in_addr, out_addr, index, os.getpid(), log_level))
-        with _ENV_LOCK:  # the child reads CUDA_VISIBLE_DEVICES at its first import of torch
-            saved = {k: os.environ.get(k) for k in env}
-            os.environ.update(env)
-            try:
-                self.process.start()
-            finally:
-                for k, v in saved.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
-        self.stats: dict = {}
-        self.info: dict = {}
-        self.error: BaseException | None = None
-        self.reported = False  # its death was handled
-        self.send_lock = threading.Lock()
+class EngineCoreClient(ABC):
+    tokenizer = None
+    max_model_len: int
+    block_size: int
+    llm = None  # the engine's LLM when it runs in this process (InprocClient), else None
 
     @property
-    def alive(self) -> bool:
-        return self.error is None
+    @abstractmethod
+    def num_replicas(self) -> int:
+        """Data-parallel replicas (1 in a thread)."""
 
-    def send(self, codec: m.Codec, message) -> None:
-        import zmq
+    @abstractmethod
+    def check_alive(self) -> None:
+        """EngineDeadError if no replica can take a request."""
 
-        data = codec.encode(message)
-        with self.send_lock:
-            try:
-                self.to_core.send(data)
-            except zmq.ZMQError as e:  # closed by a shutdown meanwhile
-                raise EngineDeadError(f"engine core {self.index}: {self.error or e}") from None
+    @abstractmethod
+    def add(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
+            stream) -> concurrent.futures.Future:
+        """Sends a tokenized request; the future settles when the core accepted it (the stream then gets its
+        outputs) or refused it (RequestError, EngineSleepingError, EngineDeadError: the caller raises it)."""
 
-    def close(self, timeout: float) -> None:
-        self.process.join(timeout)
-        if self.process.is_alive():
-            log.warning("engine core %d did not stop within %.0f s; terminating it", self.index, timeout)
-            self.process.terminate()
-            self.process.join(5)
-            if self.process.is_alive():
-                self.process.kill()
-                self.process.join(5)
-        self.to_core.close(0)
-        self.from_core.close(0)
-
-
-_ENV_LOCK = threading.Lock()
-
-
-class Tracked:
-    """A request in flight: its replica, its stream, and its cumulative output."""
-
-    __slots__ = ("replica", "stream", "params", "output", "accepted")
-
-    def __init__(self, replica: int, stream, params, output: RequestOutput, accepted: concurrent.futures.Future):
-        self.replica, self.stream, self.params, self.output, self.accepted = replica, stream, params, output, accepted
-
-
-class CoreClient:
-    def __init__(self, model_path: str, engine_kwargs: dict, tokenizer, num_replicas: int = 1,
-                 devices: list[str] | None = None, on_death=None, log_level: int = logging.WARNING):
-        import zmq
-
-        if num_replicas < 1:
-            raise ValueError(f"data_parallel_size must be >= 1, got {num_replicas}")
-        self.model_path, self.engine_kwargs, self.tokenizer = model_path, engine_kwargs, tokenizer
-        self.devices, self.on_death, self.log_level = devices, on_death, log_level
-        self.codec = m.Codec()  # the reader thread's (decode)
-        self.send_codec = m.Codec()
-        self.ctx = zmq.Context(1)
-        self.ipc_dir = tempfile.mkdtemp(prefix="livemoe-core-")  # 0700: only this user reaches the sockets
-        self.replicas: list[Replica] = []
-        self.tracked: dict[str, Tracked] = {}
-        self.calls: dict[int, tuple[int, concurrent.futures.Future]] = {}
-        self.call_ids = count()
-        self.lock = threading.Lock()  # tracked, calls and the router, between callers and the reader
-        self.stopping = False
-        self.restarts: queue.SimpleQueue = queue.SimpleQueue()  # replicas the reader thread is to restart
-        self.generations = [0] * num_replicas
-        try:
-            for i in range(num_replicas):
-                self.replicas.append(self._spawn(i))
-            for r in self.replicas:
-                self._wait_ready(r)
-        except BaseException:
-            self._close_all(timeout=5)
-            raise
-        info = self.replicas[0].info
-        self.max_model_len, self.block_size = info["max_model_len"], info["block_size"]
-        self.router = Router(num_replicas, self.block_size)
-        self.reader = threading.Thread(target=self._read, name="livemoe-core-reader", daemon=True)
-        self.reader.start()
-
-    def _spawn(self, i: int) -> Replica:
-        env = {}
-        if self.devices is not None:
-            env["CUDA_VISIBLE_DEVICES"] = self.devices[i]
-        return Replica(i, self.ctx, self.ipc_dir, self.model_path, self.engine_kwargs, env, self.log_level,
-                       self.generations[i])
-
-    def _wait_ready(self, r: Replica) -> None:
-        import zmq
-
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not r.from_core.poll(POLL_MS, zmq.POLLIN):
-            if not r.process.is_alive():
-                raise CoreDeadError(f"engine core {r.index} exited while starting (exit code {r.process.exitcode})")
-            if time.monotonic() > deadline:
-                raise CoreDeadError(f"engine core {r.index} did not start within {START_TIMEOUT_S:.0f} s")
-        kind, payload = self.codec.decode(r.from_core.recv())
-        self._started(r, kind, payload)
-        if r.error is not None:
-            raise r.error  # the core's own error (a bad option or checkpoint: its message says what)
-
-    @staticmethod
-    def _started(r: Replica, kind: str, payload) -> None:
-        if kind == m.FAILED_TO_START:
-            r.error = payload
-            return
-        assert kind == m.READY, kind
-        r.info, r.stats, r.error = payload, payload["stats"], None
-
-    # -- the callers' side --------------------------------------------------------------------------
-
-    @property
-    def alive(self) -> list[bool]:
-        return [r.alive for r in self.replicas]
-
-    def add(self, request_id: str, prompt_text, prompt_ids: list[int], params, stream) -> concurrent.futures.Future:
-        """Sends a request to a replica; the future settles when the core accepted or refused it."""
-        from livemoe.engine.errors import RequestError
-
-        accepted: concurrent.futures.Future = concurrent.futures.Future()
-        with self.lock:
-            if request_id in self.tracked:
-                raise RequestError(f"request id {request_id!r} is already in flight")
-            alive = self.alive
-            if not any(alive) or self.stopping:
-                raise EngineDeadError(f"every engine core has stopped: {self.replicas[0].error}")
-            r = self.router.pick(prompt_ids, alive)
-            output = RequestOutput(request_id, prompt_text, prompt_ids, [CompletionOutput(i, "", [], None, None, None)
-                                                                        for i in range(params.n)], False)
-            self.tracked[request_id] = Tracked(r, stream, params, output, accepted)
-            self.router.add(request_id, r, prompt_ids, len(prompt_ids) + params.n * params.max_tokens)
-            # sent under the lock, so an abort from another thread cannot overtake it
-            self.replicas[r].send(self.send_codec, [m.ADD, request_id, prompt_ids, m.as_object(params)])
-        return accepted
-
+    @abstractmethod
     def abort(self, request_id: str) -> None:
-        with self.lock:
-            t = self.tracked.pop(request_id, None)
-            self.router.remove(request_id)
-            if t is not None and self.replicas[t.replica].alive:
-                try:
-                    self.replicas[t.replica].send(self.send_codec, [m.ABORT, [request_id]])
-                except RuntimeError:  # EngineDeadError: a core that is gone has nothing to abort
-                    pass
+        """Stops a request (a no-op once it finished); safe from any thread."""
 
+    @abstractmethod
     def call(self, method: str, *args, replicas: list[int] | None = None, **kwargs) -> list[concurrent.futures.Future]:
-        """Calls CoreLoop.call_<method> on the replicas (all by default); one future per replica."""
-        futures = []
-        for i in range(len(self.replicas)) if replicas is None else replicas:
-            r, future = self.replicas[i], concurrent.futures.Future()
-            futures.append(future)
-            if not r.alive:
-                future.set_exception(EngineDeadError(f"engine core {i} has stopped: {r.error}"))
-                continue
-            with self.lock:
-                call_id = next(self.call_ids)
-                self.calls[call_id] = (i, future)
-            r.send(self.send_codec, [m.CALL, call_id, method, m.as_object((args, kwargs))])
-        return futures
+        """CoreService.call_<method> on the replicas (all by default), one future per replica."""
 
+    @abstractmethod
+    def compile_grammar(self, spec, field: str = "structured") -> None:
+        """Compiles (and caches) an output constraint where the engine runs; RequestError if bad. Blocking."""
+
+    @abstractmethod
     def stats(self) -> list[dict]:
-        return [dict(r.stats) for r in self.replicas]
+        """Each replica's LLM.stats() (and sleep_level) as of its last turn: a snapshot, safe from any thread."""
 
-    def shutdown(self, timeout: float = 10.0) -> None:
-        if self.stopping:
-            return
-        self.stopping = True
-        for r in self.replicas:
-            if r.alive:
-                try:
-                    r.send(self.send_codec, [m.STOP])
-                except Exception:  # noqa: BLE001 (a socket already gone)
-                    pass
-        error = EngineDeadError("the engine was shut down")
-        with self.lock:  # no send after this: the sockets close
-            for r in self.replicas:
-                r.error = r.error or error
-        self.reader.join(timeout)
-        self._close_all(timeout)
-        self._fail_replicas(range(len(self.replicas)), error)
+    @abstractmethod
+    def errors(self) -> list[BaseException | None]:
+        """Each replica's reason for having stopped (EngineDeadError after shutdown), or None while it serves."""
 
-    def _close_all(self, timeout: float) -> None:
-        for r in self.replicas:
-            r.close(timeout)
-        self.ctx.term()
-        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+    @abstractmethod
+    def shutdown(self, timeout: float) -> None:
+        """Stops the engine; requests in flight end with EngineDeadError."""
 
-    # -- the reader thread ----------------------------------------------------------------------------
+    def core_pids(self) -> list[int]:
+        """The engine-core processes' ids (none in a thread)."""
+        return []
 
-    def _read(self) -> None:
-        try:
-            self._read_loop()
-        except BaseException as e:  # noqa: BLE001 (a bug here must not leave callers waiting forever)
-
-            log.exception("the engine client's reader thread failed")
-            error = EngineDeadError(f"the engine client failed: {e!r}")
-            for r in self.replicas:
-                r.error = r.error or error
-            self._fail_replicas(range(len(self.replicas)), error)
-            if self.on_death is not None:
-                self.on_death(-1, error)
-
-    def _read_loop(self) -> None:
-        import zmq
-
-        poller = zmq.Poller()
-        sockets = {}
-        for r in self.replicas:
-            poller.register(r.from_core, zmq.POLLIN)
-            sockets[r.from_core] = r
-        last_check = time.monotonic()
-        while not self.stopping:
-            while not self.restarts.empty():
-                self._restart_now(self.restarts.get(), poller, sockets)
-            try:
-                ready = poller.poll(POLL_MS)
-            except zmq.ZMQError:  # the context was closed by shutdown
-                return
-            for sock, _ in ready:
-                r = sockets[sock]
-                while True:
-                    try:
-                        data = sock.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    except zmq.ZMQError:
-                        return
-                    message = self.codec.decode(data)
-                    if message[0] in (m.READY, m.FAILED_TO_START):  # a restarted core
-                        self._started(r, *message)
-                        log.warning("engine core %d restarted: %s", r.index, r.error or "ready")
-                    else:
-                        self._dispatch(r, message)
-            if time.monotonic() - last_check >= POLL_MS / 1000:  # also under a stream of messages from others
-                last_check = time.monotonic()
-                self._check_processes()
-
-    def _check_processes(self) -> None:
-        for r in self.replicas:
-            if not r.process.is_alive() and not self.stopping and not r.reported:
-                r.reported = True
-                r.error = EngineDeadError(f"engine core {r.index} (pid {r.process.pid}) died with exit code "
-                                          f"{r.process.exitcode}")
-                log.error("%s; failing its requests", r.error)
-                self._fail_replicas([r.index], r.error)
-                if self.on_death is not None:
-                    self.on_death(r.index, r.error)
+    def served_per_replica(self) -> list[int]:
+        """Requests routed to each replica so far (a thread has no router)."""
+        return [0]
 
     def restart(self, index: int) -> None:
-        """Starts a fresh core for a dead replica (the server's restart policy); it serves once ready."""
-        self.restarts.put(index)
-
-    def _restart_now(self, index: int, poller, sockets) -> None:
-        old = self.replicas[index]
-        if old.alive:
-            return
-        poller.unregister(old.from_core)
-        del sockets[old.from_core]
-        old.close(timeout=5)
-        self.generations[index] += 1
-        new = self._spawn(index)
-        new.error = EngineDeadError(f"engine core {index} is restarting")
-        self.replicas[index] = new
-        poller.register(new.from_core, 1)  # zmq.POLLIN
-        sockets[new.from_core] = new
-
-    def _fail_replicas(self, indices, error: BaseException) -> None:
-        indices = set(indices)
-        with self.lock:
-            doomed = [(rid, t) for rid, t in self.tracked.items() if t.replica in indices]
-            for rid, _ in doomed:
-                del self.tracked[rid]
-                self.router.remove(rid)
-            calls = [(cid, f) for cid, (i, f) in self.calls.items() if i in indices]
-            for cid, _ in calls:
-                del self.calls[cid]
-        for i in indices:
-            self.router.forget(i)
-        for _, t in doomed:
-            settle(t.accepted, error)
-        deliver([(t.stream, error) for _, t in doomed])
-        for _, f in calls:
-            settle(f, error)
-
-    def _dispatch(self, r: Replica, message: list) -> None:
-        kind = message[0]
-        if kind == m.OUTPUTS:
-            _, deltas, accepted, rejected, failed, r.stats = message
-            self._on_outputs(deltas, accepted, rejected, failed)
-        elif kind == m.RETURN:
-            _, call_id, ok, result, r.stats = message
-            with self.lock:
-                entry = self.calls.pop(call_id, None)
-            if entry is not None:
-                entry[1].set_result(result) if ok else settle(entry[1], result)
-        else:
-            raise AssertionError(f"unknown engine-core message {kind!r}")
-
-    def _on_outputs(self, deltas, accepted, rejected, failed) -> None:
-        with self.lock:
-            for rid in accepted:
-                t = self.tracked.get(rid)
-                if t is not None and not t.accepted.done():
-                    t.accepted.set_result(None)
-            for rid, error in rejected:
-                t = self.tracked.pop(rid, None)
-                self.router.remove(rid)
-                if t is not None:
-                    settle(t.accepted, error)
-            updates, ended = [], []
-            for rid, completions, metrics in deltas:
-                t = self.tracked.get(rid)
-                if t is None:
-                    continue  # aborted meanwhile
-                new_tokens = self._apply_delta(t, completions, metrics)
-                self.router.progress(rid, new_tokens)
-                if metrics is not None:
-                    del self.tracked[rid]
-                    self.router.remove(rid)
-                updates.append((t.stream, _snapshot(t.output)))
-            for rid, why in failed.items():
-                t = self.tracked.pop(rid, None)
-                self.router.remove(rid)
-                if t is not None:
-                    ended.append((t.stream, EngineError(f"request {rid} failed: {why}")))
-                    settle(t.accepted, EngineError(f"request {rid} failed: {why}"))
-        deliver(updates + ended, lambda stream, _: self.abort(stream.request_id))  # a closed loop: nobody reads
-
-    def _apply_delta(self, t: Tracked, completions, metrics) -> int:
-        out, new_tokens = t.output, 0
-        for index, ids, lps, finish_reason, stop_reason, text in completions:
-            c = out.outputs[index]
-            c.token_ids.extend(ids)
-            new_tokens += len(ids)
-            if lps is not None:
-                c.logprobs = (c.logprobs or []) + lps
-            if finish_reason is not None:
-                c.finish_reason, c.stop_reason = finish_reason, stop_reason
-                c.text = text if text is not None else final_text(self.tokenizer, c.token_ids, finish_reason, stop_reason,
-                                                                    t.params.skip_special_tokens)
-        if metrics is not None:
-            out.finished = True
-            out.metrics = RequestMetrics(*metrics)
-        return new_tokens
-
-
-def _snapshot(out: RequestOutput) -> RequestOutput:
-    """What OutputDeltas reads, frozen at this step (the lists keep growing on the reader thread)."""
-    return RequestOutput(out.request_id, out.prompt, out.prompt_token_ids,
-                         [CompletionOutput(c.index, c.text, c.token_ids[:], c.finish_reason, c.stop_reason,
-                                           None if c.logprobs is None else c.logprobs[:]) for c in out.outputs],
-                         out.finished, out.metrics)
+        """Starts a fresh engine core for a dead replica."""
+        raise RuntimeError("an engine in a thread cannot be restarted: make a new AsyncLLM")

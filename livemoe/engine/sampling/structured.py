@@ -47,9 +47,9 @@ class StructuredOutput:
     json: dict | str | None = None
     json_object: bool = False
     regex: str | None = None
-    choice: tuple[str, ...] | list[str] | None = None
+    choice: tuple[str, ...] | None = None  # a list is accepted (and kept as a tuple)
     grammar: str | None = None
-    tool_call: tuple | list | None = None
+    tool_call: tuple[dict, ...] | None = None  # a list is accepted (and kept as a tuple)
     think_tokens: tuple[int, int] | None = None  # (<think>, </think>) ids: constrain only the answer
 
     def __post_init__(self):

@@ -1,0 +1,186 @@
+"""CoreService: the one command protocol of an engine core, over an LLM. Both cores drive it: the in-thread one
+(livemoe/engine/core/inproc.py) and the process one (proc.py); they differ only in how commands arrive and
+where what happened goes.
+
+    apply([AddRequest | Abort | Call | Stop])  between steps, in order
+    poll()                                    finished worker calls; a held weight update once nothing is in flight
+    step()                                    one engine step; a failed step ends what is in flight, the core goes on
+    take()                                    what happened since: accepted / rejected adds, outputs, failed requests,
+                                              call results
+
+Calls (`Call.method`, run as `call_<method>`): grammar compiles run on a worker thread (a slow compile does not
+stall the steps) and answer when done; weight updates, sleep and wake_up run between steps. A weight update with
+in_flight="finish" waits until the requests in flight end (the steps go on; commands after it wait behind it, so it
+cannot starve), then applies.
+"""
+import logging
+import queue
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from livemoe.engine.core import messages as m
+from livemoe.engine.errors import EngineSleepingError, WorkerError
+from livemoe.engine.outputs import RequestOutput
+
+log = logging.getLogger("livemoe.engine.core")
+
+CALLS_ON_WORKER = {"compile_grammar"}  # no engine state touched: off the step loop
+
+
+@dataclass
+class Events:
+    accepted: list[str] = field(default_factory=list)
+    rejected: list[tuple[str, BaseException]] = field(default_factory=list)
+    outputs: list[RequestOutput] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)  # request id -> why the engine ended it
+    returns: list[tuple[int, bool, Any]] = field(default_factory=list)  # (call id, ok, result or exception)
+
+    def __bool__(self) -> bool:
+        return bool(self.accepted or self.rejected or self.outputs or self.failed or self.returns)
+
+
+class CoreService:
+    def __init__(self, llm):
+        self.llm = llm
+        self.events = Events()
+        self.held: list = []  # commands waiting behind a weight update that lets requests finish
+        self.waiting_call: m.Call | None = None  # that update
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="livemoe-core-worker")
+        self.worker_done: queue.SimpleQueue = queue.SimpleQueue()  # (call id, ok, result) from the worker
+        self.worker_busy = 0
+        self.receiver = None  # the weight-update group's receiver (init_weights_update_group)
+
+    def busy(self) -> bool:
+        """Whether the core has work without a new command: requests in flight, or calls to finish."""
+        return self.llm.has_unfinished_requests() or bool(self.worker_busy) or self.waiting_call is not None
+
+    def take(self) -> Events:
+        events, self.events = self.events, Events()
+        return events
+
+    def stats(self) -> dict:
+        return dict(self.llm.stats(), sleep_level=self.llm.sleep_level)
+
+    def close(self) -> None:
+        self.worker.shutdown(wait=False, cancel_futures=True)
+
+    # -- commands -----------------------------------------------------------------------------------
+
+    def apply(self, commands: list) -> bool:
+        """Applies commands in order; False at a Stop."""
+        for command in commands:
+            if isinstance(command, m.Stop):
+                return False
+            if self.waiting_call is not None and not isinstance(command, m.Abort):
+                self.held.append(command)  # behind the weight update, in order
+            elif isinstance(command, m.AddRequest):
+                self._add(command)
+            elif isinstance(command, m.Abort):
+                for rid in command.request_ids:
+                    self.held = [c for c in self.held if not (isinstance(c, m.AddRequest) and c.request_id == rid)]
+                    self.llm.abort(rid)
+            elif isinstance(command, m.Call):
+                self._call(command)
+            else:
+                raise AssertionError(f"unknown engine-core command {command!r}")
+        return True
+
+    def poll(self) -> bool:
+        """Returns the worker's finished calls; runs a held weight update once nothing is in flight, then the
+        commands held behind it. False if one of those was a Stop."""
+        while not self.worker_done.empty():
+            self.worker_busy -= 1
+            self.events.returns.append(self.worker_done.get())
+        if self.waiting_call is not None and not self.llm.has_unfinished_requests():
+            call, self.waiting_call = self.waiting_call, None
+            self._call(call)
+            held, self.held = self.held, []
+            return self.apply(held)
+        return True
+
+    def _add(self, add: m.AddRequest) -> None:
+        try:
+            if self.llm.sleep_level:
+                raise EngineSleepingError("the engine is asleep (wake_up() first)")
+            self.llm.core.add_request(add.request_id, add.prompt, add.prompt_token_ids, add.params)
+        except Exception as e:  # noqa: BLE001 (RequestError for a bad request: the client raises it)
+            self.events.rejected.append((add.request_id, e))
+            return
+        self.events.accepted.append(add.request_id)
+
+    def _call(self, call: m.Call) -> None:
+        if call.method in CALLS_ON_WORKER:
+            self.worker_busy += 1
+            self.worker.submit(self._on_worker, call)
+            return
+        if (call.method.startswith("update_weights") and call.kwargs.get("in_flight", "finish") == "finish"
+                and self.llm.has_unfinished_requests()):
+            self.waiting_call = call  # applied once the requests in flight have finished
+            return
+        self.events.returns.append(self._run_call(call))
+
+    def _run_call(self, call: m.Call) -> tuple[int, bool, Any]:
+        try:
+            return call.call_id, True, getattr(self, "call_" + call.method)(*call.args, **call.kwargs)
+        except Exception as e:  # noqa: BLE001 (the caller raises it)
+            return call.call_id, False, e
+
+    def _on_worker(self, call: m.Call) -> None:
+        self.worker_done.put(self._run_call(call))
+
+    # -- calls --------------------------------------------------------------------------------------
+
+    def call_compile_grammar(self, spec, field: str = "structured") -> None:
+        self.llm.compile_grammar(spec, field)  # cached: the add that follows only looks it up
+
+    def _aborting(self, fn):
+        """Runs fn; requests it aborts in flight end with an error at their client."""
+        try:
+            return fn()
+        finally:
+            self.events.failed.update(self.llm.take_failed())
+
+    def call_update_weights(self, named_tensors, in_flight: str = "finish") -> int:
+        return self._aborting(lambda: self.llm.update_weights(named_tensors, in_flight="abort"))
+
+    def call_update_weights_from_disk(self, model_path: str, in_flight: str = "finish") -> int:
+        return self._aborting(lambda: self.llm.update_weights_from_disk(model_path, in_flight="abort"))
+
+    def call_init_weights_update_group(self, **kw) -> None:
+        from livemoe.engine.core.weight_sync import WeightReceiver  # torch.distributed: only for this
+
+        self.llm.core.refuse_tensor_parallel("init_weights_update_group")
+        self.receiver = WeightReceiver(**kw)
+
+    def call_update_weights_from_distributed(self, names, dtypes, shapes, in_flight: str = "finish") -> int:
+        if self.receiver is None:
+            raise RuntimeError("no weight-update group: POST /init_weights_update_group first")
+        tensors = self.receiver.receive(names, dtypes, shapes, self.llm.core.runner.device)
+        return self.call_update_weights(tensors, in_flight)
+
+    def call_sleep(self, level: int = 1) -> None:
+        self._aborting(lambda: self.llm.sleep(level, in_flight="abort"))
+
+    def call_wake_up(self) -> None:
+        self.llm.wake_up()
+
+    def call_reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+
+    # -- steps --------------------------------------------------------------------------------------
+
+    def step(self) -> None:
+        llm = self.llm
+        try:
+            outputs = llm.step()
+        except WorkerError:  # a tensor-parallel worker is gone: this core cannot step any more
+            raise
+        except Exception as e:  # noqa: BLE001 (a failed step: end what is in flight, keep serving)
+            log.exception("engine step failed; aborting %d request(s)", len(llm.core.requests))
+            for rid in list(llm.core.requests):
+                llm.abort(rid)
+                self.events.failed[rid] = f"engine step failed: {e!r}"
+            outputs = []
+        self.events.outputs += outputs
+        self.events.failed.update(llm.take_failed())
