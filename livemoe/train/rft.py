@@ -200,8 +200,7 @@ def rehearsal_examples(cfg: RFTConfig, tokenizer, rooms: list, n: int) -> list:
     after the first REHEARSAL_SKIP only: a room's question comes after at most that many answered ones, so
     there the only target is the teacher's form (with the bare answers rehearsed at the same turns, the
     student answered three quarters of the attribute questions bare: no thought, no supplement, unhelpful)."""
-    from livemoe.train.pretrain_student import QUESTIONS_PER_CONVERSATION, encode_conversation
-    from livemoe.train.synthetic.corpus import lookup_conversation
+    from livemoe.train.synthetic.corpus import QUESTIONS_PER_CONVERSATION, encode_conversation, lookup_conversation
 
     rng = random.Random(f"rehearsal/{cfg.seed}")
     out = []
