@@ -10,7 +10,6 @@ COMMANDS = {
     "rft": ("livemoe.train.rft", "rejection-sampling fine-tuning (LiveThinking stage 1)"),
     "grpo": ("livemoe.train.grpo", "GRPO with the correctness / helpfulness / length reward (stage 2)"),
     "live": ("livemoe.train.live.__main__", "LiveAssistant: MA-MSFT then SM-GSPO on live sessions"),
-    "experiments": ("livemoe.train.experiments.__main__", "the LiveThinking seed's ablations at toy scale"),
     "flops": ("livemoe.engine.model.flops.__main__", "parameters and decode / prefill FLOPs of a checkpoint or preset"),
     "plan": ("livemoe.train.plan", "what one GPU holds when a model trains with FSDP2 + expert parallel"),
 }

@@ -52,7 +52,7 @@ FIELDS = ("state", "recipient", "task", "grounding")
 
 @dataclass(kw_only=True)
 class GSPOOptions(StageOptions):
-    steps: int = 16  # with 8 sessions each; more did not help (livemoe/train/results/live/table.md) and the default must fit 10 minutes
+    steps: int = 16  # with 8 sessions each; more did not help (experiments/results/live/table.md) and the default must fit 10 minutes
     sessions_per_step: int = 8
     num_generations: int = 8
     num_iterations: int = 1  # updates per rollout batch (the ratio moves off 1 from the second; GSPO's clip then
@@ -66,7 +66,7 @@ class GSPOOptions(StageOptions):
     credit: str = "field"  # the parts of a decision that are GSPO rows with their own reward (part_starts)
     # advantages scaled by the gold decision's class weight, 0 (none) .. 1 (full). 0: in RL the weight also scales
     # the penalty of whatever the policy did there, so at 1 an ANS where OBS was due costs 0.32x while a missed
-    # ANS costs 1-3.9x, and the policy learns to speak up everywhere (state accuracy -5.8, livemoe/train/results/live)
+    # ANS costs 1-3.9x, and the policy learns to speak up everywhere (state accuracy -5.8, experiments/results/live)
     balance: float = 0.0
     scale_rewards: str = "group"  # livemoe.train.advantages: "group" divides each part's centred rewards by their std
     max_message_chars: int = 96

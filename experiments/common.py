@@ -12,10 +12,8 @@ from dataclasses import dataclass, field
 
 from livemoe.train.config import DEFAULT_STUDENT, RFTConfig, parse_config
 
-# A checkout's committed reports sit beside the code; an installed package ships none of them, and writes its
-# reports under the working directory rather than into site-packages.
-CHECKOUT_RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
-RESULTS_ROOT = CHECKOUT_RESULTS if os.path.isdir(CHECKOUT_RESULTS) else os.path.join("runs", "experiments", "reports")
+# the committed reports, beside the code (experiments/ is a checkout's folder: never installed)
+RESULTS_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 # The --tiny sizes: seconds on a CPU with a tiny student (the suite's), every stage still run. Held-out
 # rows are greedy (one response each) and short; the experiments' own flags come after these.
@@ -44,7 +42,7 @@ class ExperimentError(ValueError):
 
 @dataclass(kw_only=True)
 class ExperimentArgs:
-    """One experiment's run: what `python -m train.experiments NAME [flags]` parsed."""
+    """One experiment's run: what `python -m experiments NAME [flags]` parsed."""
     name: str
     tiny: bool = False
     output_dir: str = ""  # the report; "" = RESULTS_ROOT/NAME (RESULTS_ROOT/NAME/tiny with --tiny)
