@@ -9,7 +9,7 @@ import sys
 import torch
 
 from livemoe.engine.model.loader import load_model, load_tokenizer
-from livemoe.train.live.__main__ import engine_for
+from livemoe.train.live.trainer import engine_for
 from livemoe.train.live.evaluate import play
 from livemoe.train.live.gspo import SMGSPO, GSPOOptions
 from livemoe.train.live.judge import score_session

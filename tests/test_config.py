@@ -1,7 +1,8 @@
 """Run configs: flags, YAML, flags win, validation in one place, save and read back."""
 import pytest
 
-from livemoe.train.config import ConfigError, RFTConfig, RunConfig, format_config, parse_config, save_config
+from livemoe.train.config import ConfigError, RunConfig, format_config, parse_config, save_config
+from livemoe.train.rft.config import RFTConfig
 
 
 def test_defaults_follow_the_seed():
@@ -132,7 +133,7 @@ def test_help_lists_each_own_option_once_with_what_it_does(module, own, foreign)
     text = _help(module)
     assert text.startswith(f"usage: livemoe {module.rsplit('.', 1)[1]} ")  # the console script's name for it
     opts = _options(text)
-    cls = importlib.import_module(module).__dict__["GRPOConfig" if module == "livemoe.train.grpo" else "RFTConfig"]
+    cls = importlib.import_module(module + ".config").__dict__["GRPOConfig" if module == "livemoe.train.grpo" else "RFTConfig"]
     fields = [f for f in dataclasses.fields(cls)]
     assert len(fields) > 40
     for f in fields:

@@ -38,8 +38,9 @@ def test_readme_python_block_runs(index, tmp_path):
 def test_many_gpu_commands_use_real_options(capsys):
     """The "Training on many GPUs" section's commands: every flag of a livemoe.train.rft / livemoe.train.grpo command is one of
     that trainer's options, and the planner command runs and prints the figures the section quotes."""
-    from livemoe.train.config import RFTConfig, build_parser
-    from livemoe.train.grpo import GRPOConfig
+    from livemoe.train.config import build_parser
+    from livemoe.train.grpo.config import GRPOConfig
+    from livemoe.train.rft.config import RFTConfig
     from livemoe.train.plan import main as plan_main
 
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:

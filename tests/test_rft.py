@@ -11,9 +11,11 @@ import torch
 
 from fixtures import assert_stopped_on_nonfinite
 from test_pretrain_student import pretrain_student  # scripts/pretrain_student.py: the student's shape
-from livemoe.train.config import RFTConfig
+from livemoe.train.rft.config import RFTConfig
 from livemoe.train.data import build_prompt
-from livemoe.train.rft import (collate, encode_example, epoch_batches, main, marker_token_ids, run, sft_step_loss)
+from livemoe.train.rft.__main__ import main
+from livemoe.train.rft.trainer import run
+from livemoe.train.sft import collate, encode_example, epoch_batches, marker_token_ids, sft_step_loss
 from livemoe.train.synthetic import ScriptedTeacher, make_rooms
 
 NULL = contextlib.nullcontext()
@@ -138,7 +140,7 @@ def tiny_cfg(student, out, **kw):
 
 
 def test_rehearsal_examples_train_the_pretraining_answers_after_the_rooms_turns(loaded):
-    from livemoe.train.rft import REHEARSAL_SKIP, rehearsal_examples
+    from livemoe.train.rft.trainer import REHEARSAL_SKIP, rehearsal_examples
     from livemoe.train.synthetic.corpus import QUESTIONS_PER_CONVERSATION, encode_conversation, lookup_conversation
 
     _, tok = loaded
