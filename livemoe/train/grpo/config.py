@@ -1,12 +1,14 @@
 """GRPOConfig: the options of `python -m train.grpo`, RunConfig's (livemoe.train.config) and GRPO's own: the
-rollouts, the policy loss and the rewards."""
+rollouts, the policy loss and the rewards. The loss and the reward are their own configs, fields of this one
+(cfg.loss: livemoe.train.losses.PolicyLossConfig, cfg.reward: livemoe.train.rewards.RewardConfig), filled by the
+flat flags they have always had (--beta, --epsilon, --w_correct, ...), with their own defaults and checks."""
 import os
 from dataclasses import dataclass, field
 
 from livemoe.train.advantages import SCALE_REWARDS
-from livemoe.train.config import ConfigError, RunConfig, check_at_least, check_choice, default_of, opt
+from livemoe.train.config import ConfigError, RunConfig, check_at_least, check_choice, flag, nested
 from livemoe.train.losses import PolicyLossConfig
-from livemoe.train.rewards import RewardConfig, RewardError, load_reward_fns
+from livemoe.train.rewards import RewardConfig, load_reward_fns
 
 
 @dataclass(kw_only=True)
@@ -37,16 +39,18 @@ class GRPOConfig(RunConfig):
                                                            "empty = the in-process decoder (livemoe/train/remote_rollout.py)"})
     weight_sync: str = field(default="distributed", metadata={"help": "with --rollout_url: how new weights reach "
                                                                       "the servers, distributed (broadcast) | disk"})
-    # loss (livemoe.train.losses.PolicyLossConfig owns the defaults, but β: the seed's 0.01 where the loss's own is 0)
-    beta: float = opt(0.01, "k3 KL weight to the starting checkpoint, as in the seed (0 = no reference model)")
-    epsilon: float = opt(default_of(PolicyLossConfig, "epsilon_low"), "clip ε of the ratio, the low side (and the high "
-                         "side without --epsilon_high), as in the seed")
-    epsilon_high: float | None = opt(None, "clip ε of the ratio, the high side (default: --epsilon)")
-    delta: float | None = opt(default_of(PolicyLossConfig, "delta"), "dual clip c for negative advantages (none = no "
-                              "dual clip)")
-    loss_type: str = opt(default_of(PolicyLossConfig, "loss_type"), "grpo | bnpo | dr_grpo | dapo")
-    importance_sampling_level: str = opt(default_of(PolicyLossConfig, "importance_sampling_level"),
-                                         "token | sequence (GSPO)")
+    # the policy loss, with its defaults but β: the seed's 0.01 where the loss's own is 0 (its max_completion_length,
+    # dr_grpo's constant, is --max_new_tokens: the trainer sets it)
+    loss: PolicyLossConfig = nested(
+        PolicyLossConfig,
+        beta=flag("k3 KL weight to the starting checkpoint, as in the seed (0 = no reference model)", default=0.01),
+        epsilon=flag("clip ε of the ratio, the low side (and the high side without --epsilon_high), as in the seed",
+                     to="epsilon_low"),
+        epsilon_high=flag("clip ε of the ratio, the high side (default: --epsilon)", default=None,
+                          none_means="epsilon"),
+        delta=flag("dual clip c for negative advantages (none = no dual clip)"),
+        loss_type=flag("grpo | bnpo | dr_grpo | dapo"),
+        importance_sampling_level=flag("token | sequence (GSPO)"))
     num_iterations: int = field(default=1, metadata={"help": "μ: optimiser passes per rollout batch"})
     micro_batch_size: int = field(default=32, metadata={"help": "completions per forward/backward"})
     scale_rewards: str = field(default="group", metadata={"help": "group | batch | none"})
@@ -54,17 +58,16 @@ class GRPOConfig(RunConfig):
     drop_zero_variance: bool = field(default=False, metadata={"help": "leave groups with equal rewards out of the loss"})
     mask_truncated: bool = field(default=False, metadata={"help": "leave completions cut at max_new_tokens out of the loss"})
     old_logprobs: str = field(default="decoder", metadata={"help": "decoder (the sampled tokens' raw logprobs) | trainer"})
-    # rewards (the seed's Table 2; livemoe.train.rewards.RewardConfig owns the defaults)
-    w_correct: float = opt(default_of(RewardConfig, "w_correct"), "reward weight of correctness, as in the seed")
-    w_helpful: float = opt(default_of(RewardConfig, "w_helpful"), "reward weight of helpfulness, as in the seed")
-    w_length: float = opt(default_of(RewardConfig, "w_length"), "reward weight of the length reward, as in the seed")
-    lambda_upper: float = opt(default_of(RewardConfig, "lambda_upper"), "length reward: upper end of the target band, "
-                              "a fraction of L_ref, as in the seed")
-    lambda_lower: float = opt(default_of(RewardConfig, "lambda_lower"), "length reward: lower end of the target band, "
-                              "a fraction of L_ref, as in the seed")
-    length_epsilon: float = opt(default_of(RewardConfig, "length_epsilon"), "ε of the length reward, a fraction of L_ref")
-    reward_fns: str = opt(default_of(RewardConfig, "reward_fns"), "extra rewards: module:fn[=weight],... "
-                          "fn(record, completion, info)")
+    # the rewards (the seed's Table 2: RewardConfig's defaults)
+    reward: RewardConfig = nested(
+        RewardConfig,
+        w_correct=flag("reward weight of correctness, as in the seed"),
+        w_helpful=flag("reward weight of helpfulness, as in the seed"),
+        w_length=flag("reward weight of the length reward, as in the seed"),
+        lambda_upper=flag("length reward: upper end of the target band, a fraction of L_ref, as in the seed"),
+        lambda_lower=flag("length reward: lower end of the target band, a fraction of L_ref, as in the seed"),
+        length_epsilon=flag("ε of the length reward, a fraction of L_ref"),
+        reward_fns=flag("extra rewards: module:fn[=weight],... fn(record, completion, info)"))
     # multi-turn (LiveAssistant)
     multi_turn: bool = field(default=False, metadata={"help": "records' `followups` are later turns of one trajectory"})
     turn_weight: float = field(default=0.5, metadata={"help": "turn-level vs trajectory-level credit"})
@@ -96,20 +99,7 @@ class GRPOConfig(RunConfig):
             raise ConfigError(f"--advantage_eps must be > 0, got {self.advantage_eps}")
         if self.model != "auto" and not os.path.isfile(os.path.join(self.model, "config.json")):
             raise ConfigError(f"--model {self.model}: not a checkpoint directory (no config.json)")
-        try:
-            self.loss_config()
-            self.reward_config()
-            load_reward_fns(self.reward_fns)  # a bad dotted path fails here, not at the first step
-        except (ValueError, RewardError) as e:
+        try:  # the loss and the reward checked their own values when they were made
+            load_reward_fns(self.reward.reward_fns)  # a bad dotted path fails here, not at the first step
+        except ValueError as e:  # RewardError, or a bad path
             raise ConfigError(str(e)) from None
-
-    def loss_config(self) -> PolicyLossConfig:
-        return PolicyLossConfig(beta=self.beta, epsilon_low=self.epsilon,
-                                epsilon_high=self.epsilon if self.epsilon_high is None else self.epsilon_high,
-                                delta=self.delta, importance_sampling_level=self.importance_sampling_level,
-                                loss_type=self.loss_type, max_completion_length=self.max_new_tokens)
-
-    def reward_config(self) -> RewardConfig:
-        return RewardConfig(w_correct=self.w_correct, w_helpful=self.w_helpful, w_length=self.w_length,
-                            lambda_upper=self.lambda_upper, lambda_lower=self.lambda_lower,
-                            length_epsilon=self.length_epsilon, reward_fns=self.reward_fns)

@@ -86,13 +86,14 @@ class GRPOTrainer:
             raise ConfigError(f"{self.start_model}: the checkpoint has no tokenizer (the prompts are text)")
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.ref_model = None
-        if cfg.beta > 0:  # the frozen starting checkpoint; not loaded at all when β = 0
+        if cfg.loss.beta > 0:  # the frozen starting checkpoint; not loaded at all when β = 0
             self.ref_model = self._load_reference()
         self.train_records, self.eval_records = load_records(cfg)
         self.prompts = [build_prompt(r, self.tokenizer) for r in self.train_records]
         self.judge = make_judge(cfg)
-        self.reward = CompositeReward(self.judge, cfg.reward_config())
-        self.loss_cfg = cfg.loss_config()
+        self.reward = CompositeReward(self.judge, cfg.reward)
+        # dr_grpo's constant is the rollouts' length limit
+        self.loss_cfg = dataclasses.replace(cfg.loss, max_completion_length=cfg.max_new_tokens)
         if cfg.rollout_url:  # servers decode; the weights are pushed to them after each step
             from livemoe.train.remote_rollout import RemoteRollouts
 

@@ -48,14 +48,10 @@ class MSFTOptions(StageOptions):
     max_len: int = 1024
 
     def __post_init__(self):
-        for name in ("marker_weight", "recipient_weight"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if not 0 <= self.balance <= 1:
-            raise ValueError(f"balance must be in [0, 1], got {self.balance}")
-        for name in ("steps", "batch_size", "max_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        super().__post_init__()
+        self.check_at_least(1, "steps", "batch_size", "max_len")
+        self.check_positive("lr", "marker_weight", "recipient_weight")
+        self.check_fraction("balance")
 
 
 def class_weights(kinds: list, balance: float) -> dict:

@@ -1,6 +1,7 @@
 """The LiveAssistant run (livemoe.train.live): the data (the synthetic world or --data sessions), MA-MSFT and
 SM-GSPO in turn from the same model, each stage evaluated on held-out sessions played through a LiveSession, the
 table and results.json; and --replay, one held-out session decided interval by interval."""
+import dataclasses
 import json
 import os
 import sys
@@ -9,13 +10,13 @@ import time
 import torch
 
 from livemoe.engine import LLM, load_model, load_tokenizer, save_model
-from livemoe.train.config import save_config
+from livemoe.train.config import config_dict, save_config
 from livemoe.train.live.config import LiveConfig
 from livemoe.train.live.data import load_sessions
 from livemoe.train.live.evaluate import evaluate, play
-from livemoe.train.live.gspo import GSPOOptions, train_gspo
+from livemoe.train.live.gspo import train_gspo
 from livemoe.train.live.judge import paired_margin
-from livemoe.train.live.msft import MSFTOptions, train_msft
+from livemoe.train.live.msft import train_msft
 from livemoe.train.live.world import LiveWorldConfig, decision_text, make_sessions
 from livemoe.train.metrics import MetricsLogger
 
@@ -85,7 +86,7 @@ def replay(cfg: LiveConfig) -> None:
               f"{m.latency_s * 1000:.1f} ms, prompt {m.prompt_tokens} of which cached {m.cached_prompt_tokens}, "
               f"{m.completion_tokens} tokens{', compacted' if m.compacted else ''})", flush=True)
 
-    play(llm, session, cfg.max_message_chars, on_step=show)
+    play(llm, session, cfg.gspo.max_message_chars, on_step=show)
 
 
 def _save(model, tokenizer, path: str) -> None:
@@ -114,16 +115,15 @@ def run(cfg: LiveConfig) -> dict:
 
     def evaluate_stage(name):
         t0 = time.time()
-        rows[name] = evaluate(engine_for(model, tokenizer), held, cfg.max_message_chars)
+        rows[name] = evaluate(engine_for(model, tokenizer), held, cfg.gspo.max_message_chars)
         log(f"{name}: " + ", ".join(f"{c} {rows[name][k]:.3f}" for k, c in COLUMNS) + f" ({time.time() - t0:.0f}s)")
 
     start_name = "base student" if cfg.stage != "gspo" else "start (--model)"
     evaluate_stage(start_name)
-    sft_opts = MSFTOptions(marker_weight=cfg.marker_weight, recipient_weight=cfg.recipient_weight, balance=cfg.balance, lr=cfg.sft_lr, steps=cfg.sft_steps,
-                           batch_size=cfg.sft_batch_size, lambda_aux=cfg.lambda_aux, max_len=cfg.max_len, seed=cfg.seed)
+    sft_opts = dataclasses.replace(cfg.msft, seed=cfg.seed)  # one --seed for the data and both stages
     if cfg.stage in ("sft", "all") and cfg.compare_plain:
         base_state = {k: v.clone() for k, v in model.state_dict().items()}
-        plain = MSFTOptions(**{**vars(sft_opts), "marker_weight": 1.0, "recipient_weight": 1.0, "balance": 0.0})
+        plain = dataclasses.replace(sft_opts, marker_weight=1.0, recipient_weight=1.0, balance=0.0)
         _stage_train(cfg, "plain_msft", lambda on_step: train_msft(model, tokenizer, train, plain, log, on_step))
         evaluate_stage("plain multi-turn SFT")
         model.load_state_dict(base_state)
@@ -132,11 +132,7 @@ def run(cfg: LiveConfig) -> dict:
         _save(model, tokenizer, os.path.join(cfg.output_dir, "msft", "model"))
         evaluate_stage("MA-MSFT")
     if cfg.stage in ("gspo", "all"):
-        opts = GSPOOptions(steps=cfg.gspo_steps, sessions_per_step=cfg.sessions_per_step,
-                           num_generations=cfg.num_generations, num_iterations=cfg.num_iterations,
-                           temperature=cfg.gspo_temperature, lr=cfg.gspo_lr, turn_weight=cfg.turn_weight,
-                           credit=cfg.credit, balance=cfg.gspo_balance, scale_rewards=cfg.gspo_scale_rewards,
-                           max_message_chars=cfg.max_message_chars, lambda_aux=cfg.lambda_aux, seed=cfg.seed)
+        opts = dataclasses.replace(cfg.gspo, seed=cfg.seed)
         _stage_train(cfg, "gspo", lambda on_step: train_gspo(model, tokenizer, rl, opts, log, on_step,
                                                              num_kv_blocks=512))
         _save(model, tokenizer, os.path.join(cfg.output_dir, "gspo", "model"))
@@ -148,7 +144,7 @@ def run(cfg: LiveConfig) -> dict:
     result = {"command": "python -m train.live " + " ".join(sys.argv[1:]), "minutes": (time.time() - t_start) / 60,
               "cpu_minutes": (time.process_time() - cpu_start) / 60,
               "device": str(device), "threads": torch.get_num_threads(), "rows": rows, "table": table,
-              "config": vars(cfg)}
+              "config": config_dict(cfg)}
     for path in filter(None, (os.path.join(cfg.output_dir, "results.json"), cfg.results)):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
