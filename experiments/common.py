@@ -96,7 +96,7 @@ def _announce(args: ExperimentArgs, arm: str, command: str) -> None:
 
 
 def run_rft(args: ExperimentArgs, arm: str, sizes: list, flags: list = (), model: str = "") -> Arm:
-    """livemoe.train.rft's own run() on the config its parser makes of the flags."""
+    """livemoe.train.rft's own run() (rft.trainer.run) on the config its parser makes of the flags."""
     from livemoe.train.rft import trainer as rft
 
     argv = _flags(args, arm, model or args.model, sizes, list(flags))
