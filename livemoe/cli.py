@@ -7,10 +7,9 @@ import sys
 # subcommand -> (module whose main(argv) runs it, one line for `livemoe --help`)
 COMMANDS = {
     "serve": ("livemoe.engine.server.__main__", "OpenAI-compatible HTTP server over the streaming decoder"),
-    "rft": ("livemoe.train.rft", "rejection-sampling fine-tuning (LiveThinking stage 1)"),
-    "grpo": ("livemoe.train.grpo", "GRPO with the correctness / helpfulness / length reward (stage 2)"),
+    "rft": ("livemoe.train.rft.__main__", "rejection-sampling fine-tuning (LiveThinking stage 1)"),
+    "grpo": ("livemoe.train.grpo.__main__", "GRPO with the correctness / helpfulness / length reward (stage 2)"),
     "live": ("livemoe.train.live.__main__", "LiveAssistant: MA-MSFT then SM-GSPO on live sessions"),
-    "experiments": ("livemoe.train.experiments.__main__", "the LiveThinking seed's ablations at toy scale"),
     "flops": ("livemoe.engine.model.flops.__main__", "parameters and decode / prefill FLOPs of a checkpoint or preset"),
     "plan": ("livemoe.train.plan", "what one GPU holds when a model trains with FSDP2 + expert parallel"),
 }

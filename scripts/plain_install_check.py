@@ -26,7 +26,7 @@ tops = {f.parts[0] for f in files if not f.parts[0].endswith((".dist-info", ".eg
 assert tops == {"livemoe"}, f"pip install wrote top-level names other than livemoe: {sorted(tops)}"
 for data in ("livemoe/train/assets/student/model.safetensors", "livemoe/engine/model/presets/qwen3-30b-a3b.json"):
     assert any(str(f) == data for f in files), f"{data} is not installed"
-assert not any(str(f).startswith("livemoe/train/results/") for f in files), "the committed results were installed"
+assert not any("/results/" in str(f) for f in files), "committed results were installed"
 
 import transformers  # noqa: E402
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402

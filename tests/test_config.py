@@ -1,7 +1,8 @@
 """Run configs: flags, YAML, flags win, validation in one place, save and read back."""
 import pytest
 
-from livemoe.train.config import ConfigError, RFTConfig, RunConfig, format_config, parse_config, save_config
+from livemoe.train.config import ConfigError, RunConfig, format_config, options, parse_config, save_config
+from livemoe.train.rft.config import RFTConfig
 
 
 def test_defaults_follow_the_seed():
@@ -126,14 +127,13 @@ def _options(text: str) -> dict:
      ["--marker_weight", "--markers", "--batching", "--grad_accum", "--max_len", "--k", "--teacher"]),
 ])
 def test_help_lists_each_own_option_once_with_what_it_does(module, own, foreign):
-    import dataclasses
     import importlib
 
     text = _help(module)
     assert text.startswith(f"usage: livemoe {module.rsplit('.', 1)[1]} ")  # the console script's name for it
     opts = _options(text)
-    cls = importlib.import_module(module).__dict__["GRPOConfig" if module == "livemoe.train.grpo" else "RFTConfig"]
-    fields = [f for f in dataclasses.fields(cls)]
+    cls = importlib.import_module(module + ".config").__dict__["GRPOConfig" if module == "livemoe.train.grpo" else "RFTConfig"]
+    fields = list(options(cls).values())  # its own fields and its components' flags (GRPO's loss and reward)
     assert len(fields) > 40
     for f in fields:
         names = [k for k in opts if k.split()[0] == f"--{f.name}"]
@@ -141,7 +141,7 @@ def test_help_lists_each_own_option_once_with_what_it_does(module, own, foreign)
         help_ = opts[names[0]]
         assert len(help_) > 10, f"--{f.name} has no description"
         assert help_.count("(default") <= 1, help_
-        if f.type in (bool, "bool"):  # booleans read --flag / --no_flag, not --flag [FLAG]
+        if f.type is bool:  # booleans read --flag / --no_flag, not --flag [FLAG]
             assert names[0] == f"--{f.name} / --no_{f.name}"
     for name in own:
         assert any(k.split()[0] == name for k in opts), name
@@ -160,3 +160,52 @@ def test_boolean_flags_and_their_yaml_form(tmp_path):
     assert parse_config(RFTConfig, ["--config", str(y), "--progress"]).progress is True  # flags win
     with pytest.raises(SystemExit):
         parse_config(RFTConfig, ["--no_progress", "true"])
+
+
+def test_grpo_flags_fill_its_loss_and_reward_configs_and_save_flat(tmp_path):
+    """--epsilon, --beta, --w_length, ... fill cfg.loss (PolicyLossConfig) and cfg.reward (RewardConfig); their
+    defaults are the components' own (β's GRPO's own 0.01); config.yaml keeps the flat keys and reads back."""
+    import yaml
+
+    from livemoe.train.grpo.config import GRPOConfig
+    from livemoe.train.losses import PolicyLossConfig
+    from livemoe.train.rewards import RewardConfig
+
+    default = parse_config(GRPOConfig, [])
+    assert default.loss == PolicyLossConfig(beta=0.01) == GRPOConfig().loss and default.reward == RewardConfig()
+    cfg = parse_config(GRPOConfig, ["--epsilon", "0.3", "--beta", "0", "--loss_type", "dapo", "--w_length", "0.5",
+                                    "--output_dir", str(tmp_path / "o")])
+    assert cfg.loss == PolicyLossConfig(beta=0.0, epsilon_low=0.3, epsilon_high=0.3, loss_type="dapo")
+    assert cfg.reward == RewardConfig(w_length=0.5)
+    assert parse_config(GRPOConfig, ["--epsilon_high", "0.28"]).loss.epsilon_high == 0.28
+    saved = yaml.safe_load(open(save_config(cfg, cfg.output_dir)))
+    assert "loss" not in saved and "reward" not in saved
+    assert (saved["epsilon"], saved["epsilon_high"], saved["beta"], saved["w_length"]) == (0.3, None, 0.0, 0.5)
+    assert parse_config(GRPOConfig, ["--config", str(tmp_path / "o" / "config.yaml")]) == cfg
+    assert "epsilon_high" in format_config(cfg) and "loss " not in format_config(cfg)
+
+
+def test_live_flags_fill_its_stages_configs():
+    """--sft_lr fills cfg.msft.lr, --gspo_balance cfg.gspo.balance, --lambda_aux both stages'; a stage's bad value
+    is named by its flag."""
+    from livemoe.train.live.config import LiveConfig
+    from livemoe.train.live.gspo import GSPOOptions
+    from livemoe.train.live.msft import MSFTOptions
+
+    default = parse_config(LiveConfig, [])
+    assert default.msft == MSFTOptions() and default.gspo == GSPOOptions()
+    cfg = parse_config(LiveConfig, ["--sft_lr", "0.01", "--gspo_balance", "0.5", "--lambda_aux", "0.02",
+                                    "--max_message_chars", "24", "--sft_steps", "3"])
+    assert (cfg.msft.lr, cfg.msft.steps, cfg.gspo.balance, cfg.gspo.max_message_chars) == (0.01, 3, 0.5, 24)
+    assert cfg.msft.lambda_aux == cfg.gspo.lambda_aux == 0.02 and cfg.msft.balance == MSFTOptions().balance
+    assert set(options(LiveConfig)) == set(  # the flags it has always had, each once
+        "model stage data eval_data replay output_dir results seed device threads progress train_sessions "
+        "gspo_sessions eval_sessions num_intervals unrecorded_courtesy max_message_chars sft_steps sft_lr "
+        "sft_batch_size marker_weight recipient_weight balance compare_plain max_len gspo_steps gspo_lr "
+        "sessions_per_step num_generations num_iterations gspo_temperature turn_weight credit gspo_balance "
+        "gspo_scale_rewards lambda_aux".split())
+    for argv, message in ((["--sft_lr", "0"], "--sft_lr must be > 0"), (["--gspo_lr", "-1"], "--gspo_lr must be > 0"),
+                          (["--lambda_aux", "-1"], "--lambda_aux must be >= 0"),
+                          (["--max_message_chars", "0"], "--max_message_chars must be >= 1")):
+        with pytest.raises(ConfigError, match=message):
+            parse_config(LiveConfig, argv)

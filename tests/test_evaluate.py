@@ -5,7 +5,8 @@ import torch
 
 from livemoe.engine.model.loader import load_model, load_tokenizer
 from test_rollout import make_student
-from livemoe.train.config import ConfigError, RFTConfig, parse_config
+from livemoe.train.config import ConfigError, parse_config
+from livemoe.train.rft.config import RFTConfig
 from livemoe.train.evaluate import evaluate
 from livemoe.train.judges import load_judge
 from livemoe.train.synthetic import make_rooms

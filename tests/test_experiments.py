@@ -1,4 +1,4 @@
-"""`python -m train.experiments`: the listing, clear errors (a bad name lists the names), and each experiment's
+"""`python -m experiments`: the listing, clear errors (a bad name lists the names), and each experiment's
 --tiny configuration end to end on a tiny random student: its report has the table's columns and rows, finite
 numbers, the command, the date and the machine."""
 import json
@@ -7,8 +7,8 @@ import math
 import pytest
 
 from test_rollout import make_student
-from livemoe.train.experiments import EXPERIMENTS, length_sweep, moe_vs_dense, reward_ablation
-from livemoe.train.experiments.__main__ import main
+from experiments import EXPERIMENTS, length_sweep, moe_vs_dense, reward_ablation
+from experiments.__main__ import main
 from livemoe.train.metrics import read_metrics
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/fixtures.py: tiny matmuls, shared CPU
@@ -29,7 +29,7 @@ def run_tiny(name, student, tmp_path, *extra):
     readme = (out / "README.md").read_text()
     assert results["columns"] == EXPERIMENTS[name].COLUMNS
     assert "| " + " | ".join(results["columns"]) + " |" in readme
-    assert f"- command: `python -m train.experiments {name} --tiny" in readme
+    assert f"- command: `python -m experiments {name} --tiny" in readme
     assert "- date: " in readme and "- machine: " in readme and " cores" in readme
     numbers = [x for row in results["rows"] for x in row if isinstance(x, (int, float))]
     assert len(numbers) >= len(results["rows"]) > 0

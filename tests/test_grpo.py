@@ -14,7 +14,9 @@ from fixtures import assert_stopped_on_nonfinite
 from test_rollout import make_student
 from livemoe.train.config import ConfigError, parse_config
 from livemoe.train.data import write_jsonl
-from livemoe.train.grpo import GRPOConfig, GRPOTrainer, main
+from livemoe.train.grpo.__main__ import main
+from livemoe.train.grpo.config import GRPOConfig
+from livemoe.train.grpo.trainer import GRPOTrainer
 from livemoe.train.metrics import read_metrics
 from livemoe.train.synthetic.world import attribute_question, make_rooms, products_of
 
@@ -173,8 +175,8 @@ def test_main_reports_a_missing_checkpoint(tmp_path, capsys):
 def test_model_auto_runs_the_rft_default_once_when_its_student_is_missing(student, tmp_path, monkeypatch):
     import shutil
 
-    import livemoe.train.rft as rft
-    from livemoe.train.grpo import resolve_start
+    from livemoe.train.grpo.start import resolve_start
+    from livemoe.train.rft import __main__ as rft
 
     root = tmp_path / "rft"
     calls = []

@@ -13,7 +13,8 @@ from livemoe.engine.server import BackgroundServer  # noqa: E402
 from test_grpo import args, varied_reward  # noqa: E402,F401  (the autouse reward fixture, too)
 from test_rollout import make_student  # noqa: E402
 from livemoe.train.config import ConfigError, parse_config  # noqa: E402
-from livemoe.train.grpo import GRPOConfig, main  # noqa: E402
+from livemoe.train.grpo.__main__ import main  # noqa: E402
+from livemoe.train.grpo.config import GRPOConfig  # noqa: E402
 from livemoe.train.metrics import read_metrics  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")

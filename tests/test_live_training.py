@@ -13,7 +13,7 @@ from livemoe.train.live.gspo import (GSPOOptions, decision_class, part_advantage
                              rewards_of, split_tokens, split_turns, turn_rows)
 from livemoe.train.live.msft import MSFTOptions, class_weights, encode_example, train_msft
 from livemoe.train.live.world import LiveWorldConfig, make_sessions
-from livemoe.train.rft import collate, sft_step_loss
+from livemoe.train.sft import collate, sft_step_loss
 from livemoe.train.rollout import Completion
 
 pytestmark = pytest.mark.usefixtures("one_thread")

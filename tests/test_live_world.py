@@ -221,7 +221,7 @@ def test_accuracy_reports_binomial_standard_errors_and_counts():
 
 
 def test_paired_margin_of_two_stages_on_the_same_intervals():
-    from livemoe.train.live.__main__ import format_margins
+    from livemoe.train.live.trainer import format_margins
     from livemoe.train.live.judge import IntervalScore, outcomes, paired_margin
 
     # 5 intervals: after fixes #2 and #4, breaks #5 -> differences 0, 1, 0, 1, -1: mean .2, sample var .7

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from livemoe.train.config import ConfigError, RFTConfig
+from livemoe.train.config import ConfigError
+from livemoe.train.rft.config import RFTConfig
 from livemoe.train.nonfinite import NonFiniteError, NonFiniteGuard
 
 

@@ -73,13 +73,17 @@ def test_pip_installs_one_top_level_name_and_the_data_the_defaults_read():
 
 def test_the_checkout_root_has_no_generic_package_but_the_thin_train_entry_points():
     roots = {n for n in os.listdir(ROOT) if os.path.isfile(os.path.join(ROOT, n, "__init__.py"))}
-    assert roots == {"livemoe", "train", "bench"}, roots  # bench: `python -m bench.static_gpu`, never installed
+    # bench: `python -m bench.static_gpu`, experiments: `python -m experiments`; neither is installed
+    assert roots == {"livemoe", "train", "bench", "experiments"}, roots
     shims = sorted(n for n in os.listdir(os.path.join(ROOT, "train")) if n.endswith(".py") and n != "__init__.py")
     assert shims == ["experiments.py", "grpo.py", "live.py", "rft.py"]
     for name in shims:
         with open(os.path.join(ROOT, "train", name)) as f:
             body = f.read()
-        assert f'checkout_entry_point(__name__, "{name[:-3]}")' in body and len(body.splitlines()) <= 5, body
+        # experiments are not a subcommand (not installed): its entry runs the root experiments/ package
+        runs = "from experiments.__main__ import main" if name == "experiments.py" else \
+            f'checkout_entry_point(__name__, "{name[:-3]}")'
+        assert runs in body and len(body.splitlines()) <= 7, body
     assert not importlib.util.find_spec("train.rft").origin.startswith(os.path.join(ROOT, "livemoe"))
 
 
@@ -96,6 +100,13 @@ def test_every_subcommand_answers_help_the_same_three_ways(name):
     if os.path.isfile(os.path.join(ROOT, "train", f"{name}.py")):
         via_checkout = run_python("-m", f"train.{name}", "--help")
         assert via_checkout.returncode == 0 and via_checkout.stdout == via_cli.stdout, via_checkout.stderr[-2000:]
+
+
+@pytest.mark.parametrize("module", ["experiments", "train.experiments"])
+def test_the_checkouts_experiments_answer_help_under_the_name_they_were_run_by(module):
+    res = run_python("-m", module, "--help")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.startswith(f"usage: python -m {module} ") and "length_sweep" in res.stdout, res.stdout[:300]
 
 
 def test_the_cli_lists_its_subcommands_and_refuses_an_unknown_one():

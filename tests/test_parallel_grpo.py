@@ -23,7 +23,9 @@ from test_rollout import make_student
 
 from livemoe.train.config import parse_config
 from livemoe.train.data import write_jsonl
-from livemoe.train.grpo import GRPOConfig, GRPOTrainer, main
+from livemoe.train.grpo.__main__ import main
+from livemoe.train.grpo.config import GRPOConfig
+from livemoe.train.grpo.trainer import GRPOTrainer
 from livemoe.train.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -40,7 +40,7 @@ def metrics(out) -> list:
 
 def test_torchrun_two_ranks_equal_one_process(student, tmp_path):  # noqa: F811
     from livemoe import engine
-    from livemoe.train.rft import run
+    from livemoe.train.rft.trainer import run
 
     one = tmp_path / "one"
     run(tiny_cfg(student, one, **ARGS))
@@ -72,7 +72,7 @@ def test_save_with_two_ranks_resume_with_one_and_four(student, tmp_path):  # noq
     and with 4 ranks (expert_parallel 2: each expert sharded over 2 ranks) gives the uninterrupted run's losses
     and final weights (the tolerances above: the ranks sum in other groupings)."""
     from livemoe import engine
-    from livemoe.train.rft import run
+    from livemoe.train.rft.trainer import run
 
     # 10 selected examples and 5 rehearsal conversations (built alike on every rank): 3 whole batches an epoch
     args = dict(max_steps=4, save_every=2, keep_last=5, batch_size=5, rehearsal=0.5)

@@ -76,7 +76,8 @@ def test_grpo_bf16_trains_and_checkpoints_fp32_masters(tmp_path):
     from test_grpo import args, state  # noqa: F401  (the module's helpers)
     from test_rollout import make_student
     from livemoe.train.config import parse_config
-    from livemoe.train.grpo import GRPOConfig, GRPOTrainer
+    from livemoe.train.grpo.config import GRPOConfig
+    from livemoe.train.grpo.trainer import GRPOTrainer
 
     student = make_student(tmp_path / "student")
     extra = ["--bf16", "true", "--reward_fns", "test_precision:varied", "--save_every", "1"]

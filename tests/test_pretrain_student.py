@@ -1,13 +1,31 @@
-"""`python -m livemoe.train.pretrain_student`: a few-step run writes a checkpoint that transformers and the engine
+"""`python scripts/pretrain_student.py`: a few-step run writes a checkpoint that transformers and the engine
 load alike and a report of what it reached; --init_from continues one, keeping the earlier report."""
+import importlib.util
 import json
 import math
+import os
+import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from livemoe.train.pretrain_student import lr_factor, main
+from livemoe.train.synthetic.corpus import encode_conversation
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_script(name: str):
+    """scripts/NAME.py as a module (scripts/ is not a package: its scripts run by path)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+pretrain_student = load_script("pretrain_student")
+lr_factor, main = pretrain_student.lr_factor, pretrain_student.main
 
 FEW = ["--steps", "3", "--eval_every", "2", "--batch_size", "2", "--turns", "2", "--heldout_rooms", "8",
        "--vocab_size", "400", "--warmup", "2"]
@@ -27,7 +45,7 @@ def test_few_steps_write_a_loadable_checkpoint_and_a_report(first):
 
     report = json.loads((first / "pretrain_report.json").read_text())
     assert report["steps"] == 3 and [h["step"] for h in report["history"]] == [2, 3]
-    assert report["command"] == "python -m livemoe.train.pretrain_student --output_dir " + str(first) + " " + " ".join(FEW)
+    assert report["command"] == "python scripts/pretrain_student.py --output_dir " + str(first) + " " + " ".join(FEW)
     assert report["final_heldout_lookup_exact"] == report["history"][-1]["heldout_lookup_exact"]
     assert all(0 <= h["heldout_lookup_exact"] <= 1 and math.isfinite(h["loss"]) for h in report["history"])
     hf = AutoModelForCausalLM.from_pretrained(str(first)).eval()
@@ -76,7 +94,7 @@ def test_bad_arguments_are_refused(tmp_path, capsys):
 
 
 def test_curriculum_grows_the_product_lists_to_the_worlds_range():
-    from livemoe.train.pretrain_student import curriculum_products
+    curriculum_products = pretrain_student.curriculum_products
     from livemoe.train.synthetic.world import WorldConfig, make_rooms
 
     world = WorldConfig()
@@ -110,7 +128,8 @@ class _Oracle(torch.nn.Module):
 def test_lookup_probe_splits_by_question_form_and_scores_the_link(first):
     from transformers import AutoTokenizer
 
-    from livemoe.train.pretrain_student import PROBE_FORMS, lookup_probe
+    PROBE_FORMS = pretrain_student.PROBE_FORMS
+    lookup_probe = pretrain_student.lookup_probe
     from livemoe.train.synthetic.world import make_rooms
 
     tok = AutoTokenizer.from_pretrained(str(first))
@@ -194,7 +213,6 @@ def test_recall_drill_loss_mask_covers_exactly_the_answers(first):
 
     from transformers import AutoTokenizer
 
-    from livemoe.train.pretrain_student import encode_conversation
     from livemoe.train.synthetic.corpus import recall_sequence
 
     tok = AutoTokenizer.from_pretrained(str(first))
@@ -206,7 +224,7 @@ def test_recall_drill_loss_mask_covers_exactly_the_answers(first):
 
 
 def test_recall_steps_are_the_warm_up_then_the_fraction_spread_evenly():
-    from livemoe.train.pretrain_student import is_recall_step
+    is_recall_step = pretrain_student.is_recall_step
 
     def kinds(warm, frac, n):
         return [is_recall_step(s, SimpleNamespace(recall_steps=warm, recall_fraction=frac)) for s in range(1, n + 1)]
@@ -244,7 +262,7 @@ def test_recall_flags_run_and_are_refused_when_bad(tmp_path, capsys):
 def test_widen_attention_computes_what_the_checkpoint_computed(first):
     from transformers import AutoModelForCausalLM
 
-    from livemoe.train.pretrain_student import widen_attention
+    widen_attention = pretrain_student.widen_attention
 
     narrow = AutoModelForCausalLM.from_pretrained(str(first), dtype=torch.float32).eval()
     h, kv = narrow.config.num_attention_heads, narrow.config.num_key_value_heads
@@ -268,7 +286,7 @@ def test_widen_attention_computes_what_the_checkpoint_computed(first):
 def test_widen_hidden_computes_what_the_checkpoint_computed(first):
     from transformers import AutoModelForCausalLM
 
-    from livemoe.train.pretrain_student import widen_hidden
+    widen_hidden = pretrain_student.widen_hidden
 
     narrow = AutoModelForCausalLM.from_pretrained(str(first), dtype=torch.float32).eval()
     d = narrow.config.hidden_size

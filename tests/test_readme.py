@@ -116,9 +116,10 @@ def test_relative_links_resolve():
 def check_command(line: str, capsys) -> str:
     """One documented command line: every flag of a trainer command is one of that trainer's options, and a
     `livemoe plan` command runs. Returns the module (or "livemoe plan")."""
-    from livemoe.train.config import RFTConfig, build_parser
-    from livemoe.train.grpo import GRPOConfig
+    from livemoe.train.config import build_parser
+    from livemoe.train.grpo.config import GRPOConfig
     from livemoe.train.live.config import LiveConfig
+    from livemoe.train.rft.config import RFTConfig
     from livemoe.train.plan import main as plan_main
 
     trainers = {"livemoe.train.rft": RFTConfig, "livemoe.train.grpo": GRPOConfig, "livemoe.train.live": LiveConfig}

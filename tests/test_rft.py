@@ -10,9 +10,12 @@ import pytest
 import torch
 
 from fixtures import assert_stopped_on_nonfinite
-from livemoe.train.config import RFTConfig
+from test_pretrain_student import pretrain_student  # scripts/pretrain_student.py: the student's shape
+from livemoe.train.rft.config import RFTConfig
 from livemoe.train.data import build_prompt
-from livemoe.train.rft import (collate, encode_example, epoch_batches, main, marker_token_ids, run, sft_step_loss)
+from livemoe.train.rft.__main__ import main
+from livemoe.train.rft.trainer import run
+from livemoe.train.sft import collate, encode_example, epoch_batches, marker_token_ids, sft_step_loss
 from livemoe.train.synthetic import ScriptedTeacher, make_rooms
 
 NULL = contextlib.nullcontext()
@@ -21,13 +24,12 @@ NULL = contextlib.nullcontext()
 @pytest.fixture(scope="module")
 def student(tmp_path_factory):
     """A tiny random student with the synthetic world's tokenizer and chat template (a real checkpoint dir)."""
-    from livemoe.train.pretrain_student import init_student
     from livemoe.train.synthetic.corpus import tokenizer_corpus
     from livemoe.train.synthetic.tokenizer import train_tokenizer
 
     path = str(tmp_path_factory.mktemp("student"))
     tok = train_tokenizer(tokenizer_corpus(n_rooms=150), vocab_size=400)
-    model = init_student(tok, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+    model = pretrain_student.init_student(tok, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                          num_key_value_heads=1, head_dim=16, moe_intermediate_size=32)
     model.save_pretrained(path)
     tok.save_pretrained(path)
@@ -138,9 +140,8 @@ def tiny_cfg(student, out, **kw):
 
 
 def test_rehearsal_examples_train_the_pretraining_answers_after_the_rooms_turns(loaded):
-    from livemoe.train.pretrain_student import QUESTIONS_PER_CONVERSATION, encode_conversation
-    from livemoe.train.rft import REHEARSAL_SKIP, rehearsal_examples
-    from livemoe.train.synthetic.corpus import lookup_conversation
+    from livemoe.train.rft.trainer import REHEARSAL_SKIP, rehearsal_examples
+    from livemoe.train.synthetic.corpus import QUESTIONS_PER_CONVERSATION, encode_conversation, lookup_conversation
 
     _, tok = loaded
     rooms = make_rooms(3, seed=5)

@@ -90,7 +90,7 @@ def test_bad_url():
 
 
 def test_musique_run_with_an_endpoint_teacher_and_em_f1(server, student, tmp_path, capsys):  # noqa: F811
-    from livemoe.train.rft import main
+    from livemoe.train.rft.__main__ import main
 
     data = tmp_path / "musique.jsonl"
     data.write_text("\n".join(json.dumps({**MUSIQUE, "id": f"q{i}"}) for i in range(3)) + "\n")

@@ -1,4 +1,7 @@
-"""`python -m train.experiments` from a checkout: `livemoe experiments` (livemoe/cli.py)."""
-from livemoe.cli import checkout_entry_point
+"""`python -m train.experiments` from a checkout: `python -m experiments` (the root experiments/, not installed)."""
+import sys
 
-checkout_entry_point(__name__, "experiments")
+if __name__ == "__main__":
+    from experiments.__main__ import main
+
+    sys.exit(main(prog="python -m train.experiments"))

@@ -1,17 +1,24 @@
-"""Typed run configs: every field is a `--flag`, `--config file.yaml` takes the same keys, flags win.
+"""Typed run configs: every option is a `--flag`, `--config file.yaml` takes the same keys, flags win.
 
 `RunConfig` holds what every trainer shares (model, data, optimiser, checkpoints, judge, eval);
-`RFTConfig` adds the teacher, the selection and the SFT options. A trainer subclasses RunConfig (as
-GRPO does) and gets the same parsing, `--help`, printing, saving and validation for free:
+livemoe.train.rft.config.RFTConfig adds the teacher, the selection and the SFT options. A trainer subclasses
+RunConfig (as RFT and GRPO do) and gets the same parsing, `--help`, printing, saving and validation for free:
 `parse_config(RFTConfig, argv, prog="python -m train.rft")`. Every field carries its one-line help
 (`opt(default, help)`); booleans are `--flag` / `--no_flag` (or `--flag true|false`, as YAML has them).
-All user-facing checks live in `validate()` and raise ConfigError.
+
+A component's config (the policy loss's, the reward's, a live stage's) is a field of the trainer's, as
+torchtitan's Trainer.Config holds its components': `loss: PolicyLossConfig = nested(PolicyLossConfig,
+epsilon=flag("...", to="epsilon_low"), ...)`. The component owns its fields, defaults and checks; the trainer
+names the flags that fill them, flat as they have always been (`--epsilon` fills cfg.loss.epsilon_low), and
+--help, --config and config.yaml see only those flat options (config_dict). A component's bad value is a
+ConfigError: its own message, or `--FLAG why` when it raises OptionError naming its field.
+The trainer's own checks live in `validate()` and raise ConfigError.
 
 Plain argparse rather than jsonargparse, tyro or HfArgumentParser: those give typed flags and --help
 from dataclasses too, but each brings its own YAML merging and error path (a SystemExit, or its own
-exception text), while the trainers need one: defaults < YAML < flags, coerced by one function, every
-bad key or value a ConfigError naming the file or flag (run_cli prints it as one line). That is the
-~60 lines below.
+exception text), and names a nested field by its path (`--loss.epsilon_low`), while the trainers need one
+path, defaults < YAML < flags, coerced by one function, every bad key or value a ConfigError naming the file
+or flag (run_cli prints it as one line), and the flat flags their users know. That is the ~150 lines below.
 """
 import argparse
 import dataclasses
@@ -21,9 +28,7 @@ import shutil
 import sys
 import types
 import typing
-from dataclasses import dataclass, field
-
-from livemoe.train.selection import POLICIES
+from dataclasses import MISSING, dataclass, field
 
 
 DEFAULT_STUDENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "student")
@@ -33,15 +38,52 @@ class ConfigError(ValueError):
     """A bad option: the message names it."""
 
 
+class OptionError(ValueError):
+    """A bad value of a component config's field: `option` names the field, so that a command line reports it
+    under the flag that set it (`--gspo_balance must be in [0, 1]` for the SM-GSPO stage's `balance`)."""
+
+    def __init__(self, option: str, why: str):
+        super().__init__(f"{option} {why}")
+        self.option, self.why = option, why
+
+
 def opt(default, help: str, **kw):
     """A config field with its one-line --help text (every option has one: `--help` lists them all)."""
     return field(default=default, metadata={"help": help}, **kw)
 
 
-def default_of(config_cls, name: str):
-    """The default of field `name` of the config dataclass that owns it (the policy loss's, the reward's): a
-    trainer's flag that fills that field takes its default from there, so each value is written once."""
-    return config_cls.__dataclass_fields__[name].default
+class Flag(typing.NamedTuple):
+    """A command-line flag that fills a field of a nested component config (see nested)."""
+    help: str = ""
+    to: str = ""  # the component's field it fills; "" = the one of the flag's own name
+    default: object = MISSING  # MISSING = the component's own default
+    none_means: str = ""  # a flag whose value this one takes when it is None (--epsilon_high: --epsilon)
+
+
+def flag(help: str = "", *, to: str = "", default=MISSING, none_means: str = "") -> Flag:
+    return Flag(help, to, default, none_means)
+
+
+def nested(component, **flags: Flag):
+    """A field holding a component's config, filled by the flat flags `flags` (name -> Flag); a flag that two
+    components of one config name fills both (one --lambda_aux for both live stages)."""
+    return field(default_factory=lambda: _component(component, flags, {}),
+                 metadata={"component": component, "flags": flags})
+
+
+def _component(component, flags: dict, values: dict):
+    """component(...) from its flags' values: given in `values`, else the flag's default, else its own."""
+    own = {f.name: f for f in dataclasses.fields(component)}
+    given = {name: values.get(name, own[fl.to or name].default if fl.default is MISSING else fl.default)
+             for name, fl in flags.items()}
+    for name, fl in flags.items():
+        if fl.none_means and given[name] is None:
+            given[name] = given[fl.none_means]
+    try:
+        return component(**{fl.to or name: given[name] for name, fl in flags.items() if given[name] is not MISSING})
+    except ValueError as e:
+        names = [name for name, fl in flags.items() if isinstance(e, OptionError) and (fl.to or name) == e.option]
+        raise ConfigError(f"--{names[0]} {e.why}" if names else str(e)) from None
 
 
 @dataclass(kw_only=True)
@@ -130,75 +172,6 @@ class RunConfig:
                               "naming a local checkpoint directory")
 
 
-REHEARSAL_DEFAULT = 0.25  # issue 19: kept the pre-trained lookup through RFT (livemoe/train/assets/student/README.md round 5)
-
-
-@dataclass(kw_only=True)
-class RFTConfig(RunConfig):
-    """RFT options: the teacher, the selection and the SFT"""
-    # more rooms seen twice rather than fewer seen 8 times (2,048 x 8 before): with the rehearsal as many optimizer
-    # steps (1,966), and the student copies less of particular rooms (issue 19, livemoe/train/assets/student/README.md round 5)
-    train_rooms: int = opt(6560, "synthetic training inputs when --data is not given")
-    epochs: float = opt(2.0, "passes over the training data when --max_steps is 0")
-    # teacher and selection
-    teacher: str = opt("scripted", "scripted | a checkpoint directory | an http(s) URL (OpenAI-compatible)")
-    teacher_model: str = opt("default", "model name sent to a --teacher URL")
-    teacher_api_key_env: str = opt("OPENAI_API_KEY", "environment variable holding the --teacher URL's API key")
-    k: int = opt(4, "teacher samples per input, as in the seed")
-    temperature: float = opt(0.7, "teacher sampling temperature, as in the seed")
-    teacher_max_new_tokens: int = opt(384, "token limit of each teacher sample")
-    teacher_concurrency: int = opt(8, "parallel requests to a --teacher URL")
-    teacher_retries: int = opt(3, "retries of a failed request to a --teacher URL")
-    teacher_timeout_s: float = opt(120.0, "seconds before a request to a --teacher URL times out")
-    wrong_link_rate: float = opt(0.25, "scripted teacher: share of answers with a wrong link")
-    deflect_rate: float = opt(0.2, "scripted teacher: share of bare deflections")
-    verbose_rate: float = opt(0.6, "scripted teacher: share of long meta-reasoning thoughts")
-    selection: str = opt("first", "which passing candidate an input keeps: first | random | shortest; all = every "
-                                  "candidate, passing or not (plain SFT without judge filtering, the seed's Table 4)")
-    # SFT
-    grad_accum: int = opt(1, "micro-batches per optimizer step")
-    max_len: int = opt(1024, "tokens per training example (prompt + completion; longer ones are cut)")
-    batching: str = opt("bucket", "bucket (shuffled, length-bucketed) | pad (shuffled)")
-    marker_weight: float = opt(1.0, "loss weight of the --markers tokens (1 = plain SFT; LiveAssistant's "
-                                    "marker-aware SFT weighs them more)")
-    markers: str = opt("<think>,</think>", "comma-separated marker strings, one token each")
-    eval_every: int = opt(0, "every N optimizer steps (and at step 0) log eval_loss: the SFT loss on the "
-                             "judge-selected teacher answers to the held-out inputs (0 = never)")
-    rehearsal: float | None = opt(None, "pre-training lookup conversations of the training rooms mixed into the SFT "
-                                        "data, as a share of the selected examples: rehearsal against forgetting, "
-                                        "as InstructGPT mixes pre-training into PPO (synthetic world only; default "
-                                        f"{REHEARSAL_DEFAULT} there, 0 with --data)")
-
-    def __post_init__(self):
-        if self.rehearsal is None:
-            self.rehearsal = 0.0 if self.data else REHEARSAL_DEFAULT
-
-    def validate(self) -> None:
-        super().validate()
-        check_at_least(self, 1, "k", "grad_accum", "max_len")
-        check_at_least(self, 0, "rehearsal")
-        if self.rehearsal and self.data:
-            raise ConfigError("--rehearsal replays the synthetic world's pre-training lookups: it needs the "
-                              "synthetic rooms (no --data)")
-        check_at_least(self, 0, "eval_every")
-        if self.eval_every and not self.eval_data and (self.data or self.eval_rooms == 0):
-            raise ConfigError("--eval_every needs held-out inputs: --eval_data with --data, or --eval_rooms > 0")
-        if self.marker_weight <= 0:
-            raise ConfigError(f"--marker_weight must be > 0, got {self.marker_weight}")
-        check_choice("batching", self.batching, ("bucket", "pad"))
-        if self.temperature < 0:
-            raise ConfigError(f"--temperature must be >= 0, got {self.temperature}")
-        for name in ("wrong_link_rate", "deflect_rate", "verbose_rate"):
-            if not 0 <= getattr(self, name) <= 1:
-                raise ConfigError(f"--{name} must be in [0, 1], got {getattr(self, name)}")
-        if self.wrong_link_rate + self.deflect_rate > 1:
-            raise ConfigError("--wrong_link_rate + --deflect_rate must be <= 1")
-        check_choice("selection", self.selection, POLICIES)
-        if self.teacher not in ("scripted",) and not self.teacher.startswith(("http://", "https://")) \
-                and not os.path.isdir(self.teacher):
-            raise ConfigError(f"--teacher {self.teacher!r}: expected scripted, an http(s) URL or a checkpoint directory")
-
-
 def check_at_least(cfg, low, *names: str) -> None:
     """ConfigError naming the first of the options `names` of cfg that is below `low`."""
     for name in names:
@@ -284,12 +257,44 @@ def _field_help(cls, name: str) -> str:
     return ""
 
 
-def _default_text(f) -> str:
-    if f.default is None:
+@dataclass(frozen=True)
+class Option:
+    """One option of a config class: a field of its own, or a flag of one of its nested components."""
+    name: str
+    type: type  # int / float / str / bool
+    default: object
+    help: str
+    group: type  # the class whose group of --help lists it
+
+
+def options(cls) -> dict:
+    """name -> Option, in the order --help lists them: the fields of cls, each nested component's flags in its
+    place. A field's group is the most basic class that declares it (an overridden default stays in its group)."""
+    hints, out = typing.get_type_hints(cls), {}
+    for f in dataclasses.fields(cls):
+        group = next(k for k in reversed(cls.__mro__) if f.name in getattr(k, "__dataclass_fields__", {}))
+        if "component" not in f.metadata:
+            out[f.name] = Option(f.name, _base_type(hints[f.name]), f.default, _field_help(cls, f.name), group)
+            continue
+        component = f.metadata["component"]
+        own, types_ = {x.name: x for x in dataclasses.fields(component)}, typing.get_type_hints(component)
+        for name, fl in f.metadata["flags"].items():
+            to = fl.to or name
+            o = Option(name, _base_type(types_[to]), own[to].default if fl.default is MISSING else fl.default,
+                       fl.help, group)
+            if name in out:  # one flag of two components
+                assert (out[name].type, out[name].default) == (o.type, o.default), f"--{name}: two defaults"
+                continue
+            out[name] = o
+    return out
+
+
+def _default_text(default) -> str:
+    if default is None or default is MISSING:
         return ""  # the help says what leaving it out means
-    if isinstance(f.default, bool):
-        return "true" if f.default else "false"
-    return str(f.default)
+    if isinstance(default, bool):
+        return "true" if default else "false"
+    return str(default)
 
 
 def build_parser(cls, description: str = "", prog: str | None = None) -> argparse.ArgumentParser:
@@ -298,22 +303,18 @@ def build_parser(cls, description: str = "", prog: str | None = None) -> argpars
                                  formatter_class=_HelpFormatter,
                                  usage=f"{prog or '%(prog)s'} [-h] [--config FILE.yaml] [--OPTION VALUE ...]")
     ap.add_argument("--config", metavar="FILE.yaml", help="YAML file with the same keys as the options (flags win)")
-    hints = typing.get_type_hints(cls)
     groups = {}
-    for f in dataclasses.fields(cls):
-        # the group of the most basic class that declares the field (an overridden default stays in its group)
-        owner = next(k for k in reversed(cls.__mro__) if f.name in getattr(k, "__dataclass_fields__", {}))
-        if owner not in groups:
-            groups[owner] = ap.add_argument_group((owner.__doc__ or owner.__name__).strip())
-        help_ = _field_help(cls, f.name)
-        default = _default_text(f)
+    for o in options(cls).values():
+        if o.group not in groups:
+            groups[o.group] = ap.add_argument_group((o.group.__doc__ or o.group.__name__).strip())
+        help_, default = o.help, _default_text(o.default)
         if default and "(default" not in help_:
             help_ = f"{help_} (default: {default})"
-        tp = _base_type(hints[f.name])
-        if tp is bool:
-            groups[owner].add_argument(f"--{f.name}", action=BoolFlag, help=help_)
+        if o.type is bool:
+            groups[o.group].add_argument(f"--{o.name}", action=BoolFlag, help=help_)
         else:
-            groups[owner].add_argument(f"--{f.name}", type=str, metavar={int: "INT", float: "FLOAT"}.get(tp, "TEXT"), help=help_)
+            groups[o.group].add_argument(f"--{o.name}", type=str, help=help_,
+                                         metavar={int: "INT", float: "FLOAT"}.get(o.type, "TEXT"))
     return ap
 
 
@@ -322,8 +323,7 @@ def parse_config(cls, argv=None, description: str = "", prog: str | None = None)
     args = vars(build_parser(cls, description, prog).parse_args(argv))
     values = {}
     path = args.pop("config", None)
-    names = {f.name for f in dataclasses.fields(cls)}
-    hints = typing.get_type_hints(cls)
+    opts = options(cls)
     if path:
         import yaml
 
@@ -336,18 +336,42 @@ def parse_config(cls, argv=None, description: str = "", prog: str | None = None)
             raise ConfigError(f"--config {path}: not valid YAML ({e})") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"--config {path}: expected a mapping of option: value")
-        unknown = sorted(set(loaded) - names)
+        unknown = sorted(set(loaded) - set(opts))
         if unknown:
             raise ConfigError(f"--config {path}: unknown key(s) {', '.join(unknown)}")
-        values.update({k: _coerce(k, _base_type(hints[k]), v, path) for k, v in loaded.items()})
-    values.update({k: _coerce(k, _base_type(hints[k]), v, "flag --" + k) for k, v in args.items()})
-    cfg = cls(**values)
+        values.update({k: _coerce(k, opts[k].type, v, path) for k, v in loaded.items()})
+    values.update({k: _coerce(k, opts[k].type, v, "flag --" + k) for k, v in args.items()})
+    cfg = build_config(cls, values)
     cfg.validate()
     return cfg
 
 
+def build_config(cls, values: dict):
+    """cls from flat option values (name -> value; the others take their defaults): its own fields by name, each
+    nested component from its flags. Not validated (parse_config validates)."""
+    kw = {}
+    for f in dataclasses.fields(cls):
+        if "component" in f.metadata:
+            kw[f.name] = _component(f.metadata["component"], f.metadata["flags"], values)
+        elif f.name in values:
+            kw[f.name] = values[f.name]
+    return cls(**kw)
+
+
 def config_dict(cfg) -> dict:
-    return dataclasses.asdict(cfg)
+    """The options of cfg, flat (name -> value, as --help lists them): what config.yaml holds and --config
+    reads back into the same config. A flag with none_means is None where it equals that flag."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if "component" not in f.metadata:
+            out[f.name] = value
+            continue
+        flags = f.metadata["flags"]
+        own = {name: getattr(value, fl.to or name) for name, fl in flags.items()}
+        for name, fl in flags.items():
+            out.setdefault(name, None if fl.none_means and own[name] == own[fl.none_means] else own[name])
+    return out
 
 
 def format_config(cfg) -> str:

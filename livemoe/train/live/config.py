@@ -1,13 +1,13 @@
-"""LiveConfig: the options of `python -m train.live`, typed and validated in one place (ConfigError),
-parsed by livemoe.train.config's machinery (every field a --flag, --config YAML with the same keys)."""
+"""LiveConfig: the options of `python -m train.live`, parsed by livemoe.train.config's machinery (every option a
+--flag, --config YAML with the same keys). The two stages' options are their own configs, fields of this one
+(cfg.msft: MSFTOptions, cfg.gspo: GSPOOptions), each with its defaults and checks, filled by the flat flags they
+have always had (--sft_lr fills cfg.msft.lr, --gspo_balance cfg.gspo.balance, --lambda_aux both)."""
 import os
 from dataclasses import dataclass, field
 
-from livemoe.train.advantages import SCALE_REWARDS
-from livemoe.train.config import DEFAULT_STUDENT, ConfigError, check_choice, default_of
-from livemoe.train.live.gspo import CREDITS, GSPOOptions
+from livemoe.train.config import DEFAULT_STUDENT, ConfigError, check_at_least, check_choice, flag, nested
+from livemoe.train.live.gspo import GSPOOptions
 from livemoe.train.live.msft import MSFTOptions
-from livemoe.train.live.options import StageOptions
 
 
 @dataclass(kw_only=True)
@@ -37,48 +37,43 @@ class LiveConfig:
     unrecorded_courtesy: float | None = field(default=None, metadata={
         "help": "synthetic world: the chance that the recorded trajectory MA-MSFT imitates leaves out a welcome "
                 "or thank the reviewed decision makes (livemoe/train/live/world.py; none = the world's default)"})
-    max_message_chars: int = field(default=default_of(GSPOOptions, "max_message_chars"),
-                                   metadata={"help": "longest MEM note / ANS message the grammar allows"})
-    # MA-MSFT
-    sft_steps: int = default_of(MSFTOptions, "steps")
-    sft_lr: float = default_of(MSFTOptions, "lr")
-    sft_batch_size: int = default_of(MSFTOptions, "batch_size")
-    marker_weight: float = field(default=default_of(MSFTOptions, "marker_weight"),
-                                 metadata={"help": "loss weight of marker/field tokens (1 = plain)"})
-    recipient_weight: float = field(default=default_of(MSFTOptions, "recipient_weight"),
-                                    metadata={"help": "loss weight of the recipient name's tokens (1 = plain)"})
-    balance: float = field(default=default_of(MSFTOptions, "balance"),
-                           metadata={"help": "class balancing of decisions by kind, 0 (none) .. 1 (full)"})
     compare_plain: bool = field(default=False, metadata={"help": "also train plain multi-turn SFT (marker weight 1, "
                                                                  "no balancing) from the same start, as a table "
                                                                  "row (doubles the SFT time)"})
-    max_len: int = default_of(MSFTOptions, "max_len")
-    # SM-GSPO
-    gspo_steps: int = default_of(GSPOOptions, "steps")
-    gspo_lr: float = default_of(GSPOOptions, "lr")
-    sessions_per_step: int = default_of(GSPOOptions, "sessions_per_step")
-    num_generations: int = default_of(GSPOOptions, "num_generations")
-    num_iterations: int = default_of(GSPOOptions, "num_iterations")
-    gspo_temperature: float = default_of(GSPOOptions, "temperature")
-    turn_weight: float = field(default=default_of(GSPOOptions, "turn_weight"),
-                               metadata={"help": "advantage = w * turn + (1 - w) * trajectory credit"})
-    credit: str = field(default=default_of(GSPOOptions, "credit"),
-                        metadata={"help": "the parts of a decision credited apart, each by its own reward: turn "
-                                          "(whole decision) | head (marker+fields, message) | field (marker, "
-                                          "recipient, task, message; livemoe/train/live/gspo.py)"})
-    gspo_balance: float = field(default=default_of(GSPOOptions, "balance"),
-                                metadata={"help": "SM-GSPO: advantages scaled by the class weight of the gold "
-                                                  "decision (kind, and an ANS's task), 0 (none) .. 1 (full)"})
-    gspo_scale_rewards: str = field(default=default_of(GSPOOptions, "scale_rewards"),
-                                    metadata={"help": "SM-GSPO advantages: group (centred, divided by the group's "
-                                                      "std) | batch | none (centred only)"})
-    lambda_aux: float = default_of(StageOptions, "lambda_aux")  # one flag for both stages
+    # MA-MSFT (livemoe.train.live.msft.MSFTOptions, its defaults and checks; the trainer sets its seed: --seed)
+    msft: MSFTOptions = nested(
+        MSFTOptions,
+        sft_steps=flag(to="steps"),
+        sft_lr=flag(to="lr"),
+        sft_batch_size=flag(to="batch_size"),
+        marker_weight=flag("loss weight of marker/field tokens (1 = plain)"),
+        recipient_weight=flag("loss weight of the recipient name's tokens (1 = plain)"),
+        balance=flag("class balancing of decisions by kind, 0 (none) .. 1 (full)"),
+        max_len=flag(),
+        lambda_aux=flag())  # one flag for both stages
+    # SM-GSPO (livemoe.train.live.gspo.GSPOOptions, likewise)
+    gspo: GSPOOptions = nested(
+        GSPOOptions,
+        max_message_chars=flag("longest MEM note / ANS message the grammar allows"),  # the evaluation's too
+        gspo_steps=flag(to="steps"),
+        gspo_lr=flag(to="lr"),
+        sessions_per_step=flag(),
+        num_generations=flag(),
+        num_iterations=flag(),
+        gspo_temperature=flag(to="temperature"),
+        turn_weight=flag("advantage = w * turn + (1 - w) * trajectory credit"),
+        credit=flag("the parts of a decision credited apart, each by its own reward: turn (whole decision) | head "
+                    "(marker+fields, message) | field (marker, recipient, task, message; livemoe/train/live/gspo.py)"),
+        gspo_balance=flag("SM-GSPO: advantages scaled by the class weight of the gold decision (kind, and an ANS's "
+                          "task), 0 (none) .. 1 (full)", to="balance"),
+        gspo_scale_rewards=flag("SM-GSPO advantages: group (centred, divided by the group's std) | batch | none "
+                                "(centred only)", to="scale_rewards"),
+        lambda_aux=flag())
 
     def validate(self) -> None:
+        """The options of its own; the stages' options checked theirs when they were made."""
         check_choice("stage", self.stage, ("sft", "gspo", "all"))
         check_choice("device", self.device, ("auto", "cpu", "cuda"))
-        check_choice("credit", self.credit, CREDITS)
-        check_choice("gspo_scale_rewards", self.gspo_scale_rewards, SCALE_REWARDS)
         for name, path in (("model", self.model), ("replay", self.replay)):
             if path is not None and not os.path.isdir(path):
                 raise ConfigError(f"--{name} {path}: no such checkpoint directory")
@@ -97,17 +92,5 @@ class LiveConfig:
         if self.gspo_sessions and self.data:
             raise ConfigError("--gspo_sessions draws fresh sessions of the synthetic world; with --data SM-GSPO "
                               "plays the --data sessions (drop one of the two)")
-        for name in ("train_sessions", "eval_sessions", "num_intervals", "sft_steps", "sft_batch_size", "max_len",
-                     "gspo_steps", "sessions_per_step", "num_iterations", "max_message_chars"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_generations < 2:
-            raise ConfigError(f"--num_generations must be >= 2 (advantages compare them), got {self.num_generations}")
-        for name in ("sft_lr", "gspo_lr", "gspo_temperature", "marker_weight", "recipient_weight"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"--{name} must be > 0, got {getattr(self, name)}")
-        for name in ("balance", "gspo_balance", "turn_weight"):
-            if not 0 <= getattr(self, name) <= 1:
-                raise ConfigError(f"--{name} must be in [0, 1], got {getattr(self, name)}")
-        if self.threads < 0 or self.lambda_aux < 0:
-            raise ConfigError("--threads and --lambda_aux must be >= 0")
+        check_at_least(self, 1, "train_sessions", "eval_sessions", "num_intervals")
+        check_at_least(self, 0, "threads")

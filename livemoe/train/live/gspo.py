@@ -38,6 +38,7 @@ from livemoe.engine.live.layout import encode, interval_segment, render_events, 
 from livemoe.engine.live.session import decision_constraint
 from livemoe.kernels.logprobs import fused_linear_logprobs
 from livemoe.train.advantages import SCALE_REWARDS, multi_turn_advantages, token_advantages
+from livemoe.train.config import OptionError
 from livemoe.train.live.data import interval_time
 from livemoe.train.live.judge import accuracy, score_session
 from livemoe.train.live.msft import class_weights, field_chars
@@ -52,7 +53,7 @@ FIELDS = ("state", "recipient", "task", "grounding")
 
 @dataclass(kw_only=True)
 class GSPOOptions(StageOptions):
-    steps: int = 16  # with 8 sessions each; more did not help (livemoe/train/results/live/table.md) and the default must fit 10 minutes
+    steps: int = 16  # with 8 sessions each; more did not help (experiments/results/live/table.md) and the default must fit 10 minutes
     sessions_per_step: int = 8
     num_generations: int = 8
     num_iterations: int = 1  # updates per rollout batch (the ratio moves off 1 from the second; GSPO's clip then
@@ -66,27 +67,21 @@ class GSPOOptions(StageOptions):
     credit: str = "field"  # the parts of a decision that are GSPO rows with their own reward (part_starts)
     # advantages scaled by the gold decision's class weight, 0 (none) .. 1 (full). 0: in RL the weight also scales
     # the penalty of whatever the policy did there, so at 1 an ANS where OBS was due costs 0.32x while a missed
-    # ANS costs 1-3.9x, and the policy learns to speak up everywhere (state accuracy -5.8, livemoe/train/results/live)
+    # ANS costs 1-3.9x, and the policy learns to speak up everywhere (state accuracy -5.8, experiments/results/live)
     balance: float = 0.0
     scale_rewards: str = "group"  # livemoe.train.advantages: "group" divides each part's centred rewards by their std
     max_message_chars: int = 96
 
     def __post_init__(self):
-        for name in ("steps", "sessions_per_step", "num_generations", "num_iterations"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        super().__post_init__()
+        self.check_at_least(1, "steps", "sessions_per_step", "num_iterations", "max_message_chars")
         if self.num_generations < 2:
-            raise ValueError("num_generations must be >= 2 (advantages compare trajectories of one session)")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
-        if not 0 <= self.turn_weight <= 1:
-            raise ValueError(f"turn_weight must be in [0, 1], got {self.turn_weight}")
-        if not 0 <= self.balance <= 1:
-            raise ValueError(f"balance must be in [0, 1], got {self.balance}")
-        if self.scale_rewards not in SCALE_REWARDS:
-            raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {self.scale_rewards!r}")
-        if self.credit not in CREDITS:
-            raise ValueError(f"credit must be one of {CREDITS}, got {self.credit!r}")
+            raise OptionError("num_generations", "must be >= 2 (advantages compare trajectories of one session), "
+                                                 f"got {self.num_generations}")
+        self.check_positive("temperature", "lr")
+        self.check_fraction("turn_weight", "balance")
+        self.check_choice("scale_rewards", SCALE_REWARDS)
+        self.check_choice("credit", CREDITS)
 
 
 def session_turns(session: dict, tokenizer) -> tuple:

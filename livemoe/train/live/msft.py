@@ -17,7 +17,7 @@ weights shape it, per predicted token:
                  (N / (K * n_kind)) ** balance over the training intervals (K kinds present), so the
                  rare MEM and ANS intervals count as much as the frequent OBS (balance 1) or as in the
                  data (balance 0).
-marker_weight = recipient_weight = 1 and balance = 0 is plain multi-turn SFT. The loss is livemoe.train.rft's: sum(w * -logprob) /
+marker_weight = recipient_weight = 1 and balance = 0 is plain multi-turn SFT. The loss is livemoe.train.sft's (RFT's): sum(w * -logprob) /
 sum(w) through the fused log-probs, with the MoE load-balancing term.
 """
 import contextlib
@@ -33,7 +33,7 @@ from livemoe.train.live.data import encode_session
 from livemoe.train.live.options import StageOptions
 from livemoe.train.live.world import decision_text, recorded_decision
 from livemoe.train.nonfinite import NonFiniteGuard
-from livemoe.train.rft import collate, make_scheduler, sft_step_loss
+from livemoe.train.sft import collate, make_scheduler, sft_step_loss
 
 
 @dataclass(kw_only=True)
@@ -48,14 +48,10 @@ class MSFTOptions(StageOptions):
     max_len: int = 1024
 
     def __post_init__(self):
-        for name in ("marker_weight", "recipient_weight"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if not 0 <= self.balance <= 1:
-            raise ValueError(f"balance must be in [0, 1], got {self.balance}")
-        for name in ("steps", "batch_size", "max_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        super().__post_init__()
+        self.check_at_least(1, "steps", "batch_size", "max_len")
+        self.check_positive("lr", "marker_weight", "recipient_weight")
+        self.check_fraction("balance")
 
 
 def class_weights(kinds: list, balance: float) -> dict:

@@ -12,6 +12,7 @@ from livemoe.train.synthetic.world import WorldConfig, attribute_question, fact,
 
 # products per recall list: from 2 (a match among few is found sooner) up to the world's most
 RECALL_PRODUCTS = (2, WorldConfig().num_products[1])
+QUESTIONS_PER_CONVERSATION = 8  # the committed student's pre-training conversations (and RFT's --rehearsal)
 
 
 def lookup_conversation(room: dict, rng: random.Random, turns: int) -> list:
@@ -57,3 +58,19 @@ def tokenizer_corpus(n_rooms: int = 2000, seed: int = 1234):
             yield f"{m['role']}\n{m['content']}"
         yield room["reference"]
         yield from teacher.sample([room], k=2)[0]
+
+
+def encode_conversation(msgs, tok) -> tuple:
+    """input_ids and a 0/1 mask that is 1 on assistant answer tokens (and their <|im_end|>): how the student is
+    pre-trained on these conversations (scripts/pretrain_student.py) and how RFT rehearses them (--rehearsal)."""
+    ids, mask = [], []
+    for m in msgs:
+        text = tok.apply_chat_template([m], tokenize=False)
+        piece = tok(text, add_special_tokens=False)["input_ids"]
+        if m["role"] == "assistant":
+            head = len(tok("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"])
+            mask += [0] * head + [1] * (len(piece) - head - 1) + [0]  # answer + <|im_end|>, not the "\n"
+        else:
+            mask += [0] * len(piece)
+        ids += piece
+    return ids, mask

@@ -1,8 +1,8 @@
 """The seed's Table 5: GRPO from one RFT student with the reward built up part by part: correctness only,
 + helpfulness, + length (the full 0.4 correct + 0.3 helpful + 0.3 length). A part left out has weight 0;
 the others keep the seed's weights (advantages are normalised per group, so only their ratio matters)."""
-from livemoe.train.experiments.common import (FULL_GRPO, FULL_RFT_START, GRPO_SIZE_NOTE, TINY_GRPO, TINY_RFT, ExperimentArgs,
-                                      logged, rft_start, run_grpo, write_report)
+from experiments.common import (FULL_GRPO, FULL_RFT_START, GRPO_SIZE_NOTE, TINY_GRPO, TINY_RFT, ExperimentArgs,
+                                logged, rft_start, run_grpo, write_report)
 
 NAME = "reward_ablation"
 TITLE = "Table 5: GRPO reward ablation: correctness only, + helpfulness, + length"

@@ -1,5 +1,6 @@
 """Can SM-GSPO fix a greedy mistake on ONE session it trains on? A check of the optimiser, not a result:
-`python livemoe/train/results/live/gspo_one_session.py MA_MSFT_CHECKPOINT [LR]` (table.md, "Is it the optimiser?").
+`python -m experiments.gspo_one_session MA_MSFT_CHECKPOINT [LR]` (experiments/results/live/table.md, "Is it the
+optimiser?").
 Trains on each of the first 3 held-out sessions with greedy task or recipient mistakes in turn (4 copies x 8
 trajectories per step, 8 steps, weights restored between sessions) and replays the greedy policy after
 each step."""
@@ -8,7 +9,7 @@ import sys
 import torch
 
 from livemoe.engine.model.loader import load_model, load_tokenizer
-from livemoe.train.live.__main__ import engine_for
+from livemoe.train.live.trainer import engine_for
 from livemoe.train.live.evaluate import play
 from livemoe.train.live.gspo import SMGSPO, GSPOOptions
 from livemoe.train.live.judge import score_session

@@ -2,7 +2,7 @@
 SFT on every teacher sample (no judge filtering, `--selection all`), with the same budget: SFT runs
 exactly as many optimizer steps of the same batch size as RFT took, from the same base student, on the
 same teacher samples; both are evaluated on the same held-out rooms."""
-from livemoe.train.experiments.common import TINY_RFT, ExperimentArgs, run_rft, tokens_trained, write_report
+from experiments.common import TINY_RFT, ExperimentArgs, run_rft, tokens_trained, write_report
 
 NAME = "rft_vs_sft"
 TITLE = "Table 4: RFT (judge-filtered) vs plain SFT on all teacher samples, same optimizer steps"

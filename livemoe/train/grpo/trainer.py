@@ -1,38 +1,13 @@
-"""GRPO, stage 2 of the LiveThinking seed (its section 4.2, Table 2): `python -m train.grpo [flags]`.
-
-Each step: batch_size prompts -> K rollouts each from the engine's decoder running the very module
-being trained (livemoe.train.rollout) -> rewards 0.4 correct + 0.3 helpful + 0.3 length (livemoe.train.rewards) ->
-group-normalised advantages (livemoe.train.advantages) -> the decoder's KV cache is released -> μ optimiser
-passes of the clipped policy loss (livemoe.train.losses) on the fused log-probs, with k3 KL (β) to the frozen
-starting checkpoint and the MoE load-balancing loss (λ_aux). Multi-turn trajectories (--multi_turn)
-get turn- and trajectory-level credit (LiveAssistant's streaming GSPO; use it with
---importance_sampling_level sequence).
-
-With no arguments it is the embedded default: it continues from the RFT default's student (running
-`livemoe.train.rft`'s default first when that is missing), trains on the synthetic live-commerce rooms, and
-prints and saves a before/after table in the shape of the seed's Table 3 (livemoe.train.evaluate: eval_table.md,
-eval.json; summary.json adds the TPR reduction and the quality changes in points).
-Multi-turn data: a record of the seed's shape with `followups`, a list of later user turns (a string,
-or {"question", "meta"?, "reference"?} so the judge can check each turn); each turn is judged as a
-record whose history holds the trajectory's own earlier answers, with its own L_ref.
-Precision: fp32 on the CPU; on a GPU --bf16 auto computes and decodes in bf16 while the optimizer updates
-fp32 master weights with fp32 AdamW states (livemoe.train.precision; checkpoints hold the masters); there
-`--old_logprobs trainer` takes old_logprobs from the trainer's own forward instead.
-Everything is a --flag or a key of --config run.yaml (livemoe.train.config); checkpoints are atomic and
---resume auto continues exactly; the final model is exported in the HF layout to <output_dir>/final.
-Under torchrun (livemoe.train.distributed) the policy and the reference are sharded (FSDP2, --expert_parallel); each rank
-decodes its share of the step's prompts with a gathered inference copy of the policy (refreshed after each
-update; bench/bench_rollout_weights.py measures it against decoding through the sharded module), the rewards are
-joined for the advantages, and the loss is normalised over the global batch; checkpoints are sharded.
-"""
+"""GRPOTrainer (livemoe.train.grpo): one method per phase of a step, as torchtitan's Trainer has: the rollout
+phase (K rollouts per prompt from the decoder, rewards, group advantages), the update phase (μ optimizer passes
+of the clipped policy loss), evaluation, checkpoints, and the loop. One class over ~450 lines: its phases
+share the model, the reference, the rollouts and the optimizer, and splitting it would scatter that state."""
 import contextlib
 import dataclasses
 import json
 import math
 import os
-import sys
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -40,164 +15,18 @@ from livemoe.engine.model import flops
 from livemoe.engine.model.loader import load_model, load_tokenizer, save_model
 from livemoe.kernels.logprobs import fused_linear_logprobs
 from livemoe.train import distributed
-from livemoe.train.advantages import SCALE_REWARDS, group_advantages, multi_turn_advantages, token_advantages
-from livemoe.train.checkpoint import is_sharded, latest_checkpoint, load_checkpoint, model_dir
-from livemoe.train.config import (ConfigError, RFTConfig, RunConfig, check_choice, check_at_least, default_of, format_config, opt,
-                          parse_config, run_cli, save_config)
-from livemoe.train.data import build_prompt, load_inputs, split_thought
+from livemoe.train.advantages import group_advantages, multi_turn_advantages, token_advantages
+from livemoe.train.checkpoint import is_sharded, load_checkpoint, model_dir
+from livemoe.train.config import ConfigError, save_config
+from livemoe.train.data import build_prompt, split_thought
+from livemoe.train.grpo.config import GRPOConfig
+from livemoe.train.grpo.start import load_records, resolve_start
 from livemoe.train.judges import make_judge
-from livemoe.train.losses import PolicyLossConfig, policy_loss
+from livemoe.train.losses import policy_loss
 from livemoe.train.nonfinite import NonFiniteGuard
 from livemoe.train.precision import MasterWeights
-from livemoe.train.rewards import CompositeReward, RewardConfig, RewardError, load_reward_fns
+from livemoe.train.rewards import CompositeReward
 from livemoe.train.rollout import Rollouts, collate, reference_lengths, shuffled_order
-
-
-@dataclass(kw_only=True)
-class GRPOConfig(RunConfig):
-    """GRPO options: rollouts, loss, rewards"""
-    model: str = field(default="auto", metadata={"help": "checkpoint to start from; auto = the RFT default's student "
-                                                        "(running the RFT default first when it is missing)"})
-    output_dir: str = "runs/grpo"
-    rft_output: str = field(default="", metadata={"help": "where --model auto looks for the RFT student (default: RFT's output_dir)"})
-    lr: float = 2e-4
-    warmup_steps: int = field(default=2, metadata={"help": "steps of linear lr warm-up, then constant"})
-    # 40 (60 before 2026-12-02): the RFT student's TPR is down 39-44% by then, and `make demo` keeps to ~12 minutes
-    max_steps: int = field(default=40, metadata={"help": "GRPO steps (a rollout batch, then μ optimizer passes); "
-                                                         "0 = --epochs passes over the prompts"})
-    batch_size: int = field(default=8, metadata={"help": "prompts per step (each gets --num_generations rollouts)"})
-    # rollouts
-    num_generations: int = field(default=8, metadata={"help": "K rollouts per prompt, as in the seed"})
-    max_new_tokens: int = field(default=256, metadata={"help": "completion length limit of a rollout"})
-    temperature: float = field(default=0.7, metadata={"help": "rollout sampling temperature (the seed's τ, as the held-out "
-                                                               "answers are sampled)"})
-    top_p: float = field(default=1.0, metadata={"help": "rollout nucleus sampling (1 = off)"})
-    top_k: int = field(default=-1, metadata={"help": "rollout top-k sampling (-1 = off)"})
-    ref_samples: int = field(default=4, metadata={"help": "L_ref = mean length of this many sampled responses of the "
-                                                          "starting checkpoint per prompt; 0 = its greedy response"})
-    rollout_kv_bytes: int = field(default=256 * 2**20, metadata={"help": "decoder KV-cache budget (CPU)"})
-    rollout_max_num_seqs: int = field(default=512, metadata={"help": "sequences the rollout decoder runs at once"})
-    rollout_url: str = field(default="", metadata={"help": "rollout servers (livemoe serve), comma-separated; "
-                                                           "empty = the in-process decoder (livemoe/train/remote_rollout.py)"})
-    weight_sync: str = field(default="distributed", metadata={"help": "with --rollout_url: how new weights reach "
-                                                                      "the servers, distributed (broadcast) | disk"})
-    # loss (livemoe.train.losses.PolicyLossConfig owns the defaults, but β: the seed's 0.01 where the loss's own is 0)
-    beta: float = opt(0.01, "k3 KL weight to the starting checkpoint, as in the seed (0 = no reference model)")
-    epsilon: float = opt(default_of(PolicyLossConfig, "epsilon_low"), "clip ε of the ratio, the low side (and the high "
-                         "side without --epsilon_high), as in the seed")
-    epsilon_high: float | None = opt(None, "clip ε of the ratio, the high side (default: --epsilon)")
-    delta: float | None = opt(default_of(PolicyLossConfig, "delta"), "dual clip c for negative advantages (none = no "
-                              "dual clip)")
-    loss_type: str = opt(default_of(PolicyLossConfig, "loss_type"), "grpo | bnpo | dr_grpo | dapo")
-    importance_sampling_level: str = opt(default_of(PolicyLossConfig, "importance_sampling_level"),
-                                         "token | sequence (GSPO)")
-    num_iterations: int = field(default=1, metadata={"help": "μ: optimiser passes per rollout batch"})
-    micro_batch_size: int = field(default=32, metadata={"help": "completions per forward/backward"})
-    scale_rewards: str = field(default="group", metadata={"help": "group | batch | none"})
-    advantage_eps: float = field(default=1e-4, metadata={"help": "added to the reward std when advantages are normalised"})
-    drop_zero_variance: bool = field(default=False, metadata={"help": "leave groups with equal rewards out of the loss"})
-    mask_truncated: bool = field(default=False, metadata={"help": "leave completions cut at max_new_tokens out of the loss"})
-    old_logprobs: str = field(default="decoder", metadata={"help": "decoder (the sampled tokens' raw logprobs) | trainer"})
-    # rewards (the seed's Table 2; livemoe.train.rewards.RewardConfig owns the defaults)
-    w_correct: float = opt(default_of(RewardConfig, "w_correct"), "reward weight of correctness, as in the seed")
-    w_helpful: float = opt(default_of(RewardConfig, "w_helpful"), "reward weight of helpfulness, as in the seed")
-    w_length: float = opt(default_of(RewardConfig, "w_length"), "reward weight of the length reward, as in the seed")
-    lambda_upper: float = opt(default_of(RewardConfig, "lambda_upper"), "length reward: upper end of the target band, "
-                              "a fraction of L_ref, as in the seed")
-    lambda_lower: float = opt(default_of(RewardConfig, "lambda_lower"), "length reward: lower end of the target band, "
-                              "a fraction of L_ref, as in the seed")
-    length_epsilon: float = opt(default_of(RewardConfig, "length_epsilon"), "ε of the length reward, a fraction of L_ref")
-    reward_fns: str = opt(default_of(RewardConfig, "reward_fns"), "extra rewards: module:fn[=weight],... "
-                          "fn(record, completion, info)")
-    # multi-turn (LiveAssistant)
-    multi_turn: bool = field(default=False, metadata={"help": "records' `followups` are later turns of one trajectory"})
-    turn_weight: float = field(default=0.5, metadata={"help": "turn-level vs trajectory-level credit"})
-    export_dir: str = field(default="", metadata={"help": "HF export of the final model (default: <output_dir>/final)"})
-
-    def check_model(self) -> None:
-        if self.model != "auto":  # `auto` is resolved later, by resolve_start
-            super().check_model()
-
-    def validate(self) -> None:
-        super().validate()
-        check_at_least(self, 1, "num_generations", "max_new_tokens", "num_iterations", "micro_batch_size",
-                       "rollout_max_num_seqs", "rollout_kv_bytes")
-        check_at_least(self, 0, "ref_samples")
-        if self.num_generations < 2:
-            raise ConfigError("--num_generations must be >= 2: GRPO compares rollouts of one prompt")
-        if self.temperature <= 0:
-            raise ConfigError(f"--temperature must be > 0 for rollouts, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"--top_p must be in (0, 1], got {self.top_p}")
-        check_choice("scale_rewards", self.scale_rewards, SCALE_REWARDS)
-        check_choice("old_logprobs", self.old_logprobs, ("decoder", "trainer"))
-        check_choice("weight_sync", self.weight_sync, ("distributed", "disk"))
-        if self.rollout_url and self.multi_turn:
-            raise ConfigError("--multi_turn runs its rollouts in-process; leave out --rollout_url")
-        if not 0 <= self.turn_weight <= 1:
-            raise ConfigError(f"--turn_weight must be in [0, 1], got {self.turn_weight}")
-        if self.advantage_eps <= 0:
-            raise ConfigError(f"--advantage_eps must be > 0, got {self.advantage_eps}")
-        if self.model != "auto" and not os.path.isfile(os.path.join(self.model, "config.json")):
-            raise ConfigError(f"--model {self.model}: not a checkpoint directory (no config.json)")
-        try:
-            self.loss_config()
-            self.reward_config()
-            load_reward_fns(self.reward_fns)  # a bad dotted path fails here, not at the first step
-        except (ValueError, RewardError) as e:
-            raise ConfigError(str(e)) from None
-
-    def loss_config(self) -> PolicyLossConfig:
-        return PolicyLossConfig(beta=self.beta, epsilon_low=self.epsilon,
-                                epsilon_high=self.epsilon if self.epsilon_high is None else self.epsilon_high,
-                                delta=self.delta, importance_sampling_level=self.importance_sampling_level,
-                                loss_type=self.loss_type, max_completion_length=self.max_new_tokens)
-
-    def reward_config(self) -> RewardConfig:
-        return RewardConfig(w_correct=self.w_correct, w_helpful=self.w_helpful, w_length=self.w_length,
-                            lambda_upper=self.lambda_upper, lambda_lower=self.lambda_lower,
-                            length_epsilon=self.length_epsilon, reward_fns=self.reward_fns)
-
-
-# ------------------------------------------------------------------------------------------ the start
-def _model_dir(root: str):
-    """A checkpoint directory at or under root (final export, model/, root itself, latest checkpoint)."""
-    cands = [os.path.join(root, n) for n in ("final", "model", "export", "student")] + [root]
-    last = latest_checkpoint(root) if os.path.isdir(root) else None
-    cands += [os.path.join(last, "model")] if last else []
-    return next((c for c in cands if os.path.isfile(os.path.join(c, "config.json"))), None)
-
-
-def resolve_start(cfg: GRPOConfig) -> str:
-    """--model, or for `auto` the RFT default's student (running the RFT default first if missing)."""
-    if cfg.model != "auto":
-        return cfg.model
-    root = cfg.rft_output or RFTConfig().output_dir
-    found = _model_dir(root)
-    if found:
-        return found
-    try:
-        import livemoe.train.rft as rft
-    except ImportError as e:
-        raise ConfigError(f"--model auto: no RFT student under {root} and livemoe.train.rft cannot run ({e}); "
-                          "pass --model CHECKPOINT_DIR") from None
-    print(f"no RFT student under {root}: running the RFT default first (livemoe.train.rft)", flush=True)
-    rc = rft.main(["--output_dir", root])
-    if rc:
-        raise ConfigError(f"--model auto: the RFT default failed (exit {rc}); pass --model CHECKPOINT_DIR")
-    found = _model_dir(root)
-    if not found:
-        raise ConfigError(f"--model auto: the RFT default ran but left no checkpoint under {root}; "
-                          "pass --model or --rft_output")
-    return found
-
-
-def load_records(cfg: GRPOConfig) -> tuple:
-    """(training records, held-out records): RFT's inputs (the same synthetic rooms by default)."""
-    train, held_out = load_inputs(cfg)
-    if cfg.multi_turn and not any(r.get("followups") for r in train):
-        raise ConfigError("--multi_turn: no training record has `followups` (later user turns)")
-    return train, held_out
 
 
 def _turn_record(record: dict, turn: int, responses: list) -> dict:
@@ -257,13 +86,14 @@ class GRPOTrainer:
             raise ConfigError(f"{self.start_model}: the checkpoint has no tokenizer (the prompts are text)")
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.ref_model = None
-        if cfg.beta > 0:  # the frozen starting checkpoint; not loaded at all when β = 0
+        if cfg.loss.beta > 0:  # the frozen starting checkpoint; not loaded at all when β = 0
             self.ref_model = self._load_reference()
         self.train_records, self.eval_records = load_records(cfg)
         self.prompts = [build_prompt(r, self.tokenizer) for r in self.train_records]
         self.judge = make_judge(cfg)
-        self.reward = CompositeReward(self.judge, cfg.reward_config())
-        self.loss_cfg = cfg.loss_config()
+        self.reward = CompositeReward(self.judge, cfg.reward)
+        # dr_grpo's constant is the rollouts' length limit
+        self.loss_cfg = dataclasses.replace(cfg.loss, max_completion_length=cfg.max_new_tokens)
         if cfg.rollout_url:  # servers decode; the weights are pushed to them after each step
             from livemoe.train.remote_rollout import RemoteRollouts
 
@@ -668,18 +498,3 @@ def tpr_change(before: dict, after: dict) -> dict:
                      ", ".join(f"{k} {before[k]:.1f} -> {after[k]:.1f} ({after[k] - before[k]:+.1f} points)" for k in q))
     return out
 
-
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-
-    def body():
-        cfg = parse_config(GRPOConfig, argv, description=__doc__.split("\n")[0], prog="livemoe grpo")
-        if cfg.progress:
-            print("GRPO config:\n" + format_config(cfg), flush=True)
-        GRPOTrainer(cfg).train()
-
-    return run_cli(body)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,12 +1,15 @@
-"""`python -m train.experiments [NAME]`: the LiveThinking seed's ablations at toy scale, one command each.
+"""`python -m experiments [NAME]` (or `python -m train.experiments [NAME]`) from a checkout: the LiveThinking seed's
+ablations at toy scale, one command each. Research beside the product, not installed with it: it drives the
+installed trainers as a user would.
 
 Each experiment is a module here with NAME, TITLE (a line for the listing) and run(args) -> the report's
 path; an arm of an experiment is a run of `livemoe.train.rft` or `livemoe.train.grpo` through the trainer's own config
-and entry point (livemoe/train/experiments/common.py). The report goes to livemoe/train/results/NAME/ (README.md with the
-table, command, date and machine; results.json; a PNG where the seed has a figure).
+and entry point (experiments/common.py). The report goes to experiments/results/NAME/ (README.md with the
+table, command, date and machine; results.json; a PNG where the seed has a figure). experiments/results/ also
+holds the LiveAssistant seed's results (live/: `python -m train.live` runs, and gspo_one_session.py's check).
 """
-from livemoe.train.experiments import length_sweep, moe_vs_dense, reward_ablation, rft_vs_sft
-from livemoe.train.experiments.common import ExperimentArgs, ExperimentError
+from experiments import length_sweep, moe_vs_dense, reward_ablation, rft_vs_sft
+from experiments.common import ExperimentArgs, ExperimentError
 
 EXPERIMENTS = {m.NAME: m for m in (rft_vs_sft, length_sweep, reward_ablation, moe_vs_dense)}
 

@@ -1,18 +1,20 @@
-"""`python -m train.experiments` lists the experiments; `python -m train.experiments NAME [--tiny]
-[--output_dir DIR] [--work_dir DIR] [--model DIR] [--start DIR] [--seed N]` runs one."""
+"""`python -m experiments` lists the experiments; `python -m experiments NAME [--tiny] [--output_dir DIR]
+[--work_dir DIR] [--model DIR] [--start DIR] [--seed N]` runs one (from a checkout's root; `python -m
+train.experiments` is the same command)."""
 import argparse
 import shlex
 import sys
 
+import experiments
+from experiments.common import RESULTS_ROOT, ExperimentArgs
 from livemoe.train.config import DEFAULT_STUDENT, run_cli
 
 
-def main(argv=None) -> int:
-    import livemoe.train.experiments as experiments
-    from livemoe.train.experiments.common import RESULTS_ROOT, ExperimentArgs
-
+def main(argv=None, prog: str = "python -m experiments") -> int:
+    """`prog`: the command as the user typed it, for --help and the reports (`python -m train.experiments` runs
+    main with its own name)."""
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(prog="livemoe experiments", description=__doc__.split("\n")[0],
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0],
                                  epilog="experiments:\n" + experiments.listing(),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("name", nargs="?", help="the experiment to run (none: list them)")
@@ -27,7 +29,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no_progress", action="store_true", help="no progress bars or per-step lines")
     a = ap.parse_args(argv)
     if a.name is None:
-        print("experiments (python -m train.experiments NAME [--tiny]):\n" + experiments.listing())
+        print(f"experiments ({prog} NAME [--tiny]):\n" + experiments.listing())
         return 0
 
     def body():
@@ -37,7 +39,7 @@ def main(argv=None) -> int:
                                               "(only length_sweep and reward_ablation do)")
         args = ExperimentArgs(name=a.name, tiny=a.tiny, output_dir=a.output_dir, work_dir=a.work_dir, model=a.model,
                               start=a.start, seed=a.seed, progress=not a.no_progress,
-                              command=shlex.join(["python", "-m", "train.experiments", *argv]))
+                              command=" ".join([prog, shlex.join(argv)]).strip())
         exp.run(args)
 
     return run_cli(body)

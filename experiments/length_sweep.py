@@ -1,8 +1,8 @@
 """The seed's Figure 4: GRPO from one RFT student across length-reward targets (the band [λ_lower, λ_upper]
 x L_ref that the length reward pays for), with correctness, helpfulness and TPR against the length ratio
 reached (held-out TPR after GRPO / the RFT student's)."""
-from livemoe.train.experiments.common import (FULL_GRPO, FULL_RFT_START, GRPO_SIZE_NOTE, TINY_GRPO, TINY_RFT, ExperimentArgs,
-                                      plot_panels, rft_start, run_grpo, write_report)
+from experiments.common import (FULL_GRPO, FULL_RFT_START, GRPO_SIZE_NOTE, TINY_GRPO, TINY_RFT, ExperimentArgs,
+                                plot_panels, rft_start, run_grpo, write_report)
 
 NAME = "length_sweep"
 TITLE = "Figure 4: GRPO across length-reward targets (λ_lower, λ_upper): quality and TPR against the length ratio"

@@ -9,7 +9,7 @@ not the architecture. From random weights the teacher's answers are the only tra
 import json
 import os
 
-from livemoe.train.experiments.common import TINY_RFT, ExperimentArgs, logged, plot_panels, run_rft, write_report
+from experiments.common import TINY_RFT, ExperimentArgs, logged, plot_panels, run_rft, write_report
 
 NAME = "moe_vs_dense"
 TITLE = "Figure 5: RFT held-out loss of the MoE student vs dense students of equal active / total parameters"

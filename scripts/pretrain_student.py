@@ -1,4 +1,5 @@
-"""Builds the embedded default's base student: `python -m livemoe.train.pretrain_student --output_dir livemoe/train/assets/student`.
+"""Builds the embedded default's base student: `python scripts/pretrain_student.py --output_dir livemoe/train/assets/student`
+(from a checkout's root; a script, not part of the package: the trainers read what it made, the committed student).
 
 1. a byte-level BPE tokenizer trained on the synthetic world's text, with a Qwen3-style chat template;
 2. a tiny Qwen3-MoE (transformers' own implementation, so the checkpoint is the hub's layout);
@@ -32,9 +33,13 @@ import random
 import sys
 import time
 
+# run by path (`python scripts/pretrain_student.py`), the package is the checkout's, beside this folder
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import torch
 
-from livemoe.train.synthetic.corpus import RECALL_PRODUCTS, lookup_conversation, recall_sequence, tokenizer_corpus
+from livemoe.train.synthetic.corpus import (QUESTIONS_PER_CONVERSATION, RECALL_PRODUCTS, encode_conversation,
+                                            lookup_conversation, recall_sequence, tokenizer_corpus)
 from livemoe.train.synthetic.tokenizer import train_tokenizer
 from livemoe.train.synthetic.world import WorldConfig, fact, make_rooms, products_of
 
@@ -42,9 +47,6 @@ MODEL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_att
              num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
              moe_intermediate_size=64, norm_topk_prob=True, max_position_embeddings=1024,
              rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, router_aux_loss_coef=0.01)
-
-
-QUESTIONS_PER_CONVERSATION = 8  # the committed student's pre-training conversations (and RFT's --rehearsal)
 
 
 def init_student(tok, seed: int = 0, **overrides):
@@ -55,21 +57,6 @@ def init_student(tok, seed: int = 0, **overrides):
     cfg = Qwen3MoeConfig(vocab_size=len(tok), bos_token_id=None, eos_token_id=tok.eos_token_id,
                          pad_token_id=tok.pad_token_id, **{**MODEL, **overrides})
     return AutoModelForCausalLM.from_config(cfg)
-
-
-def encode_conversation(msgs, tok) -> tuple:
-    """input_ids and a 0/1 mask that is 1 on assistant answer tokens (and their <|im_end|>)."""
-    ids, mask = [], []
-    for m in msgs:
-        text = tok.apply_chat_template([m], tokenize=False)
-        piece = tok(text, add_special_tokens=False)["input_ids"]
-        if m["role"] == "assistant":
-            head = len(tok("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"])
-            mask += [0] * head + [1] * (len(piece) - head - 1) + [0]  # answer + <|im_end|>, not the "\n"
-        else:
-            mask += [0] * len(piece)
-        ids += piece
-    return ids, mask
 
 
 def batch(rooms, rng, tok, turns):
@@ -425,7 +412,7 @@ def save(model, tok, args, argv, n_params, step, t0, history, earlier=None, prob
     os.makedirs(args.output_dir, exist_ok=True)
     model.save_pretrained(args.output_dir)
     tok.save_pretrained(args.output_dir)
-    report = {"command": "python -m livemoe.train.pretrain_student " + " ".join(argv or []), "args": vars(args),
+    report = {"command": "python scripts/pretrain_student.py " + " ".join(argv or []), "args": vars(args),
               "parameters": n_params, "steps": step, "minutes": round((time.time() - t0) / 60, 2),
               "final_heldout_lookup_exact": history[-1]["heldout_lookup_exact"] if history else None,
               "history": history}

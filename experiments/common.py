@@ -10,12 +10,11 @@ import shlex
 import time
 from dataclasses import dataclass, field
 
-from livemoe.train.config import DEFAULT_STUDENT, RFTConfig, parse_config
+from livemoe.train.config import DEFAULT_STUDENT, parse_config
+from livemoe.train.rft.config import RFTConfig
 
-# A checkout's committed reports sit beside the code; an installed package ships none of them, and writes its
-# reports under the working directory rather than into site-packages.
-CHECKOUT_RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
-RESULTS_ROOT = CHECKOUT_RESULTS if os.path.isdir(CHECKOUT_RESULTS) else os.path.join("runs", "experiments", "reports")
+# the committed reports, beside the code (experiments/ is a checkout's folder: never installed)
+RESULTS_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 # The --tiny sizes: seconds on a CPU with a tiny student (the suite's), every stage still run. Held-out
 # rows are greedy (one response each) and short; the experiments' own flags come after these.
@@ -44,7 +43,7 @@ class ExperimentError(ValueError):
 
 @dataclass(kw_only=True)
 class ExperimentArgs:
-    """One experiment's run: what `python -m train.experiments NAME [flags]` parsed."""
+    """One experiment's run: what `python -m experiments NAME [flags]` parsed."""
     name: str
     tiny: bool = False
     output_dir: str = ""  # the report; "" = RESULTS_ROOT/NAME (RESULTS_ROOT/NAME/tiny with --tiny)
@@ -97,8 +96,8 @@ def _announce(args: ExperimentArgs, arm: str, command: str) -> None:
 
 
 def run_rft(args: ExperimentArgs, arm: str, sizes: list, flags: list = (), model: str = "") -> Arm:
-    """livemoe.train.rft's own run() on the config its parser makes of the flags."""
-    from livemoe.train import rft
+    """livemoe.train.rft's own run() (rft.trainer.run) on the config its parser makes of the flags."""
+    from livemoe.train.rft import trainer as rft
 
     argv = _flags(args, arm, model or args.model, sizes, list(flags))
     cfg = parse_config(RFTConfig, argv, prog="python -m train.rft")
@@ -111,7 +110,8 @@ def run_grpo(args: ExperimentArgs, arm: str, start: str, sizes: list, flags: lis
     """livemoe.train.grpo's own trainer on the config its parser makes of the flags. Arms of one experiment start from
     one checkpoint with one seed and the same prompts, so `shared` carries the first arm's L_ref and
     held-out start row to the next ones (the same numbers, computed once)."""
-    from livemoe.train.grpo import GRPOConfig, GRPOTrainer
+    from livemoe.train.grpo.config import GRPOConfig
+    from livemoe.train.grpo.trainer import GRPOTrainer
 
     argv = _flags(args, arm, start, sizes, list(flags))
     cfg = parse_config(GRPOConfig, argv, prog="python -m train.grpo")

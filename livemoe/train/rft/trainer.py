@@ -1,36 +1,24 @@
-"""`python -m train.rft`: rejection-sampling fine-tuning, stage 1 of the LiveThinking seed (its section 4.1).
-
-  1. teacher: k candidates per input at temperature τ (defaults 4 and 0.7, as in the seed)
-  2. judge: correctness and helpfulness of each candidate
-  3. select: at most one candidate per input that passes both (selected.jsonl)
-  4. SFT: completion-only loss through the fused log-probs + λ_aux × the MoE load-balancing loss,
-     AdamW with warm-up and cosine decay, gradient accumulation and clipping
-  5. evaluate the student before and after on held-out inputs: a table shaped like the seed's Table 3
-
-With no arguments it runs the embedded default (synthetic rooms, the scripted teacher, the rule-based
-judge, the committed tiny student in livemoe/train/assets/student) in a few minutes on a laptop CPU.
-Output dir: config.yaml, candidates.jsonl, selected.jsonl, selection.json, metrics.jsonl, curves.png,
-curves_more.png, checkpoints/step-*/ (resume with --resume auto), final/ (HF layout), eval_table.md, eval.json;
-with --eval_every N also heldout_candidates.jsonl, heldout_selected.jsonl, heldout_selection.json and an
-eval_loss in metrics.jsonl every N steps (the seed's Figure 5 curves).
-"""
+"""The RFT run (livemoe.train.rft): the teacher stage (sample, judge, select), the SFT loop on the kept examples
+(with the optional rehearsal of the pre-training lookups), and the before/after evaluation."""
 import contextlib
 import json
 import math
 import os
 import random
-import sys
 import time
 
 import torch
 
 from livemoe.train import distributed
 from livemoe.train.checkpoint import load_checkpoint, model_dir
-from livemoe.train.config import RFTConfig, format_config, parse_config, run_cli, save_config
-from livemoe.train.data import build_prompt, load_inputs, load_jsonl, write_jsonl
+from livemoe.train.config import format_config, save_config
+from livemoe.train.data import load_inputs, load_jsonl, write_jsonl
 from livemoe.train.judges import make_judge
 from livemoe.train.nonfinite import NonFiniteGuard
+from livemoe.train.rft.config import RFTConfig
 from livemoe.train.selection import require_nonempty, select
+from livemoe.train.sft import (collate, encode_example, epoch_batches, heldout_loss, make_scheduler, marker_token_ids,
+                               sft_step_loss)
 from livemoe.train.synthetic.world import WorldConfig
 
 
@@ -84,94 +72,6 @@ def teacher_stage(cfg: RFTConfig, records: list, judge, prefix: str = "") -> lis
 REHEARSAL_SKIP = WorldConfig().max_history + 1
 
 
-def marker_token_ids(tokenizer, markers: str) -> list:
-    ids = []
-    for m in filter(None, (s.strip() for s in markers.split(","))):
-        enc = tokenizer(m, add_special_tokens=False)["input_ids"]
-        if len(enc) != 1:
-            raise ValueError(f"--markers: {m!r} is {len(enc)} tokens in this tokenizer; a marker must be one token")
-        ids.append(enc[0])
-    return ids
-
-
-def encode_example(rec: dict, tokenizer, max_len: int, marker_ids=(), marker_weight: float = 1.0):
-    """input_ids, and per position the weight of predicting the NEXT token (0 on the prompt), or None
-    when truncation to max_len leaves no completion token."""
-    prompt = tokenizer(build_prompt(rec, tokenizer), add_special_tokens=False)["input_ids"]
-    completion = tokenizer(rec["completion"] + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
-    ids = (prompt + completion)[:max_len]
-    n_target = len(ids) - len(prompt)
-    if n_target <= 0:
-        return None
-    weights = [0.0] * (len(prompt) - 1) + [marker_weight if t in marker_ids else 1.0 for t in ids[len(prompt):]]
-    assert len(weights) == len(ids) - 1
-    return {"input_ids": ids, "weights": weights}
-
-
-def epoch_batches(lengths: list, batch_size: int, batching: str, seed: int) -> list:
-    """Lists of example indices for one epoch; a pure function of its arguments (exact resume).
-    bucket: shuffled, then sorted by length within windows of 32 batches, batches shuffled again."""
-    rng = random.Random(seed)
-    order = list(range(len(lengths)))
-    rng.shuffle(order)
-    if batching == "bucket":
-        window = 32 * batch_size
-        order = [i for w in range(0, len(order), window)
-                 for i in sorted(order[w:w + window], key=lambda i: lengths[i])]
-    batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
-    if batching == "bucket":
-        rng.shuffle(batches)
-    return batches
-
-
-def collate(examples: list, pad_id: int, device) -> dict:
-    """Right-padded input_ids [B, T], attention_mask [B, T], targets [B, T-1] (-100 = no loss), weights."""
-    T = max(len(e["input_ids"]) for e in examples)
-    B = len(examples)
-    ids = torch.full((B, T), pad_id, dtype=torch.long)
-    mask = torch.zeros((B, T), dtype=torch.long)
-    weights = torch.zeros((B, T - 1))
-    for i, e in enumerate(examples):
-        n = len(e["input_ids"])
-        ids[i, :n] = torch.tensor(e["input_ids"])
-        mask[i, :n] = 1
-        weights[i, : n - 1] = torch.tensor(e["weights"])
-    targets = ids[:, 1:].masked_fill(weights == 0, -100)
-    return {"input_ids": ids.to(device), "attention_mask": mask.to(device), "targets": targets.to(device),
-            "weights": weights.to(device)}
-
-
-# ------------------------------------------------------------------------------------------ loss
-def sft_step_loss(model, batch: dict, normalizer, lambda_aux: float, grad_accum: int, autocast, group=None) -> tuple:
-    """(loss to backward, sft loss value, aux loss value) of one micro-batch.
-
-    The completion-only loss is sum(w * -logprob) / normalizer, with normalizer the total weight of the
-    whole accumulated step, so accumulation gives exactly the big-batch loss. `group`: the data-parallel
-    ranks whose tokens the load-balancing loss counts (this rank's share is returned).
-    """
-    from livemoe.train.losses import sft_loss
-
-    with autocast:
-        hidden, router_logits = model.forward_hidden(batch["input_ids"], attention_mask=batch["attention_mask"],
-                                                     return_router_logits=True)
-    loss = sft_loss(hidden[:, :-1].float(), model.lm_head_weight.float(), batch["targets"], batch["weights"],
-                    normalizer=normalizer)
-    aux = torch.zeros((), device=loss.device)
-    if router_logits and lambda_aux > 0:
-        aux = model.load_balancing_loss(router_logits, attention_mask=batch["attention_mask"], group=group)
-    return loss + lambda_aux * aux / grad_accum, loss.detach(), aux.detach()
-
-
-def make_scheduler(optimizer, warmup_steps: int, total_steps: int):
-    """Linear warm-up to the peak lr, then cosine decay to 0 at total_steps."""
-    def factor(step):
-        if step < warmup_steps:
-            return (step + 1) / (warmup_steps + 1)
-        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
 # ------------------------------------------------------------------------------------------ the run
 def resolve_device(cfg) -> torch.device:
     if cfg.device == "auto":
@@ -200,8 +100,7 @@ def rehearsal_examples(cfg: RFTConfig, tokenizer, rooms: list, n: int) -> list:
     after the first REHEARSAL_SKIP only: a room's question comes after at most that many answered ones, so
     there the only target is the teacher's form (with the bare answers rehearsed at the same turns, the
     student answered three quarters of the attribute questions bare: no thought, no supplement, unhelpful)."""
-    from livemoe.train.pretrain_student import QUESTIONS_PER_CONVERSATION, encode_conversation
-    from livemoe.train.synthetic.corpus import lookup_conversation
+    from livemoe.train.synthetic.corpus import QUESTIONS_PER_CONVERSATION, encode_conversation, lookup_conversation
 
     rng = random.Random(f"rehearsal/{cfg.seed}")
     out = []
@@ -215,17 +114,6 @@ def rehearsal_examples(cfg: RFTConfig, tokenizer, rooms: list, n: int) -> list:
         if any(mask[1:]):
             out.append({"input_ids": ids, "weights": [float(m) for m in mask[1:]]})
     return out
-
-
-@torch.no_grad()
-def heldout_loss(model, examples: list, pad_id: int, batch_size: int, device, autocast) -> float:
-    """The SFT loss (weighted mean over every completion token, no aux term) of `examples`."""
-    model.eval()
-    batches = [collate(examples[i:i + batch_size], pad_id, device) for i in range(0, len(examples), batch_size)]
-    normalizer = sum(b["weights"][b["targets"] != -100].sum() for b in batches)
-    loss = sum(sft_step_loss(model, b, normalizer, 0.0, 1, autocast)[1] for b in batches)
-    model.train()
-    return float(loss)
 
 
 def train(cfg: RFTConfig, model, tokenizer, kept: list, device, resume_from=None, dist=None, eval_kept=(),
@@ -422,10 +310,3 @@ def _run(cfg: RFTConfig) -> dict:
         log(f"table written to {os.path.join(cfg.output_dir, 'eval_table.md')}")
     return {**result, "rows": rows, "final_dir": final_dir}
 
-
-def main(argv=None) -> int:
-    return run_cli(lambda: run(parse_config(RFTConfig, argv, description=__doc__.split("\n")[0], prog="livemoe rft")))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

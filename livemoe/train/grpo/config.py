@@ -1,0 +1,105 @@
+"""GRPOConfig: the options of `python -m train.grpo`, RunConfig's (livemoe.train.config) and GRPO's own: the
+rollouts, the policy loss and the rewards. The loss and the reward are their own configs, fields of this one
+(cfg.loss: livemoe.train.losses.PolicyLossConfig, cfg.reward: livemoe.train.rewards.RewardConfig), filled by the
+flat flags they have always had (--beta, --epsilon, --w_correct, ...), with their own defaults and checks."""
+import os
+from dataclasses import dataclass, field
+
+from livemoe.train.advantages import SCALE_REWARDS
+from livemoe.train.config import ConfigError, RunConfig, check_at_least, check_choice, flag, nested
+from livemoe.train.losses import PolicyLossConfig
+from livemoe.train.rewards import RewardConfig, load_reward_fns
+
+
+@dataclass(kw_only=True)
+class GRPOConfig(RunConfig):
+    """GRPO options: rollouts, loss, rewards"""
+    model: str = field(default="auto", metadata={"help": "checkpoint to start from; auto = the RFT default's student "
+                                                        "(running the RFT default first when it is missing)"})
+    output_dir: str = "runs/grpo"
+    rft_output: str = field(default="", metadata={"help": "where --model auto looks for the RFT student (default: RFT's output_dir)"})
+    lr: float = 2e-4
+    warmup_steps: int = field(default=2, metadata={"help": "steps of linear lr warm-up, then constant"})
+    # 40 (60 before 2026-12-02): the RFT student's TPR is down 39-44% by then, and `make demo` keeps to ~12 minutes
+    max_steps: int = field(default=40, metadata={"help": "GRPO steps (a rollout batch, then μ optimizer passes); "
+                                                         "0 = --epochs passes over the prompts"})
+    batch_size: int = field(default=8, metadata={"help": "prompts per step (each gets --num_generations rollouts)"})
+    # rollouts
+    num_generations: int = field(default=8, metadata={"help": "K rollouts per prompt, as in the seed"})
+    max_new_tokens: int = field(default=256, metadata={"help": "completion length limit of a rollout"})
+    temperature: float = field(default=0.7, metadata={"help": "rollout sampling temperature (the seed's τ, as the held-out "
+                                                               "answers are sampled)"})
+    top_p: float = field(default=1.0, metadata={"help": "rollout nucleus sampling (1 = off)"})
+    top_k: int = field(default=-1, metadata={"help": "rollout top-k sampling (-1 = off)"})
+    ref_samples: int = field(default=4, metadata={"help": "L_ref = mean length of this many sampled responses of the "
+                                                          "starting checkpoint per prompt; 0 = its greedy response"})
+    rollout_kv_bytes: int = field(default=256 * 2**20, metadata={"help": "decoder KV-cache budget (CPU)"})
+    rollout_max_num_seqs: int = field(default=512, metadata={"help": "sequences the rollout decoder runs at once"})
+    rollout_url: str = field(default="", metadata={"help": "rollout servers (livemoe serve), comma-separated; "
+                                                           "empty = the in-process decoder (livemoe/train/remote_rollout.py)"})
+    weight_sync: str = field(default="distributed", metadata={"help": "with --rollout_url: how new weights reach "
+                                                                      "the servers, distributed (broadcast) | disk"})
+    # the policy loss, with its defaults but β: the seed's 0.01 where the loss's own is 0 (its max_completion_length,
+    # dr_grpo's constant, is --max_new_tokens: the trainer sets it)
+    loss: PolicyLossConfig = nested(
+        PolicyLossConfig,
+        beta=flag("k3 KL weight to the starting checkpoint, as in the seed (0 = no reference model)", default=0.01),
+        epsilon=flag("clip ε of the ratio, the low side (and the high side without --epsilon_high), as in the seed",
+                     to="epsilon_low"),
+        epsilon_high=flag("clip ε of the ratio, the high side (default: --epsilon)", default=None,
+                          none_means="epsilon"),
+        delta=flag("dual clip c for negative advantages (none = no dual clip)"),
+        loss_type=flag("grpo | bnpo | dr_grpo | dapo"),
+        importance_sampling_level=flag("token | sequence (GSPO)"))
+    num_iterations: int = field(default=1, metadata={"help": "μ: optimiser passes per rollout batch"})
+    micro_batch_size: int = field(default=32, metadata={"help": "completions per forward/backward"})
+    scale_rewards: str = field(default="group", metadata={"help": "group | batch | none"})
+    advantage_eps: float = field(default=1e-4, metadata={"help": "added to the reward std when advantages are normalised"})
+    drop_zero_variance: bool = field(default=False, metadata={"help": "leave groups with equal rewards out of the loss"})
+    mask_truncated: bool = field(default=False, metadata={"help": "leave completions cut at max_new_tokens out of the loss"})
+    old_logprobs: str = field(default="decoder", metadata={"help": "decoder (the sampled tokens' raw logprobs) | trainer"})
+    # the rewards (the seed's Table 2: RewardConfig's defaults)
+    reward: RewardConfig = nested(
+        RewardConfig,
+        w_correct=flag("reward weight of correctness, as in the seed"),
+        w_helpful=flag("reward weight of helpfulness, as in the seed"),
+        w_length=flag("reward weight of the length reward, as in the seed"),
+        lambda_upper=flag("length reward: upper end of the target band, a fraction of L_ref, as in the seed"),
+        lambda_lower=flag("length reward: lower end of the target band, a fraction of L_ref, as in the seed"),
+        length_epsilon=flag("ε of the length reward, a fraction of L_ref"),
+        reward_fns=flag("extra rewards: module:fn[=weight],... fn(record, completion, info)"))
+    # multi-turn (LiveAssistant)
+    multi_turn: bool = field(default=False, metadata={"help": "records' `followups` are later turns of one trajectory"})
+    turn_weight: float = field(default=0.5, metadata={"help": "turn-level vs trajectory-level credit"})
+    export_dir: str = field(default="", metadata={"help": "HF export of the final model (default: <output_dir>/final)"})
+
+    def check_model(self) -> None:
+        if self.model != "auto":  # `auto` is resolved later, by resolve_start
+            super().check_model()
+
+    def validate(self) -> None:
+        super().validate()
+        check_at_least(self, 1, "num_generations", "max_new_tokens", "num_iterations", "micro_batch_size",
+                       "rollout_max_num_seqs", "rollout_kv_bytes")
+        check_at_least(self, 0, "ref_samples")
+        if self.num_generations < 2:
+            raise ConfigError("--num_generations must be >= 2: GRPO compares rollouts of one prompt")
+        if self.temperature <= 0:
+            raise ConfigError(f"--temperature must be > 0 for rollouts, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"--top_p must be in (0, 1], got {self.top_p}")
+        check_choice("scale_rewards", self.scale_rewards, SCALE_REWARDS)
+        check_choice("old_logprobs", self.old_logprobs, ("decoder", "trainer"))
+        check_choice("weight_sync", self.weight_sync, ("distributed", "disk"))
+        if self.rollout_url and self.multi_turn:
+            raise ConfigError("--multi_turn runs its rollouts in-process; leave out --rollout_url")
+        if not 0 <= self.turn_weight <= 1:
+            raise ConfigError(f"--turn_weight must be in [0, 1], got {self.turn_weight}")
+        if self.advantage_eps <= 0:
+            raise ConfigError(f"--advantage_eps must be > 0, got {self.advantage_eps}")
+        if self.model != "auto" and not os.path.isfile(os.path.join(self.model, "config.json")):
+            raise ConfigError(f"--model {self.model}: not a checkpoint directory (no config.json)")
+        try:  # the loss and the reward checked their own values when they were made
+            load_reward_fns(self.reward.reward_fns)  # a bad dotted path fails here, not at the first step
+        except ValueError as e:  # RewardError, or a bad path
+            raise ConfigError(str(e)) from None
