@@ -32,6 +32,10 @@ from livemoe.engine.llm import LLM
 from livemoe.engine.outputs import RequestOutput
 from livemoe.engine.sampling.params import SamplingParams
 from livemoe.engine.text.streaming import OutputDeltas, StreamDelta
+from livemoe.engine.core.inproc import InprocClient
+from livemoe.engine.core.mp_client import MPClient
+from livemoe.engine.decoder.config import EngineConfig
+from livemoe.engine.model.loader import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -115,18 +119,12 @@ class AsyncLLM:
         if engine_core == "thread":
             if data_parallel_size != 1 or devices is not None or on_core_death is not None:
                 raise ValueError("data_parallel_size, devices and on_core_death need engine_core='process'")
-            from livemoe.engine.core.inproc import InprocClient
-
             owns = llm is None
             self.client = InprocClient(LLM(model_path, dtype=dtype, device=device, **options) if owns else llm, owns)
             return
         if llm is not None:
             raise ValueError("engine_core='process' loads the checkpoint in its own process; it cannot take "
                              "an llm (use engine_core='thread' to share a module)")
-        from livemoe.engine.core.mp_client import MPClient
-        from livemoe.engine.decoder.config import EngineConfig
-        from livemoe.engine.model.loader import load_tokenizer
-
         config = EngineConfig.from_options(**options)  # bad options fail here, before any process starts
         if data_parallel_size > 1 and config.tensor_parallel_size > 1:
             raise ValueError(f"data_parallel_size={data_parallel_size} with tensor_parallel_size="

@@ -23,14 +23,13 @@ from livemoe.engine.sampling.params import SamplingParams
 from livemoe.engine.text.prompts import chat_prompt_ids
 from livemoe.engine.text.streaming import stream
 from livemoe.engine.text.tool_parser import parse_tool_calls, tool_choice_constraint
+from livemoe.engine.model.loader import load_model, load_tokenizer
 
 
 class LLM:
     def __init__(self, model_path: str, dtype=None, device=None, text_in_flight: bool = True, **options):
         """options: EngineConfig's fields. text_in_flight=False: outputs in flight carry token ids only (an engine
         core whose client detokenizes)."""
-        from livemoe.engine.model.loader import load_model, load_tokenizer
-
         config = EngineConfig.from_options(**options)  # bad options fail before the weights load
         self.threads = DEFAULT_THREADS if config.threads is None else config.threads
         apply_threads(self.threads)  # before loading: the loader's copies run on them too

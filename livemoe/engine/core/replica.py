@@ -6,6 +6,7 @@ import threading
 
 from livemoe.engine.core import messages as m
 from livemoe.engine.errors import EngineDeadError
+from livemoe.engine.core.proc import run_core
 
 log = logging.getLogger("livemoe.engine.core")
 
@@ -25,8 +26,6 @@ class Replica:
         self.to_core.setsockopt(zmq.LINGER, 0)
         self.from_core.setsockopt(zmq.LINGER, 0)
         spawn = multiprocessing.get_context("spawn")
-        from livemoe.engine.core.proc import run_core
-
         self.process = spawn.Process(target=run_core, name=f"livemoe-core{index}", daemon=True,
                                      args=(model_path, engine_kwargs, in_addr, out_addr, index, os.getpid(), log_level))
         with _ENV_LOCK:  # the child reads CUDA_VISIBLE_DEVICES at its first import of torch

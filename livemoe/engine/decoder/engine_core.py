@@ -28,6 +28,9 @@ from livemoe.engine.model import flops
 from livemoe.engine.outputs import RequestOutput
 from livemoe.engine.sampling.params import SamplingParams
 from livemoe.engine.sampling.sampler import SampleResult, Sampler
+from livemoe.engine.decoder.workers import DriverRunner
+from livemoe.engine.model.weights import copy_weights
+from livemoe.engine.model.weights import copy_weights_from_disk
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +54,6 @@ class EngineCore:
         if workers is None:
             self.runner = ModelRunner(model, config, self.max_model_len)
         else:
-            from livemoe.engine.decoder.workers import DriverRunner  # the worker processes' side: only with them
-
             self.runner = DriverRunner(model, config, self.max_model_len, workers)
         self.sampler = Sampler(config.seed, self.eos_token_ids)
         self.input_processor = InputProcessor(tokenizer, self.vocab_size, self.max_model_len, self.eos_token_ids)
@@ -328,8 +329,6 @@ class EngineCore:
         """Copies (name, tensor) pairs into the loaded parameters in place (hub or engine names, any
         subset; checked whole before the first copy: CheckpointError and the old weights stay), then
         drops the cached prefixes. Returns the number of tensors copied."""
-        from livemoe.engine.model.weights import copy_weights  # safetensors reading: only for updates
-
         self.refuse_tensor_parallel("update_weights")
         named_tensors = list(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
         self.settle_in_flight(in_flight, "the weights were updated")
@@ -337,8 +336,6 @@ class EngineCore:
 
     def update_weights_from_disk(self, model_path: str, in_flight: str = "finish") -> int:
         """update_weights with every tensor of a checkpoint of the same architecture."""
-        from livemoe.engine.model.weights import copy_weights_from_disk
-
         self.refuse_tensor_parallel("update_weights_from_disk")
         self.settle_in_flight(in_flight, "the weights were updated")
         return self._weights_changed(copy_weights_from_disk(self.model, model_path))

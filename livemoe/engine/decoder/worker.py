@@ -10,10 +10,13 @@ import pickle
 import sys
 import traceback
 
+from livemoe.engine.decoder.config import DEFAULT_THREADS, apply_threads
+from livemoe.engine.decoder.model_runner import ModelRunner
+from livemoe.engine.decoder.step_plan import StepPlan
 from livemoe.engine.decoder.workers import (ALLOCATE, FAULT_ENV, FREE, POLL_MS, PROFILE, STEP, STOP, init_group,
-                                     load_rank_model, rank_device)
+                                            load_rank_model, rank_device)
 
-log = logging.getLogger("livemoe.train.parallel")
+log = logging.getLogger("livemoe.engine.decoder.workers")
 
 
 def run_worker(model_path, dtype, device, rank: int, size: int, dist_port: int, plan_addr: str, reply_addr: str,
@@ -46,10 +49,6 @@ def run_worker(model_path, dtype, device, rank: int, size: int, dist_port: int, 
 
 def serve(rank, size, model_path, dtype, device, dist_port, plans, replies, parent_pid, config, max_model_len):
     import torch
-
-    from livemoe.engine.decoder.config import DEFAULT_THREADS, apply_threads
-    from livemoe.engine.decoder.model_runner import ModelRunner
-    from livemoe.engine.decoder.step_plan import StepPlan
 
     apply_threads(DEFAULT_THREADS if config.threads is None else config.threads)
     my_device = rank_device(device, rank)

@@ -40,8 +40,11 @@ from livemoe.engine.errors import EngineConfigError, WorkerError
 from livemoe.engine.decoder.model_runner import ModelRunner
 from livemoe.engine.net import free_port
 from livemoe.engine.model.tensor_parallel import TensorParallel, check_tensor_parallel
+from livemoe.engine.model.loader import load_model
+from livemoe.engine.model.config import load_config
+from livemoe.engine.model.loader import resolve_device
 
-log = logging.getLogger("livemoe.train.parallel")
+log = logging.getLogger("livemoe.engine.decoder.workers")
 
 COLLECTIVE_TIMEOUT_S = 120.0  # a collective (or the rendezvous) that waits longer raises
 START_TIMEOUT_S = 600.0  # workers loading a large checkpoint
@@ -76,8 +79,6 @@ def check_parallel_sizes(model_config, tensor_parallel_size: int, expert_paralle
 def load_rank_model(path: str, dtype, device: torch.device, rank: int, size: int, group, expert_parallel: bool):
     """Rank `rank`'s shard of the model (it reads only its slices of the checkpoint), whose forward runs its
     collectives over `group` and returns the full logits on every rank."""
-    from livemoe.engine.model.loader import load_model
-
     return load_model(path, dtype=dtype, device=device, tp=TensorParallel(rank, size, group, expert_parallel))
 
 
@@ -300,9 +301,6 @@ def start_tensor_parallel(model_path: str, dtype, device, config: EngineConfig) 
     """Rank 0 of tensor_parallel_size ranks: checks what it can, starts the workers, loads its own shard while
     they load theirs; (rank 0's shard, the workers)."""
     import torch.distributed as dist
-
-    from livemoe.engine.model.config import load_config
-    from livemoe.engine.model.loader import resolve_device
 
     mc = load_config(model_path)
     device = resolve_device(device)

@@ -29,6 +29,7 @@ from livemoe.engine.errors import DecisionFormatError
 from livemoe.engine.live.layout import encode, interval_segment, memory_segment, render_events, system_segment
 from livemoe.engine.sampling.params import SamplingParams
 from livemoe.engine.errors import RequestError
+from livemoe.engine.sampling.structured import StructuredOutput
 
 _ids = count()
 
@@ -192,8 +193,6 @@ class LiveSession:
 
 def decision_constraint(tasks, max_message_chars: int) -> dict:
     """The SamplingParams fields that hold a decode to the decision grammar."""
-    from livemoe.engine.sampling.structured import StructuredOutput
-
     return {"structured": StructuredOutput(regex=decision_regex(tasks, max_message_chars))}
 
 

@@ -15,6 +15,9 @@ import math
 import sys
 
 from livemoe.engine.model.config import ModelConfig
+from livemoe.engine.model.qwen3 import Qwen3ForCausalLM
+from livemoe.engine.errors import CheckpointError
+from livemoe.engine.model.flops import preset_names, resolve_config
 
 GB = 1e9
 REPLICATED = ("norm.weight", "mlp.gate.weight")  # every rank holds these whole
@@ -23,8 +26,6 @@ REPLICATED = ("norm.weight", "mlp.gate.weight")  # every rank holds these whole
 def param_shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     """(name, full shape) of every parameter of the engine's model (a tied embedding once)."""
     import torch
-
-    from livemoe.engine.model.qwen3 import Qwen3ForCausalLM
 
     with torch.device("meta"):
         model = Qwen3ForCausalLM(cfg)
@@ -65,9 +66,6 @@ def serving_memory(cfg: ModelConfig, tensor_parallel_size: int, dtype_bytes: int
 
 
 def main(argv=None) -> int:
-    from livemoe.engine.errors import CheckpointError
-    from livemoe.engine.model.flops import preset_names, resolve_config
-
     p = argparse.ArgumentParser(prog="python -m livemoe.engine.model.memory", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help=f"a checkpoint directory, config.json or preset ({', '.join(preset_names())})")
     p.add_argument("--tensor-parallel-size", type=int, required=True)

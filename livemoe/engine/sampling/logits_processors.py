@@ -15,6 +15,7 @@ computed once, is one attribute read per row); rows that ask nothing are left un
 import torch
 
 from livemoe.engine.sampling.params import SamplingParams
+from livemoe.engine.sampling.structured import apply_grammar_masks
 
 
 def process_logits(logits: torch.Tensor, params: list[SamplingParams], seqs, eos_token_ids) -> torch.Tensor:
@@ -25,8 +26,6 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams], seqs, eos
     device = logits.device
     grammar_rows = [i for i in range(B) if params[i].structured is not None and seqs[i].grammar.active]
     if grammar_rows:
-        from livemoe.engine.sampling.structured import apply_grammar_masks
-
         apply_grammar_masks(out, grammar_rows, [seqs[i].grammar for i in grammar_rows])
     for i in range(B):
         p, seq = params[i], seqs[i]

@@ -51,6 +51,8 @@ from livemoe.engine.server.live import live_router
 from livemoe.engine.server.metrics import ServerMetrics
 from livemoe.engine.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from livemoe.engine.server.responses import Run
+from livemoe.engine.text.reasoning import REASONING_PARSERS
+from livemoe.engine.text.reasoning import think_token_ids
 
 log = logging.getLogger("livemoe.engine.server.__main__")
 
@@ -201,16 +203,12 @@ class SSEResponse(StreamingResponse):
 
 class OpenAIServer:
     def __init__(self, engine: AsyncLLM, model_name: str, config: ServerConfig, reasoning_parser: str | None = None):
-        from livemoe.engine.text.reasoning import REASONING_PARSERS
-
         if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"unknown reasoning parser {reasoning_parser!r}; choose one of {REASONING_PARSERS}")
         self.engine, self.model_name, self.tokenizer, self.config = engine, model_name, engine.tokenizer, config
         self.reasoning_parser = reasoning_parser
         self.think_tokens = None  # with a reasoning parser: (<think>, </think>) ids, when single tokens
         if reasoning_parser is not None and self.tokenizer is not None:
-            from livemoe.engine.text.reasoning import think_token_ids
-
             self.think_tokens = think_token_ids(self.tokenizer)
         self.metrics = ServerMetrics(engine.replica_stats)
         self.created = int(time.time())

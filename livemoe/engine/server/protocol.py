@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from livemoe.engine.sampling.params import SamplingParams
 from livemoe.engine.errors import RequestError
 from livemoe.engine.sampling.structured import StructuredOutput
+from livemoe.engine.text.tool_parser import template_tool_calls
 
 # OpenAI fields that have no effect on a local server by nature: an end-user id for abuse monitoring,
 # tags and storage for OpenAI's dashboard, a billing tier. Accepted (type-checked) and not used.
@@ -193,8 +194,6 @@ class ChatMessage(StrictModel):
         if self.name is not None:
             message["name"] = self.name
         if self.tool_calls:
-            from livemoe.engine.text.tool_parser import template_tool_calls
-
             message["tool_calls"] = template_tool_calls([c.model_dump() for c in self.tool_calls])
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id

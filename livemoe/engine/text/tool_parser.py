@@ -14,6 +14,9 @@ import uuid
 
 from livemoe.engine.text.reasoning import partial_suffix
 from livemoe.engine.sampling.structured import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from livemoe.engine.sampling.params import SamplingParams
+from livemoe.engine.errors import RequestError
+from livemoe.engine.sampling.structured import StructuredOutput
 
 
 def parse_call(body: str) -> dict | None:
@@ -90,10 +93,6 @@ def tool_choice_constraint(tools: list[dict], tool_choice: str, params):
     (any of the tools) or a function's name (that one)."""
     import dataclasses
 
-    from livemoe.engine.sampling.params import SamplingParams
-    from livemoe.engine.errors import RequestError
-    from livemoe.engine.sampling.structured import StructuredOutput
-
     try:
         functions = [t["function"] if t.get("type") == "function" else t for t in tools]
         names = [f["name"] for f in functions]
@@ -130,8 +129,6 @@ def openai_tool_calls(calls: list[dict], first_index: int = 0, with_index: bool 
 
 def template_tool_calls(calls: list[dict]) -> list[dict]:
     """An assistant message's OpenAI tool_calls as chat templates take them (arguments as a mapping)."""
-    from livemoe.engine.errors import RequestError
-
     out = []
     for call in calls:
         fn = call["function"]
