@@ -255,6 +255,7 @@ def test_a_failed_worker_ends_rank_0_with_its_rank_and_cause(checkpoints, monkey
         llm.close()
 
 
+@pytest.mark.slow
 def test_async_llm_streaming_and_abort_thread_and_process_core(checkpoints):
     path, hf = checkpoints["moe"]
     ps = prompts()
@@ -300,6 +301,7 @@ def test_async_llm_streaming_and_abort_thread_and_process_core(checkpoints):
         proc.shutdown()
 
 
+@pytest.mark.slow
 def test_openai_server_with_tensor_parallel_and_sigterm(checkpoints):
     openai = pytest.importorskip("openai")
     import urllib.request
@@ -361,7 +363,8 @@ def test_serving_memory_per_gpu_and_the_readme_figures(capsys):
     assert serving_memory(cfg, 2)["kv_bytes_per_token_per_gpu"] == 2 * 94 * 2 * 128 * 2
     main(["--model", "qwen3-235b-a22b", "--tensor-parallel-size", "8"])
     out = capsys.readouterr().out
-    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/integration/ -> root
+    readme = open(os.path.join(root, "README.md")).read()
     for figure in (f"{m['weights_gb_per_gpu']:.1f} GB", f"{m['model_weights_gb']:.1f}", "47.0 KiB", "67.9 GB"):
         assert figure in out and figure in readme, figure
 
