@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # GRPO 3.2 -> 2.0 min, the same numbers); the trainers' own default is 1, for a machine shared with other jobs
 DEMO_THREADS ?= 2
 
-.PHONY: setup demo test lint plain-install bench gpu-check clean
+.PHONY: setup demo test test-fast lint plain-install bench gpu-check clean
 
 setup: $(VENV)/.installed
 
@@ -30,8 +30,13 @@ demo: setup
 	$(PY) -m train.grpo --threads $(DEMO_THREADS)
 
 test: setup
-	@echo "== the whole suite, tests/ and bench/ in quick mode: 8-10 minutes on 2 cores"
+	@echo "== the whole suite, tests/ and bench/ in quick mode: 8-10 minutes on 2 cores (gpu tests skip without a GPU)"
 	$(PY) -m pytest tests bench -q
+
+# markers in pyproject.toml: slow (10 s or more each on 2 cores) and gpu (needs a CUDA GPU) left out
+test-fast: setup
+	@echo "== tests/ and bench/ in quick mode without the slow and the gpu tests"
+	$(PY) -m pytest tests bench -q -m "not slow and not gpu"
 
 lint: setup
 	@echo "== ruff (the rules in pyproject.toml)"

@@ -155,7 +155,7 @@ def decode_floor_s(cfg, batch: int, context: int, bandwidth_Bps: float, dtype_by
     return decode_step(cfg, batch, context, dtype_bytes).bytes / bandwidth_Bps
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 def test_decode_gpu(benchmark, bench_mode):
     from bench.ceilings import measure_ceilings
     from bench.roofline import decode_step, predict_s

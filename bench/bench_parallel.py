@@ -161,11 +161,10 @@ def gpu_world(num_gpus: int, num_experts: int) -> int:
     return max([w for w in range(2, min(num_gpus, 8) + 1) if num_experts % w == 0], default=1)
 
 
+@pytest.mark.gpu  # the CPU ranks are test_bench_parallel's
 def test_bench_parallel_gpu(bench_mode):
     """Step time of the Qwen3-30B-A3B-shaped layers on one GPU, then on N GPUs with expert parallel N against
     FSDP alone (the same global batch)."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU (the CPU ranks are test_bench_parallel's)")
     from spawn_ranks import spawn_ranks  # tests/ is on the path (bench/conftest.py)
 
     size = GPU_SIZES[bench_mode]

@@ -56,6 +56,7 @@ async def throughput(engine: AsyncLLM, requests: int, max_tokens: int) -> float:
     return tokens / (time.perf_counter() - t0)
 
 
+@pytest.mark.slow  # ~20 s in quick mode too: two engine-core processes and a gloo group
 def test_weight_update_and_replicas(benchmark, bench_mode, device, tmp_path):
     if device != "cpu":
         pytest.skip("the CPU figures (gloo); on a GPU the same calls use NCCL: run the commands of docs/serving.md")

@@ -154,7 +154,7 @@ def _ms_per_step(llm, prompts, new: int) -> float:
     return (run(new) - run(1)) / (new - 1) * 1e3
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("tp,ep", GPU_LAYOUTS, ids=[f"tp{t}{'-ep' if e else ''}" for t, e in GPU_LAYOUTS])
 def test_tp_decode_gpu(benchmark, bench_mode, gpu_checkpoint, tp, ep):
     from bench.bench_decode import random_prompts

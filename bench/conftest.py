@@ -14,12 +14,18 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))  # tiny_models
-from fixtures import one_thread  # noqa: E402,F401  (shared fixture)
+from fixtures import apply_device_markers, one_thread  # noqa: E402,F401  (shared fixture)
 
 
 def pytest_addoption(parser):
     parser.addoption("--benchmark", action="store_true", default=False,
                      help="run the benchmark suites at full size (default: quick smoke mode)")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects
+def pytest_collection_modifyitems(config, items):
+    """The suites marked gpu skip without a CUDA device, saying so (markers in pyproject.toml)."""
+    apply_device_markers(items, os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -3,7 +3,8 @@
 #   1. environment             (seconds)
 #   2. build the extension     in the background, on the CPUs, while the GPU tests run (csrc/ holds CPU
 #                              ops only, which no GPU path needs: a failed build costs no GPU figure)
-#   3. GPU correctness tests   the bf16 real-shape checks, the Triton kernels compiled for this GPU, CUDA graphs
+#   3. GPU correctness tests   -m "gpu or triton" (markers in pyproject.toml): the bf16 real-shape checks, CUDA
+#                              graphs (gpu), the Triton kernels' tests compiled for this GPU (triton)
 #   4. GPU benchmarks          kernels first (MoE, log-probs, attention), then the decoder, then the training
 #                              step of Qwen3-30B-A3B-shaped layers with expert parallel against FSDP alone
 #                              (bench_parallel.py: on one GPU the 1-GPU step, the EP case skipped with its
@@ -88,12 +89,12 @@ fi
 # GPU image) are left out by name; --continue-on-collection-errors keeps any other such module from
 # stopping the rest
 IGNORE=()
-"$PY" -c "import fastapi, openai, uvicorn" 2>/dev/null || IGNORE=(--ignore=tests/test_server.py)
+"$PY" -c "import fastapi, openai, uvicorn" 2>/dev/null || IGNORE=(--ignore=tests/integration/test_server.py)
 
 t=$(limit 2 5)
 stage "GPU correctness tests (limit ${t}s)"
-# LIVEMOE_GPU_ONLY=1 (tests/conftest.py) keeps the tests whose skip marker names the GPU
-LIVEMOE_GPU_ONLY=1 timeout $t "$PY" -m pytest tests -v -p no:cacheprovider -rfE --tb=short "${IGNORE[@]}" \
+# the tests marked gpu (CUDA only) or triton (the Triton kernels: compiled here, interpreted on a CPU)
+timeout $t "$PY" -m pytest tests -m "gpu or triton" -v -p no:cacheprovider -rfE --tb=short "${IGNORE[@]}" \
   --continue-on-collection-errors --durations=8 --junitxml="$RES/tests.xml" "${TIMEOUT_OPT[@]}" "${WORKERS_OPT[@]}"
 tests=$?
 build=0

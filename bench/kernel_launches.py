@@ -1,8 +1,8 @@
 """Every Triton kernel launch the dispatch makes at Qwen3-30B-A3B's shapes, as data: the kernel, the values of
 its arguments (tensors stand as their dtype) and its launch options, built from the same config functions
 the host code calls (heuristic_config, launch_meta, align_meta, decode_meta, prefill_meta). bench/static_gpu.py
-compiles them for sm_90a and reports their resources (livemoe/kernels/static_resources.py); tests/test_*_compile.py
-compile the same list, so what is tested is what runs.
+compiles them for sm_90a and reports their resources (livemoe/kernels/static_resources.py);
+tests/integration/test_*_compile.py compile the same list, so what is tested is what runs.
 """
 from dataclasses import dataclass
 

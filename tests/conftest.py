@@ -1,26 +1,25 @@
 import os
 import sys
 
+import pytest
 import torch
 
 # Triton kernels run under the interpreter where there is no GPU; it must be set before triton loads.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-sys.path.insert(0, os.path.dirname(__file__))  # tests import tiny_models
-from fixtures import one_thread  # noqa: E402,F401  (shared fixture)
+# The shared helpers (tiny_models, fixtures, spawn_ranks, ...) live here at the top of tests/, the tests in unit/,
+# integration/ and gpu/; test modules import helpers of other test modules by name, across those folders too, so a
+# test file's name is unique across them.
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE] + [os.path.join(HERE, d) for d in ("unit", "integration", "gpu")]
+from fixtures import apply_device_markers, one_thread  # noqa: E402,F401  (shared fixture)
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m selects: a test under tests/gpu/ is marked gpu here
 def pytest_collection_modifyitems(config, items):
-    """LIVEMOE_GPU_ONLY=1 (bench/gpu_check.sh) keeps just the tests that skip without a GPU: the bf16
-    real-shape checks. They are recognised by their skip reason, which names the CUDA GPU they need."""
-    if os.environ.get("LIVEMOE_GPU_ONLY") != "1":
-        return
-    keep, drop = [], []
-    for item in items:
-        reasons = [m.kwargs.get("reason", "") for m in item.iter_markers("skipif")]
-        (keep if any("CUDA" in r or "GPU" in r for r in reasons) else drop).append(item)
-    items[:] = keep
-    config.hook.pytest_deselected(items=drop)
+    """`gpu` tests skip without a CUDA device ("needs a CUDA GPU"); bench/gpu_check.sh selects them and the Triton
+    kernels' tests with -m "gpu or triton" (markers in pyproject.toml; tests/fixtures.py applies them)."""
+    apply_device_markers(items, HERE)

@@ -22,6 +22,27 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+def apply_device_markers(items, folder: str) -> None:
+    """The markers of pyproject.toml that say what a test needs, for the collected tests under `folder` (each conftest
+    passes its own, tests/ and bench/: with both collected, each hook sees every item): a test under tests/gpu/ is
+    marked gpu; without a CUDA device a gpu test skips, saying it needs one, and so does a triton test where the
+    interpreter is off too (the conftests set TRITON_INTERPRET=1 where there is no GPU)."""
+    gpu_folder = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu") + os.sep
+    folder = os.path.abspath(folder) + os.sep
+    cuda = torch.cuda.is_available()
+    triton = cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    for item in items:
+        path = str(item.path)
+        if not path.startswith(folder):
+            continue
+        if path.startswith(gpu_folder):
+            item.add_marker(pytest.mark.gpu)
+        if not cuda and item.get_closest_marker("gpu"):
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+        elif not triton and item.get_closest_marker("triton"):
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU or TRITON_INTERPRET=1"))
+
+
 def run_with_portable_kernels(code: str) -> None:
     """Runs `code` (which prints "ok" at its end) in a fresh process with ATEN_CPU_CAPABILITY=default:
     PyTorch's switch to its portable kernels, which csrc/vec_math.h honours for ours, so the code a CPU

@@ -8,14 +8,15 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.dirname(os.path.abspath(__file__))  # the test files run as scripts import sm90 from here
+ROOT = os.path.dirname(TESTS)
 NO_BACKEND = 3  # exit code of a script whose triton has no NVIDIA backend
 
 
 def run_compiler(args: list[str]) -> subprocess.CompletedProcess:
     """python ARGS with the Triton compiler (not the interpreter), from the repository root."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, TESTS, env.get("PYTHONPATH", "")])
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # triton's current default, said explicitly
     return subprocess.run([sys.executable, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
 

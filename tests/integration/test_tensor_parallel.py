@@ -212,6 +212,7 @@ def check_case(name, case, path, hf_tokens, ranks):
     assert ranks[0][name]["numel"] < full * (0.6 if n == 2 else 0.35)
 
 
+@pytest.mark.slow
 def test_two_ranks_equal_one_process(tmp_path):
     paths, refs = make_cases(tmp_path, CASES_2)
     ranks = spawn_ranks(run_rank, 2, CASES_2, paths, timeout=120)
@@ -219,6 +220,7 @@ def test_two_ranks_equal_one_process(tmp_path):
         check_case(name, case, paths[name], refs[name], ranks)
 
 
+@pytest.mark.slow
 def test_four_ranks_equal_one_process(tmp_path):
     paths, refs = make_cases(tmp_path, CASES_4)
     ranks = spawn_ranks(run_rank, 4, CASES_4, paths, timeout=120)

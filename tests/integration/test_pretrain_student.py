@@ -12,7 +12,7 @@ import torch
 
 from livemoe.train.synthetic.corpus import encode_conversation
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/integration/ -> root
 
 
 def load_script(name: str):

@@ -147,7 +147,7 @@ print("ok")
 
 def test_import_engine_and_generate_without_triton(ckpt):
     """A plain install has no Triton (a test extra): `import livemoe.engine` and a CPU generation must not need it."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
     env.pop("TRITON_INTERPRET", None)
     res = subprocess.run([sys.executable, "-c", BLOCK_TRITON, ckpt[0]], cwd=root, env=env, capture_output=True,

@@ -258,6 +258,7 @@ def test_server_exits_nonzero_when_its_core_dies(ckpt):
     assert gone(pid)
 
 
+@pytest.mark.slow
 def test_server_restarts_a_dead_core(ckpt):
     """`--data-parallel-size 2 --on-core-death restart`: replica 1's core is killed, /health is 503 until
     a fresh core is up, then both serve the same answers; the dead core's pid is replaced."""
@@ -295,6 +296,7 @@ def test_server_restarts_a_dead_core(ckpt):
     assert gone(pid) and gone(keep) and gone(info["core_pids"][1])
 
 
+@pytest.mark.slow
 def test_core_exits_when_its_client_process_is_killed(ckpt, tmp_path):
     """A client killed with SIGKILL runs no clean-up: its core notices (its parent changed) and exits."""
     import subprocess
@@ -305,7 +307,7 @@ def test_core_exits_when_its_client_process_is_killed(ckpt, tmp_path):
             f"    print(e.core_pids()[0], flush=True)\n    import time\n    time.sleep(600)\n")
     script = tmp_path / "client.py"
     script.write_text(code)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     client = subprocess.Popen([sys.executable, str(script)], cwd=root, stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "PYTHONPATH": root})
     try:

@@ -86,7 +86,7 @@ TRITON_CASES = [(1, 1, 4, 16, None), (7, 2, 5, 4, None), (33, 4, 13, 16, 16), (6
                 (5, 3, 3, 64, None), (100, 3, 17, 16, 64), (600, 2, 37, 16, 16), (1, 1, 1, 16, None)]
 
 
-# the Triton op: compiled on a GPU, interpreted on the CPU (LIVEMOE_GPU_ONLY=1 selects these on a GPU)
+# the Triton op: compiled on a GPU, interpreted on the CPU (bench/gpu_check.sh selects these: -m "gpu or triton")
 
 
 @triton_here
@@ -112,7 +112,7 @@ def test_triton_op_all_tokens_one_expert():
     assert got[2].tolist() == [0, 0, 40, 0, 0, 0, 0] and got[3].item() == 48
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("T,block", [(1, 16), (16, 16), (4096, 64), (16384, 128)])
 def test_triton_op_on_gpu_at_qwen3_30b_routing(T, block):
     # E=128, k=8: the dispatch picks the Triton op on CUDA; several chunks from T=4096 on

@@ -257,6 +257,7 @@ def test_a_failed_worker_ends_rank_0_with_its_rank_and_cause(checkpoints, monkey
         llm.close()
 
 
+@pytest.mark.slow
 def test_async_llm_streaming_and_abort_thread_and_process_core(checkpoints):
     path, hf = checkpoints["moe"]
     ps = prompts()
@@ -302,6 +303,7 @@ def test_async_llm_streaming_and_abort_thread_and_process_core(checkpoints):
         proc.shutdown()
 
 
+@pytest.mark.slow
 def test_openai_server_with_tensor_parallel_and_sigterm(checkpoints):
     openai = pytest.importorskip("openai")
     import urllib.request

@@ -7,6 +7,7 @@ import re
 import subprocess
 import tempfile
 
+import pytest
 import torch
 from sm90 import check_compile_script, script_main
 
@@ -112,6 +113,7 @@ def compile_checks() -> list[str]:
     return problems
 
 
+@pytest.mark.slow
 def test_report_matches_ptxas_and_tuner_prunes():
     check_compile_script(__file__)
 

@@ -4,8 +4,6 @@ the plain reference, and the reference itself against dense causal attention.
 Tolerances: fp32 1e-4 (online softmax reorders the sums; dot in IEEE fp32), fp16 2e-2 (inputs and
 outputs rounded to fp16, accumulation in fp32).
 """
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,8 +16,7 @@ TOL = {torch.float32: 1e-4, torch.float16: 2e-2}
 # the Triton tests: compiled on a GPU where there is one, else under the interpreter (inputs made on the
 # CPU either way, so both see the same numbers)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-triton_here = pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
-                                 reason="needs a CUDA GPU or TRITON_INTERPRET=1")
+triton_here = pytest.mark.triton  # skips where neither a GPU nor TRITON_INTERPRET=1 (set by conftest) is there
 
 
 def dev(*tensors):
@@ -184,7 +181,7 @@ def test_prefill_torch_fast_path(hq, hkv):
     torch.testing.assert_close(paged_prefill_torch(*args), paged_attention_reference(*args), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_triton_kernels_bf16_gpu(num_splits):
     """Real shapes (Qwen3-30B-A3B attention: 32/4 heads, d 128) in bf16; tolerance of bf16 rounding."""
@@ -208,7 +205,7 @@ def test_triton_kernels_bf16_gpu(num_splits):
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 def test_flash_attn_prefill_gpu():
     pytest.importorskip("flash_attn", reason="needs flash-attn (GPU only)")
     gen = torch.Generator().manual_seed(9)

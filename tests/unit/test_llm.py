@@ -1,8 +1,6 @@
 """The decoder end to end on tiny random checkpoints (fp32, CPU): greedy tokens equal transformers'
 generate; prefix caching, chunked prefill and preemption change no token; sampling, stops, n > 1,
 logprobs, bad input, abort, the KV-cache lifetime, and the Triton path under the interpreter."""
-import os
-
 import pytest
 import torch
 
@@ -62,8 +60,7 @@ def hf_greedy(hf, prompt, n=NEW):
 
 # the Triton backend: compiled on a GPU where there is one, else on CPU tensors under the interpreter
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-triton_here = pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
-                                 reason="needs a CUDA GPU or TRITON_INTERPRET=1 (set by conftest)")
+triton_here = pytest.mark.triton  # skips where neither a GPU nor TRITON_INTERPRET=1 (set by conftest) is there
 
 
 def engine(path, device="cpu", **options):
@@ -308,7 +305,7 @@ def test_triton_backend_matches_transformers(checkpoints, reference):
     assert outs[0].token_ids == expected[True][0][:6] and outs[1].token_ids == expected[True][4][:6]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 def test_cuda_graph_decode_matches_eager(checkpoints, reference):
     prompts, _ = reference
     path = checkpoints[True][0]

@@ -19,7 +19,7 @@ from livemoe.kernels.moe import fused_moe, route
 from livemoe.kernels.moe.reference import experts_reference, fused_moe_reference
 
 pytestmark = pytest.mark.skipif(not _ext.has_op("moe_forward"), reason="the extension was not built "
-                                "(a normal install builds it; tests/test_moe_align.py fails in that case)")
+                                "(a normal install builds it; tests/unit/test_moe_align.py fails in that case)")
 
 
 def make(T, H, I, E, top_k, dtype=torch.float32, seed=0, logits=None, renormalize=True):
@@ -162,7 +162,7 @@ def test_deterministic_and_thread_count_independent(T, E, k):
 def test_portable_kernels_match_reference():
     # the code a CPU without AVX2 runs (an ARM host), here on this one (see run_with_portable_kernels)
     code = (
-        "import torch, tests.test_moe_cpu_op as t\n"
+        "import torch, tests.unit.test_moe_cpu_op as t\n"
         "from livemoe.kernels.moe.reference import fused_moe_reference as ref\n"
         "for T, H, I, E, k in t.CASES + t.LONG:\n"
         "    for dt, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2.0 ** -8)):\n"

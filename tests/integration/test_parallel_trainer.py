@@ -3,6 +3,7 @@ load-balancing loss over the global batch (value and gradient equal one process'
 that engine.load_model reads back equal to the model before sharding."""
 import sys
 
+import pytest
 import torch
 
 from spawn_ranks import spawn_ranks
@@ -43,6 +44,7 @@ def trainer_worker(export_dir: str):
     return out
 
 
+@pytest.mark.slow
 def test_trainer_helpers_on_two_ranks(tmp_path):
     from livemoe import engine
 

@@ -204,7 +204,7 @@ def test_portable_kernels_match_reference():
     """The portable kernels (see run_with_portable_kernels) at the head sizes AVX2 takes otherwise, decode and
     prefill, fp32 and bf16 caches."""
     code = (
-        "import torch, tests.test_paged_attention_cpu as t\n"
+        "import torch, tests.unit.test_paged_attention_cpu as t\n"
         "for d in (16, 64):\n"
         "    for dt in (torch.float32, torch.bfloat16):\n"
         "        gen = torch.Generator().manual_seed(d)\n"

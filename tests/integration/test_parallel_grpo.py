@@ -28,14 +28,15 @@ from livemoe.train.grpo.config import GRPOConfig
 from livemoe.train.grpo.trainer import GRPOTrainer
 from livemoe.train.metrics import read_metrics
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-REWARD = ["--reward_fns", "test_precision:varied"]  # importable by the torchrun ranks (tests/ on their path)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REWARD = ["--reward_fns", "test_precision:varied"]  # importable by the torchrun ranks (tests/unit/ on their path)
 
 
 def torchrun_grpo(nproc: int, argv: list, timeout: float = 300) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
            "127.0.0.1", "--master_port", str(free_port()), "-m", "livemoe.train.grpo", *argv]
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.path.join(ROOT, 'tests')}", OMP_NUM_THREADS="1")
+    path = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "unit")]  # test_precision is in tests/unit
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path), OMP_NUM_THREADS="1")
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -44,6 +45,7 @@ def student(tmp_path_factory):
     return make_student(tmp_path_factory.mktemp("student") / "ckpt")
 
 
+@pytest.mark.slow
 def test_two_ranks_equal_one_process(student, tmp_path):
     from livemoe import engine
 
@@ -84,6 +86,7 @@ def test_two_ranks_equal_one_process(student, tmp_path):
     assert sum(moved) >= len(moved) - 1  # training moved the weights: the match is not of the initial ones
 
 
+@pytest.mark.slow
 def test_multi_turn_two_ranks_equal_one_process(student, tmp_path):
     """--multi_turn (LiveAssistant's trajectories, turn- and trajectory-level credit): each rank rolls out its
     prompts' trajectories (seeded by their places in the global batch) and decodes its share of the per-turn

@@ -9,7 +9,7 @@ import pytest
 from livemoe.engine.model import flops
 from livemoe.engine.model.flops.__main__ import main
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Table 3 (Tblive-E-Commerce QA): D. TFLOPs and TPR -> decode FLOPs per token = D. TFLOPs / TPR.
 TABLE3 = {"qwen3-30b-a3b": (2.38, 396), "qwen3-235b-a22b": (17.03, 387), "qwen3-32b": (23.55, 368)}

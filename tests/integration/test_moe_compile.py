@@ -5,9 +5,11 @@ memory, fails here, not on the GPU; so does a 16-bit launch that spills register
 
 Runs in a subprocess (tests/sm90.py says why)."""
 
+import pytest
 from sm90 import check_compile_script, compile_family, script_main
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_sm90_without_spills():
     check_compile_script(__file__)
 

@@ -12,7 +12,7 @@ import pytest
 import livemoe
 from livemoe.cli import COMMANDS
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def run_python(*args, cwd=ROOT, timeout=180):

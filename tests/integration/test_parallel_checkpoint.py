@@ -70,6 +70,7 @@ def _load_one_process(path):
     return model, opt, sched, state
 
 
+@pytest.mark.slow
 def test_two_rank_save_loads_into_one_process(tmp_path):
     from livemoe.train.checkpoint import load_checkpoint
 
@@ -106,6 +107,7 @@ def test_two_rank_save_loads_into_one_process(tmp_path):
         load_checkpoint(path, torch.optim.AdamW(other.parameters()), model=other)
 
 
+@pytest.mark.slow
 def test_rank_killed_during_a_save_leaves_the_previous_checkpoint(tmp_path):
     from livemoe.train.checkpoint import check_checkpoint, latest_checkpoint, resolve_resume
 

@@ -8,6 +8,7 @@ the reduce-scatter's sum of partial gradients, the EP layer's order of the k exp
 fp32 roundings; Adam divides by sqrt(v), so for an element whose gradient is tiny a rounding of it moves its
 update by a visible fraction of lr. 5e-6 is still 200x below one step's update (lr), so a wrong gradient (a
 missing rank's share, an averaged instead of summed reduction) fails it."""
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -149,11 +150,13 @@ def compare(results, tied: bool, eps: list[int]):
     assert min(moved) > 0  # every weight trained, so the comparison is not of initial weights
 
 
+@pytest.mark.slow
 def test_two_ranks_match_one_process_with_and_without_expert_parallel():
     results = spawn_ranks(fsdp_worker, 2, [1, 2], False, False, timeout=240)
     compare(results, False, [1, 2])
 
 
+@pytest.mark.slow
 def test_four_ranks_expert_parallel_2_experts_sharded_tied_checkpointed():
     """Two EP groups: each expert is held by 2 ranks, which shard it (dp_mod_ep = 2); a tied embedding/head;
     gradient checkpointing."""

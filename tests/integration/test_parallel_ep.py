@@ -129,6 +129,7 @@ def four_rank_worker():
     return mesh.rank, whole, (ep_mesh.get_local_rank(), dp_mod_ep.get_local_rank(), case, run_ep(case, ep))
 
 
+@pytest.mark.slow
 def test_ep_four_ranks_matches_fused_moe_in_one_group_and_in_two():
     results = spawn_ranks(four_rank_worker, 4, timeout=180)
     assert [r[0] for r in results] == [0, 1, 2, 3]
@@ -166,7 +167,7 @@ def dead_rank_worker(mode: str):
     return "no error"
 
 
-@pytest.mark.parametrize("mode", ["exit", "stall"])
+@pytest.mark.parametrize("mode", ["exit", pytest.param("stall", marks=pytest.mark.slow)])
 def test_a_dead_rank_makes_the_others_raise_not_hang(mode):
     if mode == "exit":
         with pytest.raises(RuntimeError, match="rank 1 exited with code 0 and no result"):

@@ -14,7 +14,7 @@ from livemoe.kernels import _ext
 from livemoe.kernels.norm import qk_norm_rope, rms_norm, rms_norm_reference, rotate_half_reference
 
 pytestmark = pytest.mark.skipif(not _ext.has_op("qk_norm_rope"), reason="the extension was not built "
-                                "(a normal install builds it; tests/test_moe_align.py fails in that case)")
+                                "(a normal install builds it; tests/unit/test_moe_align.py fails in that case)")
 
 TOL = {torch.float32: dict(rtol=1e-6, atol=1e-6), torch.bfloat16: dict(rtol=1e-2, atol=1e-2),
        torch.float16: dict(rtol=2e-3, atol=2e-3)}

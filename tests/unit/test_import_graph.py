@@ -3,7 +3,7 @@ hide a circle), and no `from X import _private` across modules. Parsed with ast,
 import ast
 import os
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/unit/ -> root
 PACKAGE = "livemoe"
 EXTENSIONS = {"livemoe._C"}  # the compiled extension (built by setup.py), named as torch's and vLLM's are
 

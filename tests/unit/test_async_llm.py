@@ -1,7 +1,8 @@
 """AsyncLLM from plain asyncio, as a service embeds it: concurrent generate() calls each get exactly
 what LLM.generate gives; leaving early (break / aclose, or cancelling the task) aborts and frees the
 KV blocks; a bad request raises RequestError and the engine keeps serving; shutdown ends what is in
-flight with EngineDeadError (tested for both cores, the thread and the process, in tests/test_engine_core.py)."""
+flight with EngineDeadError (tested for both cores, the thread and the process, in
+tests/integration/test_engine_core.py)."""
 import asyncio
 
 import pytest

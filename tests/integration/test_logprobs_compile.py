@@ -6,9 +6,11 @@ with stack bytes fails).
 
 Runs in a subprocess (tests/sm90.py says why)."""
 
+import pytest
 from sm90 import check_compile_script, compile_family, script_main
 
 
+@pytest.mark.slow
 def test_triton_kernels_compile_for_sm90_without_spills():
     check_compile_script(__file__)
 

@@ -19,7 +19,7 @@ import torch
 from spawn_ranks import free_port
 from test_rft import student, tiny_cfg  # noqa: F401  (the module's tiny student checkpoint fixture)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # rehearsal 0 unless a test says otherwise: its batch sizes count the selected examples
 ARGS = dict(train_rooms=12, k=2, max_steps=2, batch_size=4, eval_rooms=0, warmup_steps=1, lr=1e-2, device="cpu",
             progress=False, rehearsal=0)
@@ -38,6 +38,7 @@ def metrics(out) -> list:
     return [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl")).read().splitlines()]
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks_equal_one_process(student, tmp_path):  # noqa: F811
     from livemoe import engine
     from livemoe.train.rft.trainer import run
@@ -67,6 +68,7 @@ def test_torchrun_two_ranks_equal_one_process(student, tmp_path):  # noqa: F811
     assert sum(moved) >= len(moved) - 1  # training moved the weights: the match is not of the initial ones
 
 
+@pytest.mark.slow
 def test_save_with_two_ranks_resume_with_one_and_four(student, tmp_path):  # noqa: F811
     """Sharded checkpoints: a 2-rank run (expert_parallel 2) "crashes" after step 2; resuming it with 1 process
     and with 4 ranks (expert_parallel 2: each expert sharded over 2 ranks) gives the uninterrupted run's losses
@@ -111,6 +113,7 @@ def test_save_with_two_ranks_resume_with_one_and_four(student, tmp_path):  # noq
 @pytest.mark.parametrize("extra, message", [
     (["--batch_size", "1"], "--batch_size 1 (the global batch) is smaller than the world size 2"),
 ])
+@pytest.mark.slow
 def test_torchrun_bad_input_fails_on_every_rank(student, tmp_path, extra, message):  # noqa: F811
     res = torchrun(2, str(tmp_path / "o"), student, *extra, timeout=120)
     assert res.returncode != 0

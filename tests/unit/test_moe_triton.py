@@ -1,25 +1,22 @@
 """The Triton MoE kernels (livemoe/kernels/moe/triton_moe.py) against the plain per-expert reference.
 
 On the CPU they run under TRITON_INTERPRET=1 (tests/conftest.py), fp32 and fp16 at small odd shapes; on a
-GPU the same tests run the compiled kernels there (and LIVEMOE_GPU_ONLY=1 selects them: their skip reason
-names the GPU). The bf16 tests at Qwen3-30B-A3B shapes and the CUDA-graph test need a GPU.
+GPU the same tests run the compiled kernels there (bench/gpu_check.sh selects them: -m "gpu or triton").
+The bf16 tests at Qwen3-30B-A3B shapes and the CUDA-graph test need a GPU (marked gpu).
 
 Tolerances: fp32 (TF32 off, exact fp32 dots) max abs <= 1e-4 with O(1) outputs: only summation order
 differs. fp16 against the fp32 reference on the same fp16 inputs: the kernels round the pre-activations,
 activations and per-pair outputs to fp16 as the fp16 reference does (eps 2^-11 each), so max abs error
 <= 1e-2 of the largest reference value.
 """
-import os
-
 import pytest
 import torch
 
 from livemoe.kernels.moe import MoEConfig, fused_moe
 
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+needs_gpu = pytest.mark.gpu
 # the Triton kernels run compiled on a GPU, interpreted on the CPU; every test here runs them
-triton_here = pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
-                                 reason="needs a CUDA GPU or TRITON_INTERPRET=1")
+triton_here = pytest.mark.triton  # skips where neither a GPU nor TRITON_INTERPRET=1 (set by conftest) is there
 pytestmark = triton_here
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = MoEConfig(16, 32, 32, group_m=2, grad_block_m=32, grad_block_n=32, grad_block_k=16)
@@ -60,7 +57,7 @@ def assert_close(got, want, atol=None, rel=None):
 CASES = [
     (1, 97, 60, 5, 2, SMALL),
     (5, 33, 40, 7, 2, SMALL),
-    (6, 97, 600, 13, 2, WIDE),
+    pytest.param(6, 97, 600, 13, 2, WIDE, marks=pytest.mark.slow),  # ~30 s under the interpreter
     (9, 40, 24, 11, 1, SMALL),
     (4, 24, 20, 5, 5, SMALL),
     (40, 32, 24, 3, 2, SMALL),
@@ -172,7 +169,7 @@ def test_decode_step_replays_in_a_cuda_graph():
 
 def test_model_with_triton_kernel_matches_transformers(tmp_path, monkeypatch):
     """Model level: the engine's MoE layers on the Triton kernels (interpreter, or the GPU) still give transformers' logits
-    (fp32, 1e-4 as in tests/test_model_parity.py)."""
+    (fp32, 1e-4 as in tests/unit/test_model_parity.py)."""
     import functools
 
     from livemoe import engine
