@@ -9,15 +9,17 @@ its stream with EngineError, and a core that stops ends its requests with Engine
 """
 import concurrent.futures
 from abc import ABC, abstractmethod
+from typing import Any
 
+from livemoe.engine.llm import LLM
 from livemoe.engine.sampling.params import SamplingParams
 
 
 class EngineCoreClient(ABC):
-    tokenizer = None
+    tokenizer: Any = None  # the checkpoint's tokenizer (None: it has none)
     max_model_len: int
     block_size: int
-    llm = None  # the engine's LLM when it runs in this process (InprocClient), else None
+    llm: LLM | None = None  # the engine's LLM when it runs in this process (InprocClient), else None
 
     @property
     @abstractmethod

@@ -18,6 +18,7 @@ from livemoe.engine.core.delivery import deliver, settle
 from livemoe.engine.core.service import CoreService
 from livemoe.engine.decoder.config import apply_threads
 from livemoe.engine.errors import EngineDeadError, EngineError
+from livemoe.engine.llm import LLM
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,9 @@ PROCESS_ONLY = {  # what needs an engine-core process, and why
 
 
 class InprocClient(EngineCoreClient):
-    def __init__(self, llm, owns_llm: bool):
+    llm: LLM
+
+    def __init__(self, llm: LLM, owns_llm: bool):
         """owns_llm: the client closes the LLM (its tensor-parallel workers) when its loop stops."""
         self.llm, self.owns_llm = llm, owns_llm
         self.tokenizer, self.max_model_len, self.block_size = llm.tokenizer, llm.max_model_len, llm.config.block_size
@@ -117,10 +120,10 @@ class InprocClient(EngineCoreClient):
                 self._fail_all(EngineDeadError("the engine was shut down"))
             self.snapshot = service.stats()
 
-    def _take_commands(self) -> list:
+    def _take_commands(self) -> list[m.Command]:
         """The queued commands (waiting for one when there is nothing to step); an add's stream and future are
         noted here."""
-        commands = []
+        commands: list[m.Command] = []
         try:
             if self.llm.has_unfinished_requests():
                 item = self.commands.get_nowait()

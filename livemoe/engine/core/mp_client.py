@@ -18,6 +18,7 @@ import tempfile
 import threading
 import time
 from itertools import count
+from typing import cast
 
 from livemoe.engine.core import messages as m
 from livemoe.engine.core.client import EngineCoreClient
@@ -73,6 +74,7 @@ class MPClient(EngineCoreClient):
             self._close_all(timeout=5)
             raise
         info = self.replicas[0].info
+        assert info is not None  # _wait_ready raised otherwise
         self.max_model_len, self.block_size = info.max_model_len, info.block_size
         self.router = Router(num_replicas, self.block_size)
         self.reader = threading.Thread(target=self._read, name="livemoe-core-reader", daemon=True)
@@ -152,7 +154,8 @@ class MPClient(EngineCoreClient):
         """Calls CoreLoop.call_<method> on the replicas (all by default); one future per replica."""
         futures = []
         for i in range(len(self.replicas)) if replicas is None else replicas:
-            r, future = self.replicas[i], concurrent.futures.Future()
+            r = self.replicas[i]
+            future: concurrent.futures.Future = concurrent.futures.Future()
             futures.append(future)
             if not r.alive:
                 future.set_exception(EngineDeadError(f"engine core {i} has stopped: {r.error}"))
@@ -170,7 +173,7 @@ class MPClient(EngineCoreClient):
         return [r.error for r in self.replicas]
 
     def core_pids(self) -> list[int]:
-        return [r.process.pid for r in self.replicas]
+        return cast(list[int], [r.process.pid for r in self.replicas])  # started in Replica(): each has its pid
 
     def served_per_replica(self) -> list[int]:
         return list(self.router.served)

@@ -69,7 +69,9 @@ class CoreLoop:
     def run(self) -> None:
         import zmq
 
-        service, llm = self.service, self.service.llm
+        service = self.service
+        assert service is not None  # None only where a test drives the burst window alone
+        llm = service.llm
         apply_threads(llm.threads)
         poller = zmq.Poller()
         poller.register(self.inbox, zmq.POLLIN)
@@ -96,19 +98,20 @@ class CoreLoop:
                 service.step()
                 self._send(service.take())
 
-    def _drain(self) -> list:
+    def _drain(self) -> list[m.Command]:
         import zmq
 
-        commands = []
+        commands: list[m.Command] = []
         while True:
             try:
                 commands.append(self.codec.decode(self.inbox.recv(zmq.NOBLOCK)))
             except zmq.Again:
                 return commands
 
-    def _rest_of_burst(self, poller) -> list:
+    def _rest_of_burst(self, poller) -> list[m.Command]:
         """The commands that keep arriving, each within BURST_GAP_MS of the last, for up to BURST_MAX_MS."""
-        commands, deadline = [], time.monotonic() + BURST_MAX_MS / 1e3
+        commands: list[m.Command] = []
+        deadline = time.monotonic() + BURST_MAX_MS / 1e3
         while True:
             left_ms = 1e3 * (deadline - time.monotonic())
             if left_ms <= 0 or not poller.poll(min(BURST_GAP_MS, left_ms)):
@@ -126,6 +129,7 @@ class CoreLoop:
         for rid in events.failed:
             self.sent.pop(rid, None)
         deltas = [d for d in map(self._delta, events.outputs) if d is not None]
+        assert self.service is not None  # run()'s
         stats = self.service.stats()
         if deltas or events.accepted or events.rejected or events.failed or stats != self.last_stats:
             # (an abort alone changes only the stats: they go out too, so callers see it idle)

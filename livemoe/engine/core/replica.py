@@ -40,7 +40,7 @@ class Replica:
                     else:
                         os.environ[k] = v
         self.stats: dict = {}
-        self.info = None  # its messages.Ready once started
+        self.info: m.Ready | None = None  # once started
         self.error: BaseException | None = None
         self.reported = False  # its death was handled
         self.send_lock = threading.Lock()

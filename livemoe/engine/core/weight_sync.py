@@ -48,7 +48,8 @@ def open_group(master_address: str, master_port: int, rank: int, world_size: int
     if not (isinstance(world_size, int) and world_size >= 2 and isinstance(rank, int) and 0 <= rank < world_size):
         raise ValueError(f"rank {rank!r} of world_size {world_size!r}: need world_size >= 2 and 0 <= rank < world_size")
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_address, int(master_port), world_size, is_master=rank == 0, timeout=timeout)
+    store: dist.Store = dist.TCPStore(master_address, int(master_port), world_size, is_master=rank == 0,
+                                      timeout=timeout)
     store = dist.PrefixStore("livemoe-weights", store)
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, world_size, timeout)

@@ -22,6 +22,7 @@ Pure bookkeeping: no tensors. The scheduler calls `allocate` (first chunk of a w
 """
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from typing import Protocol, cast
 
 from livemoe.engine.decoder.sequence import Sequence
 
@@ -42,6 +43,11 @@ class Pin:
 
     def __init__(self, manager: "BlockManager", block_ids: list[int], num_tokens: int, tail_key):
         self.manager, self.block_ids, self.num_tokens, self.tail_key = manager, block_ids, num_tokens, tail_key
+
+
+class PinHolder(Protocol):
+    """What pin_on_finish keeps a finished request's blocks for (a live session): its current Pin."""
+    pin: Pin | None
 
 
 @dataclass
@@ -75,7 +81,7 @@ class BlockManager:
         self.max_pinned_blocks = num_blocks // 2
         self.num_pinned_blocks = 0
         self.pinned_tails: dict = {}  # hash of the full blocks before (None: none) -> [(block_id, tokens)]
-        self._pin_on_finish: dict[str, object] = {}  # request_id -> holder (has a `pin` attribute)
+        self._pin_on_finish: dict[str, PinHolder] = {}  # request_id -> holder
         self._unpin_later: deque = deque()  # pins given back from another thread (appends are atomic)
 
     @property
@@ -172,7 +178,8 @@ class BlockManager:
             self._drop_tail(self.blocks[hits[num_full - 1]].hash if num_full else None, tail[0])
         seq.block_table = list(hits)
         seq.num_computed_tokens = num_cached
-        seq.block_hashes = [self.blocks[b].hash for b in hits[:num_full]]
+        # full-block hits are cached blocks: each has its hash
+        seq.block_hashes = cast(list[int], [self.blocks[b].hash for b in hits[:num_full]])
         for _ in range(self.blocks_needed(seq, num_new)):
             seq.block_table.append(self._take_free_block())
         self.cache_blocks(seq, num_cached + num_new)
@@ -207,7 +214,7 @@ class BlockManager:
 
     # -- pinning ------------------------------------------------------------------------------------
 
-    def pin_on_finish(self, request_id: str, holder) -> None:
+    def pin_on_finish(self, request_id: str, holder: PinHolder) -> None:
         """When the request's sequence finishes (not when it is preempted), its blocks become holder.pin
         (replacing and releasing holder's previous Pin), within the pin budget. Keyed by request id, so
         it can be asked before the request exists."""

@@ -25,6 +25,7 @@ from livemoe.engine.decoder.scheduler import Scheduler
 from livemoe.engine.decoder.sequence import Request, Sequence
 from livemoe.engine.errors import RequestError, RequestFailedError
 from livemoe.engine.model import flops
+from livemoe.engine.model.qwen3 import Qwen3ForCausalLM
 from livemoe.engine.outputs import RequestOutput
 from livemoe.engine.sampling.params import SamplingParams
 from livemoe.engine.sampling.sampler import SampleResult, Sampler
@@ -38,7 +39,7 @@ IN_FLIGHT_MODES = ("finish", "abort")  # update_weights / sleep: what happens to
 
 
 class EngineCore:
-    def __init__(self, model: torch.nn.Module, tokenizer, config: EngineConfig, workers=None,
+    def __init__(self, model: Qwen3ForCausalLM, tokenizer, config: EngineConfig, workers=None,
                  text_in_flight: bool = True):
         """workers: the tensor-parallel WorkerGroup when `model` is rank 0's shard (livemoe/engine/decoder/workers.py);
         the core stops them at close(). text_in_flight: see OutputProcessor."""
@@ -135,6 +136,7 @@ class EngineCore:
         """RequestError for a request this engine cannot serve as asked (it changes nothing)."""
         if self.scheduler is None:
             self.reserve_kv_cache()
+        assert self.block_manager is not None  # reserved just above
         self.input_processor.validate(prompt_ids, params, self.block_manager.num_blocks * self.config.block_size)
 
     def add_request(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
@@ -152,6 +154,7 @@ class EngineCore:
             for seq in seqs:
                 seq.grammar = self.input_processor.grammars().state(params.structured, prompt_ids)
         self.requests[request_id] = Request(request_id, prompt, prompt_ids, params, seqs)
+        assert self.scheduler is not None  # validate() reserved the KV cache
         for seq in seqs:
             self.scheduler.add(seq)
 
@@ -160,6 +163,7 @@ class EngineCore:
         req = self.requests.pop(str(request_id), None)
         if req is None:
             return False
+        assert self.scheduler is not None  # a request in flight holds the KV cache (release_kv_cache refuses)
         for seq in req.seqs:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
@@ -179,7 +183,8 @@ class EngineCore:
         """Steps until these requests finish; their final outputs by id (on_finished(output) is called for each as
         it comes). Others' finished outputs wait for the next step(). RequestFailedError if the engine ended one
         of them."""
-        mine, results = set(request_ids), {}
+        mine = set(request_ids)
+        results: dict[str, RequestOutput] = {}
         while len(results) < len(mine):
             for o in self.step(finished_only=True):
                 if o.request_id in mine:
@@ -205,6 +210,7 @@ class EngineCore:
         if version != self._weights_version:
             self._weights_version = version
             self.reset_prefix_cache()
+        assert self.scheduler is not None  # requests are in flight: the KV cache is reserved
         out = self.scheduler.schedule()
         if not out.seqs:
             raise RuntimeError("scheduler found nothing to run although requests are waiting (KV cache too small?)")
@@ -232,6 +238,7 @@ class EngineCore:
         """Appends the sampled tokens, ends the sequences they stop; the outputs of the requests to report: every
         sampled one, or (finished_only) only those a finishing sequence completes."""
         now = time.perf_counter()
+        assert self.scheduler is not None  # a step runs with the KV cache reserved
         touched: dict[str, Request] = {}
         for seq, token, lp in zip(seqs, result.token_ids, result.logprobs):
             if seq.request_id not in self.requests:

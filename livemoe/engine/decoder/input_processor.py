@@ -30,7 +30,7 @@ class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: set[int]):
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
         self.eos_token_ids = eos_token_ids
-        self._grammar_compiler = None  # made at the first structured request
+        self._grammar_compiler: GrammarCompiler | None = None  # made at the first structured request
         self._grammar_lock = threading.Lock()
 
     def validate(self, ids: list[int], params: SamplingParams, kv_capacity: int) -> None:
@@ -59,7 +59,7 @@ class InputProcessor:
             raise RequestError(f"the request needs up to {longest} tokens of KV cache but the cache holds only "
                                f"{kv_capacity}; raise the KV budget or lower max_tokens")
 
-    def grammars(self):
+    def grammars(self) -> GrammarCompiler:
         """The livemoe.engine.sampling.structured.GrammarCompiler of this engine (made at first use)."""
         with self._grammar_lock:  # the server's worker threads and the engine thread may both ask first
             if self._grammar_compiler is None:

@@ -12,6 +12,7 @@ import torch
 
 from livemoe.engine.model.attention import Attention
 from livemoe.engine.model.context import StepContext
+from livemoe.engine.model.qwen3 import Qwen3ForCausalLM
 from livemoe.engine.decoder.config import EngineConfig
 from livemoe.engine.errors import EngineConfigError
 from livemoe.engine.decoder.scheduler import SchedulerOutput
@@ -25,7 +26,7 @@ assert array.array("i").itemsize == 4 and array.array("q").itemsize == 8
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, config: EngineConfig, max_model_len: int):
+    def __init__(self, model: Qwen3ForCausalLM, config: EngineConfig, max_model_len: int):
         self.model = model
         self.config = config
         self.max_model_len = max_model_len
@@ -50,7 +51,7 @@ class ModelRunner:
         self.use_cuda_graphs = self.device.type == "cuda" and not config.enforce_eager
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_vars: dict[str, torch.Tensor] = {}
-        self.graph_pool = None
+        self.graph_pool: torch.cuda._POOL_HANDLE | None = None  # the graphs' shared memory pool
         self.num_eager_fallbacks = 0
         self.num_graph_replays = 0
 
@@ -156,6 +157,7 @@ class ModelRunner:
         """(input_ids [N], positions [N], StepContext, the rows that sample (indices into N), the seqs they belong
         to (indices into out.seqs), in the same order)."""
         plan = self.plan(out)
+        assert plan.sampling_seqs is not None  # plan() sets it (only a worker's received plan lacks it)
         return *self.step_inputs(plan), plan.sample_rows, plan.sampling_seqs
 
     def step_inputs(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, StepContext]:
@@ -181,6 +183,7 @@ class ModelRunner:
     def run(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
         """Runs one step; returns (logits [num_sampling_seqs, V] fp32, indices into out.seqs that sample)."""
         plan = self.plan(out)
+        assert plan.sampling_seqs is not None  # plan() sets it (only a worker's received plan lacks it)
         return self.execute(plan), plan.sampling_seqs
 
     @torch.inference_mode()

@@ -93,7 +93,7 @@ class OutputProcessor:
             m.first_token_time = min(firsts)
             m.ttft = m.first_token_time - req.arrival_time
             spans = [(s.last_token_time - s.first_token_time, s.num_output_tokens - 1) for s in req.seqs
-                     if s.first_token_time is not None and s.num_output_tokens > 1]
+                     if s.first_token_time is not None and s.last_token_time is not None and s.num_output_tokens > 1]
             if spans:
                 m.tpot = sum(t for t, _ in spans) / sum(n for _, n in spans)
         return m

@@ -102,7 +102,8 @@ class Scheduler:
     def _under_share(self, running_of: Counter) -> list[int]:
         """Positions (ascending) in `waiting` of the sequences whose request runs fewer than its share,
         counting those found before them; at most max_num_seqs (seats to fill)."""
-        found, counts = [], Counter()
+        found: list[int] = []
+        counts: Counter[str] = Counter()
         for k, seq in enumerate(self.waiting):
             rid = seq.request_id
             if running_of[rid] + counts[rid] < self.share:

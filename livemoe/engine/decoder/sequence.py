@@ -11,6 +11,8 @@ from itertools import count
 import torch
 
 from livemoe.engine.sampling.params import SamplingParams
+from livemoe.engine.sampling.structured import GrammarState
+from livemoe.engine.text.detokenizer import IncrementalDetokenizer
 
 
 class SequenceStatus(Enum):
@@ -43,8 +45,8 @@ class Sequence:
         self.num_preemptions = 0
         self.num_cached_prompt_tokens = 0  # prefix-cache hit at first scheduling
         self.text = ""  # detokenized output, kept only when stop strings need it
-        self.detokenizer = None  # IncrementalDetokenizer of the output: stop strings, in-flight text
-        self.grammar = None  # livemoe.engine.sampling.structured.GrammarState when the request's output is constrained
+        self.detokenizer: IncrementalDetokenizer | None = None  # of the output: stop strings, in-flight text
+        self.grammar: GrammarState | None = None  # when the request's output is constrained
         # metrics
         self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None

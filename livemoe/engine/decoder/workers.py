@@ -32,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 import torch
 
@@ -39,6 +40,7 @@ from livemoe.engine.decoder.config import EngineConfig, resolve_max_model_len
 from livemoe.engine.errors import EngineConfigError, WorkerError
 from livemoe.engine.decoder.model_runner import ModelRunner
 from livemoe.engine.net import free_port
+from livemoe.engine.model.qwen3 import Qwen3ForCausalLM
 from livemoe.engine.model.tensor_parallel import TensorParallel, check_tensor_parallel
 from livemoe.engine.model.loader import load_model
 from livemoe.engine.model.config import load_config
@@ -91,7 +93,7 @@ def init_group(device: torch.device, rank: int, size: int, port: int) -> None:
     import torch.distributed as dist
 
     backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
-    kw = {"device_id": torch.device("cuda", rank)} if device.type == "cuda" else {}
+    kw: dict[str, Any] = {"device_id": torch.device("cuda", rank)} if device.type == "cuda" else {}
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S), **kw)
 
@@ -297,7 +299,8 @@ class WorkerGroup:
                 log.warning("tensor-parallel process group: teardown failed", exc_info=True)
 
 
-def start_tensor_parallel(model_path: str, dtype, device, config: EngineConfig) -> tuple[torch.nn.Module, "WorkerGroup"]:
+def start_tensor_parallel(model_path: str, dtype, device,
+                          config: EngineConfig) -> tuple[Qwen3ForCausalLM, "WorkerGroup"]:
     """Rank 0 of tensor_parallel_size ranks: checks what it can, starts the workers, loads its own shard while
     they load theirs; (rank 0's shard, the workers)."""
     import torch.distributed as dist

@@ -14,6 +14,7 @@ logprobs_mode:
 """
 import sys
 from dataclasses import dataclass, field
+from typing import TypeGuard
 
 from livemoe.engine.errors import RequestError
 from livemoe.engine.sampling.structured import StructuredOutput
@@ -97,7 +98,7 @@ class SamplingParams:
         return self.temperature < MIN_TEMPERATURE
 
 
-def _is_int(x) -> bool:
+def _is_int(x) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool)
 
 

@@ -99,8 +99,10 @@ class Sampler:
             if every_row:
                 tokens = (filtered.softmax(-1) / noise).argmax(-1)
             else:
+                assert tokens is not None  # the greedy rows' argmax
                 tokens[sample_rows] = (filtered[sample_rows].softmax(-1) / noise).argmax(-1)
 
+        assert tokens is not None  # every row sampled, or the argmax
         token_ids = tokens.tolist()
         logprobs: list[dict[int, float] | None] = [None] * B
         rows = [i for i in range(B) if params[i].logprobs is not None]
@@ -116,7 +118,9 @@ class Sampler:
             sampled = dist.gather(1, pick(tokens)[:, None])[:, 0].tolist()
             for j, i in enumerate(rows):
                 entry = {token_ids[i]: sampled[j]}
-                n = min(params[i].logprobs, V)
+                k = params[i].logprobs
+                assert k is not None  # a row that asks
+                n = min(k, V)
                 if n:
                     top_lp, top_ids = dist[j].topk(n)
                     for t, lp in zip(top_ids.tolist(), top_lp.tolist()):

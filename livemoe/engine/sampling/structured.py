@@ -28,6 +28,7 @@ import os
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -197,6 +198,7 @@ class GrammarCompiler:
         if kind == "regex":
             return c.compile_regex(spec.regex)
         if kind == "choice":
+            assert spec.choice is not None  # its kind
             return c.compile_grammar("root ::= " + " | ".join(_literal(s) for s in spec.choice))
         if kind == "grammar":
             return c.compile_grammar(spec.grammar)
@@ -205,7 +207,7 @@ class GrammarCompiler:
             xgr.Grammar.from_ebnf(f"root ::= {_literal(TOOL_CALL_OPEN + chr(10))}"), call,
             xgr.Grammar.from_ebnf(f"root ::= {_literal(chr(10) + TOOL_CALL_CLOSE)}")))
 
-    def state(self, spec: StructuredOutput, prompt_ids: list[int] = ()) -> "GrammarState":
+    def state(self, spec: StructuredOutput, prompt_ids: Sequence[int] = ()) -> "GrammarState":
         wait_for = None
         if spec.think_tokens is not None:
             start, end = spec.think_tokens
