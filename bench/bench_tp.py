@@ -99,7 +99,8 @@ GPU_LAYOUTS = [(1, False), (2, False), (4, False), (2, True), (4, True)]
 @pytest.fixture(scope="module")
 def gpu_checkpoint(tmp_path_factory):
     from livemoe.engine.model.flops import resolve_config
-    from livemoe.engine.model.loader import init_model, save_model
+    from livemoe.engine.model.loader import init_model
+    from livemoe.engine.model.saver import save_model
 
     cfg = resolve_config("qwen3-30b-a3b")
     cfg.num_hidden_layers = NUM_LAYERS

@@ -26,7 +26,7 @@ _EXPORTS = {
     "CheckpointError": "livemoe.engine.errors",
     "RequestFailedError": "livemoe.engine.errors",
     "load_model": "livemoe.engine.model.loader",
-    "save_model": "livemoe.engine.model.loader",
+    "save_model": "livemoe.engine.model.saver",
     "load_tokenizer": "livemoe.engine.model.loader",
     "load_config": "livemoe.engine.model.config",
 }

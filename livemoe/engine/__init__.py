@@ -6,7 +6,8 @@ from livemoe.engine.errors import EngineConfigError
 from livemoe.engine.errors import CheckpointError, RequestFailedError
 from livemoe.engine.live import LiveSession
 from livemoe.engine.llm import LLM
-from livemoe.engine.model.loader import init_model, load_model, load_tokenizer, save_model
+from livemoe.engine.model.loader import init_model, load_model, load_tokenizer
+from livemoe.engine.model.saver import save_model
 from livemoe.engine.model.qwen3 import Qwen3ForCausalLM
 from livemoe.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from livemoe.engine.sampling.params import SamplingParams

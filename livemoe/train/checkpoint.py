@@ -38,7 +38,8 @@ import warnings
 import torch
 
 from livemoe.engine.errors import CheckpointError
-from livemoe.engine.model.loader import apply_umask, first_nonfinite
+from livemoe.engine.model.loader import first_nonfinite
+from livemoe.engine.model.saver import apply_umask
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 TMP_DIR = re.compile(r"^\.tmp-step-\d{8}-(\d+)$")

@@ -73,7 +73,7 @@ class RemoteRollouts:
             push_weights_to_servers(self.urls, self.sender, list(model.named_parameters()), api_key=self.api_key,
                                     timeout_s=self.timeout_s)
             return
-        from livemoe.engine.model.loader import save_model
+        from livemoe.engine.model.saver import save_model
 
         path = os.path.join(self.scratch, "model")
         save_model(model, path)

@@ -250,7 +250,8 @@ def test_check_tensor_parallel_names_the_values(overrides, size, ep, message):
 
 
 def test_a_shard_model_is_not_saved(tmp_path):
-    from livemoe.engine.model.loader import empty_model, save_model
+    from livemoe.engine.model.loader import empty_model
+    from livemoe.engine.model.saver import save_model
 
     path, _ = make_checkpoint(tmp_path / "m", moe=True)
     shard = empty_model(load_config(path), torch.float32, torch.device("cpu"), TensorParallel(1, 2, None, True))

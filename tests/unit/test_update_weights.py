@@ -7,7 +7,8 @@ import torch
 
 from livemoe.engine.errors import CheckpointError
 from livemoe.engine.llm import LLM
-from livemoe.engine.model.loader import hub_state_dict, load_model
+from livemoe.engine.model.loader import load_model
+from livemoe.engine.model.saver import hub_state_dict
 from livemoe.engine.sampling.params import SamplingParams
 from tiny_tokenizer import make_text_checkpoint
 

@@ -4,11 +4,14 @@ RequestOutputs for the streams (which detokenize: livemoe.engine.text.streaming.
 (weight updates, sleep).
 
 One reader thread receives from every core (zmq waits without the GIL) and hands each step's outputs
-to the callers' event loops, as AsyncLLM's engine thread does. Sends come from any thread, under a lock.
+to the callers' event loops, as the in-thread core's loop does (inproc.py). Sends come from any thread, under a lock.
 
 A core that dies (its process exits, or is killed) ends its requests and calls with EngineDeadError at
 once: the reader checks the processes whenever no message came for POLL_MS. `on_death` (the server's
 policy: exit, or restart the replica) is called on the reader thread.
+
+About 370 lines: the client side of the engine-core processes (start, restart, route, read, assemble deltas,
+fail what a dead core held) shares one lock and one table of requests, so it stays one class.
 """
 import concurrent.futures
 import logging

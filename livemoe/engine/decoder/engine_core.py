@@ -6,6 +6,9 @@ cache's lifetime are here too, because they must not overlap a step.
 A step that fails because of one request (its row gives non-finite logits, or cannot be sampled or detokenized)
 ends that request alone (`take_failed()` says which, and why); the others go on. Cached prefixes are dropped when
 the weights change (any in-place update of a parameter bumps its version counter, which each step checks).
+
+About 400 lines, above the ~350 of other modules: the step loop and the operations that must not overlap a step
+(weight updates, sleep, the KV cache's lifetime) are one class on purpose, the single owner of the scheduler.
 """
 import contextlib
 import logging

@@ -21,6 +21,8 @@ ends the others' forward with an error, never a hang. Workers exit when rank 0 i
 
 `load_rank_model` and `check_parallel_sizes` are where the model side plugs in: the tensor-parallel
 loader (each rank reads only its shards) and its divisibility check (heads, experts).
+
+About 360 lines: rank 0's whole side of the worker protocol (start, plan, replies, faults, stop) in one place.
 """
 import base64
 import datetime

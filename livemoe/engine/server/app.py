@@ -24,6 +24,9 @@ A completions body with several prompts makes one engine request per prompt; cho
 completion j of prompt k. The non-streaming `usage` carries an extension, `usage.metrics`: TTFT and
 TPOT (seconds; the slowest request's TTFT, the token-weighted TPOT), output tokens and decode FLOPs;
 a stream's usage event (`stream_options.include_usage`) carries it too.
+
+About 400 lines: the OpenAI server's shared request handling (limits, tokenizing, answers and streams) and
+its routes; the admin, live and hot routes are modules of their own.
 """
 import asyncio
 import dataclasses

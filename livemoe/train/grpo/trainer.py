@@ -12,7 +12,8 @@ import time
 import torch
 
 from livemoe.engine.model import flops
-from livemoe.engine.model.loader import load_model, load_tokenizer, save_model
+from livemoe.engine.model.loader import load_model, load_tokenizer
+from livemoe.engine.model.saver import save_model
 from livemoe.kernels.logprobs import fused_linear_logprobs
 from livemoe.train import distributed
 from livemoe.train.advantages import group_advantages, multi_turn_advantages, token_advantages
