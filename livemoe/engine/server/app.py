@@ -43,7 +43,8 @@ from starlette.responses import StreamingResponse
 
 from livemoe.engine.async_llm import AsyncLLM, RequestStream
 from livemoe.engine.errors import EngineDeadError, EngineSleepingError
-from livemoe.engine.text.prompts import chat_prompt_ids, encode_text
+from livemoe.engine.decoder.input_processor import tokenize_prompt
+from livemoe.engine.text.prompts import chat_prompt_ids
 from livemoe.engine.sampling.params import SamplingParams
 from livemoe.engine.errors import RequestError
 from livemoe.engine.server.admin import add_admin_routes
@@ -292,12 +293,8 @@ class OpenAIServer:
         return await self.off_loop(lambda: [self.encode(p) for p in prompts])
 
     def encode(self, prompt) -> list[int]:
-        """Token ids as LLM.generate makes them (a text prompt with the tokenizer's special tokens added)."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestError("this model has no tokenizer; send the prompt as token ids")
-            return encode_text(self.tokenizer, prompt)
-        return list(prompt)
+        """Token ids as LLM.generate makes them (the engine's one tokenizing path)."""
+        return tokenize_prompt(self.tokenizer, prompt)[1]
 
     def answer_only_constraint(self, params: SamplingParams) -> SamplingParams:
         """With a reasoning parser, a chat's output constraint applies to the answer after the think block
