@@ -132,6 +132,9 @@ def test_update_weights_from_disk_on_every_replica(served, ckpts, answers):
     assert status == 400 and "shape" in body["error"]["message"]
     status, body = http_json(server.url + "/update_weights_from_disk", {"model_path": ckpts[1], "oops": 1}, timeout=120)
     assert status == 400 and "oops" in body["error"]["message"]
+    # a device file, through the engine-core processes: a 400 at once (it used to be read without end)
+    status, body = http_json(server.url + "/update_weights_from_disk", {"model_path": "/dev/zero"}, timeout=30)
+    assert status == 400 and "/dev/zero: not a directory" in body["error"]["message"]
     assert greedy(server) == answers["b"]  # the refused checkpoint changed nothing
 
 

@@ -2,11 +2,14 @@
 and fused experts) and engine names all land; the answers become the new checkpoint's; a tensor of
 another shape, an unknown name or a NaN is refused whole (the old weights stay); requests in flight
 finish on the old weights or are aborted, as asked; the prefix cache is dropped."""
+import os
+
 import pytest
 import torch
 
 from livemoe.engine.errors import CheckpointError
 from livemoe.engine.llm import LLM
+from livemoe.engine.model.config import load_config
 from livemoe.engine.model.loader import load_model
 from livemoe.engine.model.saver import hub_state_dict
 from livemoe.engine.sampling.params import SamplingParams
@@ -59,6 +62,13 @@ def test_bad_updates_are_refused_whole(ckpts):
         llm.update_weights({**good, key: torch.full_like(good[key], float("nan"))})
     with pytest.raises(CheckpointError, match="shape"):
         llm.update_weights_from_disk(wide)
+    # not a checkpoint directory: refused before anything is read (/dev/zero used to be json.load-ed without end)
+    with pytest.raises(CheckpointError, match="/dev/zero: not a directory"):
+        llm.update_weights_from_disk("/dev/zero")
+    with pytest.raises(CheckpointError, match="config.json: not a directory"):
+        llm.update_weights_from_disk(os.path.join(a, "config.json"))
+    with pytest.raises(CheckpointError, match="/dev/zero: not a regular file"):
+        load_config("/dev/zero")
     # nothing of the refused updates was copied (each had good tensors before the bad one)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == answers["a"]
 

@@ -127,6 +127,8 @@ class ModelConfig:
 def load_config(path: str) -> ModelConfig:
     """path: a checkpoint directory or a config.json file."""
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if os.path.exists(file) and not os.path.isfile(file):  # a device or a pipe would be read without end
+        raise CheckpointError(f"{file}: not a regular file (expected a checkpoint directory with config.json)")
     try:
         with open(file) as f:
             raw = json.load(f)

@@ -5,6 +5,8 @@ the new values must be finite, before the first copy: a refused update leaves th
 Used by LLM.update_weights (a trainer's tensors), LLM.update_weights_from_disk (a checkpoint of the same
 architecture) and the distributed path (livemoe.engine.core.weight_sync receives the tensors first).
 """
+import os
+
 import torch
 from safetensors import safe_open
 
@@ -52,7 +54,11 @@ def copy_weights(model, named_tensors, where: str = "update_weights") -> int:
 @torch.no_grad()
 def copy_weights_from_disk(model, path: str) -> int:
     """Copies a whole checkpoint of the same architecture (every parameter must be in it) into model:
-    names and shapes from the safetensors headers are checked before any tensor is read."""
+    names and shapes from the safetensors headers are checked before any tensor is read. `path` must be a checkpoint
+    directory: anything else (a device file such as /dev/zero would be read without end) is refused unread."""
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: not a directory (a weight update reads a checkpoint directory holding "
+                              "config.json and safetensors files)")
     cfg = load_config(path)
     if cfg.model_type != model.config.model_type:
         raise CheckpointError(f"{path}: model_type {cfg.model_type!r}, but the loaded model is "
