@@ -138,6 +138,16 @@ def test_update_weights_from_disk_on_every_replica(served, ckpts, answers):
     assert greedy(server) == answers["b"]  # the refused checkpoint changed nothing
 
 
+def test_token_ids_msgpack_cannot_carry_are_a_400(served):
+    """A prompt token id past what msgpack encodes (2**64 and up) never reaches a core: a 400 naming it, and the
+    server goes on (it used to be a 500 from the encoder)."""
+    _, server = served
+    for prompt in ([2**70], [5, 2**64], [-(2**63) - 1]):
+        status, body = http_json(server.url + "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1})
+        assert status == 400 and "token id" in body["error"]["message"], (prompt, status, body)
+    assert len(greedy(server, PROMPTS[:2])) == 2
+
+
 def test_async_llm_update_weights_sends_tensors_to_every_core(served, ckpts, answers):
     engine, server = served
     assert greedy(server)[:4] == answers["b"][:4]  # B's, from the test before

@@ -34,6 +34,7 @@ from livemoe.engine.outputs import CompletionOutput, RequestOutput
 
 log = logging.getLogger("livemoe.engine.core")
 
+MSGPACK_INT_MIN, MSGPACK_INT_MAX = -(2**63), 2**64 - 1  # the integers a msgpack frame holds
 POLL_MS = 100  # the longest a dead core goes unnoticed
 START_TIMEOUT_S = 600.0  # loading a large checkpoint
 
@@ -127,6 +128,10 @@ class MPClient(EngineCoreClient):
 
     def add(self, request_id: str, prompt_text, prompt_ids: list[int], params, stream) -> concurrent.futures.Future:
         """Sends a request to a replica; the future settles when the core accepted or refused it."""
+        # the core validates against the vocabulary; what msgpack cannot carry must not get as far as the encoder
+        unsendable = [t for t in prompt_ids if not isinstance(t, int) or not MSGPACK_INT_MIN <= t <= MSGPACK_INT_MAX]
+        if unsendable:
+            raise RequestError(f"prompt token ids must be integers in the vocabulary; got {unsendable[:5]}")
         accepted: concurrent.futures.Future = concurrent.futures.Future()
         with self.lock:
             if request_id in self.tracked:
