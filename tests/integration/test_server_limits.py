@@ -90,6 +90,9 @@ def test_api_key_guards_every_v1_route(served):
     with pytest.raises(openai.AuthenticationError):
         keyless.completions.create(model=MODEL, prompt="hi", max_tokens=2)
     assert http_json(server.url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"})[0] == 200
+    assert http_json(server.url + "/v1/models", headers={"Authorization": f"bearer {KEY}"})[0] == 200  # RFC 7235
+    for wrong in (f"Basic {KEY}", f"Bearer{KEY}", f"Bearer {KEY}x"):
+        assert http_json(server.url + "/v1/models", headers={"Authorization": wrong})[0] == 401, wrong
     assert http_json(server.url + "/health")[0] == 200  # outside /v1: probes need no key
 
 

@@ -261,6 +261,9 @@ def test_penalties_and_logit_bias(client, served):
                                     logit_bias={str(eos): 100}, extra_body={"min_tokens": 3, "return_token_ids": True})
     ids = out.choices[0].model_extra["token_ids"]
     assert ids[3:] == [eos] and eos not in ids[:3]
+    for key in (" 5", "5_0", "\u0663", "+5", "-1", ""):  # int() takes the first four: none is a token id
+        with pytest.raises(openai.BadRequestError, match="logit_bias"):
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=2, logit_bias={key: 1})
 
 
 BAD = [

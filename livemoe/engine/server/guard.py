@@ -24,7 +24,7 @@ class BodyTooLarge(Exception):
 class RequestGuard:
     def __init__(self, app, config: ServerConfig, host_names: set[str] | None):
         self.app, self.config, self.host_names = app, config, host_names
-        self.expected_auth = None if config.api_key is None else f"Bearer {config.api_key}".encode()
+        self.api_key = None if config.api_key is None else config.api_key.encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -55,9 +55,10 @@ class RequestGuard:
             return 400, error_body(f"Host header {headers.get('host', '')!r} is not one this server answers to "
                                    f"({sorted(self.host_names)}; see --allowed-hosts)")
         path = scope["path"]
-        if self.expected_auth is not None and (path == "/v1" or path.startswith("/v1/") or path in ADMIN_PATHS):
-            given = headers.get("authorization", "").encode()
-            if not hmac.compare_digest(given, self.expected_auth):
+        if self.api_key is not None and (path == "/v1" or path.startswith("/v1/") or path in ADMIN_PATHS):
+            # the scheme is case-insensitive (RFC 7235): "bearer KEY" is as good as "Bearer KEY"
+            scheme, _, token = headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key):
                 return 401, error_body("missing or wrong API key (send `Authorization: Bearer KEY`)",
                                        code="invalid_api_key")
         length = headers.get("content-length")

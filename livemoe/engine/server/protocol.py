@@ -13,6 +13,7 @@ Types are strict: `"5"` or `true` is no integer, and NaN, Infinity or 1e999 no n
 limits (ServerConfig) are checked by the app. On chat, `special_tokens_in_content` (default false)
 reads special tokens written in a message as tokens rather than text (livemoe.engine.text.prompts).
 """
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -25,6 +26,7 @@ from livemoe.engine.text.tool_parser import template_tool_calls
 # OpenAI fields that have no effect on a local server by nature: an end-user id for abuse monitoring,
 # tags and storage for OpenAI's dashboard, a billing tier. Accepted (type-checked) and not used.
 NO_EFFECT_FIELDS = ("user", "metadata", "store", "service_tier")
+TOKEN_ID_KEY = re.compile(r"[0-9]+")  # a logit_bias key (re.ASCII not needed: [0-9] is ASCII)
 
 
 class StrictModel(BaseModel):
@@ -111,10 +113,11 @@ class _Common(StrictModel):
     def _logit_bias(self) -> dict[int, float] | None:
         if self.logit_bias is None:
             return None
-        try:
-            return {int(k): v for k, v in self.logit_bias.items()}
-        except ValueError:
-            raise RequestError(f"logit_bias: keys must be token ids, got {list(self.logit_bias)[:5]}") from None
+        # int() also takes " 5", "5_0" and other scripts' digits ("٣"): a token id is ASCII digits only
+        bad = [k for k in self.logit_bias if not TOKEN_ID_KEY.fullmatch(k)]
+        if bad:
+            raise RequestError(f"logit_bias: keys must be token ids (ASCII digits), got {bad[:5]}")
+        return {int(k): v for k, v in self.logit_bias.items()}
 
     def _params(self, max_tokens: int, logprobs: int | None,
                 structured: StructuredOutput | None = None) -> SamplingParams:
