@@ -75,6 +75,9 @@ def test_bad_request_and_leaving_early(engine):
     async def main():
         with pytest.raises(RequestError, match="context"):
             await collect(engine.generate([5] * 600, SamplingParams(max_tokens=4)))
+        for ids in ([True, 5], [5, 1.5], [2**70]):  # what the typed message cannot carry: refused before it is sent
+            with pytest.raises(RequestError, match="prompt token ids must be integers"):
+                await engine.add_request(ids, SamplingParams(max_tokens=4))
         with pytest.raises(RequestError, match="already in flight"):
             stream = await engine.add_request("x", SamplingParams(max_tokens=50, ignore_eos=True), request_id="dup")
             await engine.add_request("y", SamplingParams(max_tokens=4), request_id="dup")

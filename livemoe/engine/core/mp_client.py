@@ -128,8 +128,9 @@ class MPClient(EngineCoreClient):
 
     def add(self, request_id: str, prompt_text, prompt_ids: list[int], params, stream) -> concurrent.futures.Future:
         """Sends a request to a replica; the future settles when the core accepted or refused it."""
-        # the core validates against the vocabulary; what msgpack cannot carry must not get as far as the encoder
-        unsendable = [t for t in prompt_ids if not isinstance(t, int) or not MSGPACK_INT_MIN <= t <= MSGPACK_INT_MAX]
+        # the core validates against the vocabulary; what AddRequest's list[int] cannot carry (a bool or a float
+        # would fail the core's decoding, a huge int the encoder) is refused here
+        unsendable = [t for t in prompt_ids if type(t) is not int or not MSGPACK_INT_MIN <= t <= MSGPACK_INT_MAX]
         if unsendable:
             raise RequestError(f"prompt token ids must be integers in the vocabulary; got {unsendable[:5]}")
         accepted: concurrent.futures.Future = concurrent.futures.Future()
