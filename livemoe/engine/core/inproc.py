@@ -11,6 +11,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+from itertools import count
 
 from livemoe.engine.core import messages as m
 from livemoe.engine.core.client import EngineCoreClient
@@ -41,7 +42,7 @@ class InprocClient(EngineCoreClient):
         self.adding: dict[str, tuple] = {}  # request id -> (stream, accepted future): the engine thread's
         self.streams: dict = {}  # request id -> stream of an accepted request: the engine thread's
         self.calls: dict[int, concurrent.futures.Future] = {}
-        self.call_ids = iter(range(1 << 62))
+        self.call_ids = count()
         self.dead: BaseException | None = None
         self.snapshot = self.service.stats()
         self.thread = threading.Thread(target=self._run, name="livemoe-engine", daemon=True)
@@ -100,9 +101,11 @@ class InprocClient(EngineCoreClient):
         apply_threads(self.llm.threads)  # this thread's own OpenMP setting
         try:
             while True:
-                if not service.apply(self._take_commands()) or not service.poll():
+                commands = self._take_commands()
+                if not service.apply(commands) or not service.poll():
                     break
-                self._publish()
+                if commands or service.events:  # (a step's own publish follows: no snapshot of an idle turn)
+                    self._publish()
                 if self.llm.has_unfinished_requests():
                     service.step()
                     self._publish()
