@@ -25,17 +25,17 @@ from collections import deque
 from itertools import count
 
 from livemoe.engine.core.client import EngineCoreClient
+from livemoe.engine.core.inproc import InprocClient
+from livemoe.engine.core.mp_client import MPClient
+from livemoe.engine.decoder.config import EngineConfig
 from livemoe.engine.decoder.engine_core import IN_FLIGHT_MODES
 from livemoe.engine.decoder.input_processor import tokenize_prompt
 from livemoe.engine.errors import RequestError
 from livemoe.engine.llm import LLM
+from livemoe.engine.model.loader import load_tokenizer
 from livemoe.engine.outputs import RequestOutput
 from livemoe.engine.sampling.params import SamplingParams
 from livemoe.engine.text.streaming import OutputDeltas, StreamDelta
-from livemoe.engine.core.inproc import InprocClient
-from livemoe.engine.core.mp_client import MPClient
-from livemoe.engine.decoder.config import EngineConfig
-from livemoe.engine.model.loader import load_tokenizer
 
 log = logging.getLogger(__name__)
 

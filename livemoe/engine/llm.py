@@ -18,12 +18,12 @@ from livemoe.engine.decoder.config import DEFAULT_THREADS, EngineConfig, apply_t
 from livemoe.engine.decoder.engine_core import EngineCore
 from livemoe.engine.decoder.input_processor import tokenize_prompt
 from livemoe.engine.errors import EngineConfigError, RequestError
+from livemoe.engine.model.loader import load_model, load_tokenizer
 from livemoe.engine.outputs import RequestOutput
 from livemoe.engine.sampling.params import SamplingParams
 from livemoe.engine.text.prompts import chat_prompt_ids
 from livemoe.engine.text.streaming import stream
 from livemoe.engine.text.tool_parser import parse_tool_calls, tool_choice_constraint
-from livemoe.engine.model.loader import load_model, load_tokenizer
 
 
 class LLM:

@@ -26,8 +26,8 @@ import sys
 from dataclasses import asdict, dataclass
 
 
-from livemoe.engine.model.config import ModelConfig
 from livemoe.engine.errors import CheckpointError
+from livemoe.engine.model.config import ModelConfig
 from livemoe.engine.model.flops import preset_names, resolve_config
 from livemoe.engine.model.memory import is_expert_param, param_shapes  # shared with the serving planner
 

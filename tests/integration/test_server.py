@@ -315,7 +315,7 @@ def test_models_health_metrics_and_log_line(served, client, caplog):
     assert [m.id for m in client.models.list().data] == [MODEL]
     health = json.loads(urllib.request.urlopen(server.url + "/health", timeout=10).read())
     assert health == {"status": "ok"}
-    with caplog.at_level(logging.INFO, logger="livemoe.engine.server.__main__"):
+    with caplog.at_level(logging.INFO, logger="livemoe.engine.server"):
         client.completions.create(model=MODEL, prompt="count me", max_tokens=4, extra_body={"ignore_eos": True})
     lines = [r.getMessage() for r in caplog.records if "finished" in r.getMessage()]
     assert len(lines) == 1 and all(w in lines[0] for w in ("output_tokens=4", "ttft=", "tpot=", "decode_flops="))

@@ -5,8 +5,8 @@ import os
 import threading
 
 from livemoe.engine.core import messages as m
-from livemoe.engine.errors import EngineDeadError
 from livemoe.engine.core.proc import run_core
+from livemoe.engine.errors import EngineDeadError
 
 log = logging.getLogger("livemoe.engine.core")
 

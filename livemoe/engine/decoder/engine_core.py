@@ -29,12 +29,10 @@ from livemoe.engine.decoder.sequence import Request, Sequence
 from livemoe.engine.errors import RequestError, RequestFailedError
 from livemoe.engine.model import flops
 from livemoe.engine.model.qwen3 import Qwen3ForCausalLM
+from livemoe.engine.model.weights import copy_weights, copy_weights_from_disk
 from livemoe.engine.outputs import RequestOutput
 from livemoe.engine.sampling.params import SamplingParams
 from livemoe.engine.sampling.sampler import SampleResult, Sampler
-from livemoe.engine.decoder.workers import DriverRunner
-from livemoe.engine.model.weights import copy_weights
-from livemoe.engine.model.weights import copy_weights_from_disk
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +56,8 @@ class EngineCore:
         if workers is None:
             self.runner = ModelRunner(model, config, self.max_model_len)
         else:
+            from livemoe.engine.decoder.workers import DriverRunner  # the worker protocol: only a TP engine loads it
+
             self.runner = DriverRunner(model, config, self.max_model_len, workers)
         self.sampler = Sampler(config.seed, self.eos_token_ids)
         self.input_processor = InputProcessor(tokenizer, self.vocab_size, self.max_model_len, self.eos_token_ids)

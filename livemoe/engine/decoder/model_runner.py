@@ -10,13 +10,13 @@ import math
 
 import torch
 
+from livemoe.engine.decoder.config import EngineConfig
+from livemoe.engine.decoder.scheduler import SchedulerOutput
+from livemoe.engine.decoder.step_plan import StepPlan
+from livemoe.engine.errors import EngineConfigError
 from livemoe.engine.model.attention import Attention
 from livemoe.engine.model.context import StepContext
 from livemoe.engine.model.qwen3 import Qwen3ForCausalLM
-from livemoe.engine.decoder.config import EngineConfig
-from livemoe.engine.errors import EngineConfigError
-from livemoe.engine.decoder.scheduler import SchedulerOutput
-from livemoe.engine.decoder.step_plan import StepPlan
 from livemoe.kernels._ext import sm_count
 from livemoe.kernels.attention import choose_num_splits
 

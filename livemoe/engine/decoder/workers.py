@@ -39,14 +39,13 @@ from typing import Any
 import torch
 
 from livemoe.engine.decoder.config import EngineConfig, resolve_max_model_len
-from livemoe.engine.errors import EngineConfigError, WorkerError
 from livemoe.engine.decoder.model_runner import ModelRunner
-from livemoe.engine.net import free_port
+from livemoe.engine.errors import EngineConfigError, WorkerError
+from livemoe.engine.model.config import load_config
+from livemoe.engine.model.loader import load_model, resolve_device
 from livemoe.engine.model.qwen3 import Qwen3ForCausalLM
 from livemoe.engine.model.tensor_parallel import TensorParallel, check_tensor_parallel
-from livemoe.engine.model.loader import load_model
-from livemoe.engine.model.config import load_config
-from livemoe.engine.model.loader import resolve_device
+from livemoe.engine.net import free_port
 
 log = logging.getLogger("livemoe.engine.decoder.workers")
 

@@ -23,12 +23,11 @@ else the engine is running); `LiveSession.step` is that with one.
 import time
 from itertools import count
 
+from livemoe.engine.errors import DecisionFormatError, RequestError
 from livemoe.engine.live.decision import (MAX_MESSAGE_CHARS, TASKS, Decision, decision_regex, max_decision_chars,
                                           parse_decision)
-from livemoe.engine.errors import DecisionFormatError
 from livemoe.engine.live.layout import encode, interval_segment, memory_segment, render_events, system_segment
 from livemoe.engine.sampling.params import SamplingParams
-from livemoe.engine.errors import RequestError
 from livemoe.engine.sampling.structured import StructuredOutput
 
 _ids = count()

@@ -16,8 +16,8 @@ import re
 import torch
 from safetensors import safe_open
 
-from livemoe.engine.model.config import ModelConfig, load_config
 from livemoe.engine.errors import CheckpointError
+from livemoe.engine.model.config import ModelConfig, load_config
 from livemoe.engine.model.layers import RotaryEmbedding
 from livemoe.engine.model.qwen3 import Qwen3ForCausalLM
 from livemoe.engine.model.tensor_parallel import TensorParallel, check_tensor_parallel

@@ -14,10 +14,10 @@ import argparse
 import math
 import sys
 
-from livemoe.engine.model.config import ModelConfig
-from livemoe.engine.model.qwen3 import Qwen3ForCausalLM
 from livemoe.engine.errors import CheckpointError
+from livemoe.engine.model.config import ModelConfig
 from livemoe.engine.model.flops import preset_names, resolve_config
+from livemoe.engine.model.qwen3 import Qwen3ForCausalLM
 
 GB = 1e9
 REPLICATED = ("norm.weight", "mlp.gate.weight")  # every rank holds these whole

@@ -15,7 +15,7 @@ from livemoe.engine.model.context import StepContext
 from livemoe.engine.model.layers import MLP, RMSNorm, RotaryEmbedding, SparseMoeBlock, qk_norm_rotary
 from livemoe.engine.model.moe_loss import load_balancing_loss
 from livemoe.engine.model.tensor_parallel import (ParallelLMHead, TensorParallel, VocabParallelEmbedding, column_linear,
-                                             gather_logits, row_linear)
+                                                  gather_logits, row_linear)
 
 
 class SelfAttention(nn.Module):

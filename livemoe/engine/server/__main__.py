@@ -90,10 +90,10 @@ def main(argv: list[str] | None = None) -> None:
 
     def on_core_death(index: int, error: BaseException) -> None:  # on the engine client's reader thread
         if args.on_core_death == "restart" and index >= 0:  # (-1: the client itself failed: no restart)
-            logging.getLogger("livemoe.engine.server.__main__").error("%s; restarting it", error)
+            logging.getLogger("livemoe.engine.server").error("%s; restarting it", error)
             engine.restart_replica(index)
             return
-        logging.getLogger("livemoe.engine.server.__main__").error("%s; stopping the server (exit code 1)", error)
+        logging.getLogger("livemoe.engine.server").error("%s; stopping the server (exit code 1)", error)
         died.set()
         if server is not None:
             server.should_exit = True
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
             raise ValueError("--data-parallel-size and --on-core-death need --engine-core process")
         engine = AsyncLLM(args.model, dtype=args.dtype, device=args.device, **core, **options)
     except ValueError as e:  # EngineConfigError, CheckpointError, RequestError: the message says what
-        sys.exit(f"livemoe.engine.server.__main__: {e}")
+        sys.exit(f"livemoe.engine.server: {e}")
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     try:
         app = build_app(engine, name, server_config, bind_host=args.host, reasoning_parser=args.reasoning_parser)

@@ -25,7 +25,7 @@ from pydantic import Field
 
 from livemoe.engine.server.protocol import StrictModel, error_body
 
-log = logging.getLogger("livemoe.engine.server.__main__")
+log = logging.getLogger("livemoe.engine.server")
 
 ADMIN_PATHS = ("/update_weights_from_disk", "/init_weights_update_group", "/update_weights_from_distributed",
                "/sleep", "/wake_up", "/is_sleeping", "/get_server_info")

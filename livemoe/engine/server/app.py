@@ -42,11 +42,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import StreamingResponse
 
 from livemoe.engine.async_llm import AsyncLLM, RequestStream
-from livemoe.engine.errors import EngineDeadError, EngineSleepingError
 from livemoe.engine.decoder.input_processor import tokenize_prompt
-from livemoe.engine.text.prompts import chat_prompt_ids
+from livemoe.engine.errors import EngineDeadError, EngineSleepingError, RequestError
 from livemoe.engine.sampling.params import SamplingParams
-from livemoe.engine.errors import RequestError
 from livemoe.engine.server.admin import add_admin_routes
 from livemoe.engine.server.config import ServerConfig
 from livemoe.engine.server.guard import RequestGuard
@@ -55,10 +53,10 @@ from livemoe.engine.server.live import live_router
 from livemoe.engine.server.metrics import ServerMetrics
 from livemoe.engine.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from livemoe.engine.server.responses import Run
-from livemoe.engine.text.reasoning import REASONING_PARSERS
-from livemoe.engine.text.reasoning import think_token_ids
+from livemoe.engine.text.prompts import chat_prompt_ids
+from livemoe.engine.text.reasoning import REASONING_PARSERS, think_token_ids
 
-log = logging.getLogger("livemoe.engine.server.__main__")
+log = logging.getLogger("livemoe.engine.server")
 
 
 INLINE_TOKENIZE_CHARS = 1024  # prompts (or token-id lists) up to this many items in all: tokenized on the loop

@@ -62,7 +62,7 @@ class ServerProcess:
     def __init__(self, model_path: str, model_name: str, options: list[str] = (), host: str = "127.0.0.1",
                  port: int = 0, env: dict | None = None, log_level: str = "warning"):
         self.host, self.port = host, port or free_port(host)
-        self.args = [sys.executable, "-m", "livemoe.engine.server.__main__", "--model", str(model_path), "--served-model-name",
+        self.args = [sys.executable, "-m", "livemoe.engine.server", "--model", str(model_path), "--served-model-name",
                      model_name, "--host", host, "--port", str(self.port), "--log-level", log_level, *options]
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None
@@ -78,11 +78,11 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"livemoe.engine.server.__main__ exited with {self.proc.returncode}:\n"
+                raise RuntimeError(f"livemoe.engine.server exited with {self.proc.returncode}:\n"
                                    f"{self.proc.stdout.read().decode()[-3000:]}")
             if time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"livemoe.engine.server.__main__ did not answer on {self.url}/health within {timeout}s")
+                raise RuntimeError(f"livemoe.engine.server did not answer on {self.url}/health within {timeout}s")
             try:
                 urllib.request.urlopen(self.url + "/health", timeout=2)
                 return self

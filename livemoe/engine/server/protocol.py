@@ -18,8 +18,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from livemoe.engine.sampling.params import SamplingParams
 from livemoe.engine.errors import RequestError
+from livemoe.engine.sampling.params import SamplingParams
 from livemoe.engine.sampling.structured import StructuredOutput
 from livemoe.engine.text.tool_parser import template_tool_calls
 

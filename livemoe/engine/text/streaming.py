@@ -14,10 +14,10 @@ frees its KV blocks.
 """
 from dataclasses import dataclass
 
-from livemoe.engine.text.detokenizer import IncrementalDetokenizer
 from livemoe.engine.errors import RequestFailedError
 from livemoe.engine.outputs import RequestMetrics, RequestOutput
 from livemoe.engine.sampling.params import SamplingParams
+from livemoe.engine.text.detokenizer import IncrementalDetokenizer
 
 
 @dataclass

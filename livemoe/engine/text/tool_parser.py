@@ -12,11 +12,10 @@ body is not a call (bad JSON, no name) stays in the content, as the model wrote 
 import json
 import uuid
 
-from livemoe.engine.text.reasoning import partial_suffix
-from livemoe.engine.sampling.structured import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
-from livemoe.engine.sampling.params import SamplingParams
 from livemoe.engine.errors import RequestError
-from livemoe.engine.sampling.structured import StructuredOutput
+from livemoe.engine.sampling.params import SamplingParams
+from livemoe.engine.sampling.structured import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, StructuredOutput
+from livemoe.engine.text.reasoning import partial_suffix
 
 
 def parse_call(body: str) -> dict | None:

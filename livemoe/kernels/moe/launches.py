@@ -4,11 +4,11 @@ argument, and the align kernels of moe_align_triton. The tuner prunes its candid
 report and the compile tests cover the configs the dispatch picks."""
 import torch
 
+from livemoe.kernels.dot_precision import dot_precision
 from livemoe.kernels.moe import align_triton as at
 from livemoe.kernels.moe import grouped_gemm as gg
 from livemoe.kernels.moe.align_reference import num_align_blocks
 from livemoe.kernels.moe.configs import MoEConfig
-from livemoe.kernels.dot_precision import dot_precision
 from livemoe.kernels.static_resources import Launch
 
 DT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}

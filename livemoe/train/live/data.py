@@ -23,10 +23,9 @@ MEM (message = the note) | ANS (recipient, task, message); tasks from livemoe.en
 import json
 from dataclasses import dataclass
 
+from livemoe.engine.errors import DecisionFormatError, RequestError
 from livemoe.engine.live.decision import TASKS, Decision
-from livemoe.engine.errors import DecisionFormatError
 from livemoe.engine.live.layout import encode, interval_segment, render_events, system_segment
-from livemoe.engine.errors import RequestError
 from livemoe.train.data import DataError
 
 

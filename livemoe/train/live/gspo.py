@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from livemoe.engine.live.decision import TASKS, max_decision_chars, parse_decision
 from livemoe.engine.errors import DecisionFormatError
+from livemoe.engine.live.decision import TASKS, max_decision_chars, parse_decision
 from livemoe.engine.live.layout import encode, interval_segment, render_events, system_segment
 from livemoe.engine.live.session import decision_constraint
 from livemoe.kernels.logprobs import fused_linear_logprobs

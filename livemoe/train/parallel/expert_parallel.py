@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from livemoe.train.parallel.all_to_all import all_to_all
 from livemoe.kernels.moe import fused_experts, route
+from livemoe.train.parallel.all_to_all import all_to_all
 
 
 @dataclass(frozen=True)

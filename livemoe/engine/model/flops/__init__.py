@@ -11,8 +11,8 @@ qwen3-235b-a22b, qwen3-32b.
 """
 import os
 
-from livemoe.engine.model.config import ModelConfig, load_config
 from livemoe.engine.errors import CheckpointError
+from livemoe.engine.model.config import ModelConfig, load_config
 
 PRESET_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "presets")
 
