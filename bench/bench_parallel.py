@@ -93,8 +93,13 @@ def run_steps(size: Size, expert_parallels, world_size: int, device_type: str = 
     assert world.device.type == device_type, (world.device, device_type)
     timers = {}
     if device_type == "cpu":
-        timers = {"all_to_all": _Timer(a2a_module, "_all_to_all"), "all_gather": _Timer(dist, "all_gather_single"),
-                  "reduce_scatter": _Timer(dist, "reduce_scatter_single")}
+        # torch >= 2.13 names FSDP2's collectives *_single; older releases (the GPU image's 2.11) *_tensor
+        def named(new: str, old: str) -> str:
+            return new if hasattr(dist, new) else old
+
+        timers = {"all_to_all": _Timer(a2a_module, "_all_to_all"),
+                  "all_gather": _Timer(dist, named("all_gather_single", "all_gather_into_tensor")),
+                  "reduce_scatter": _Timer(dist, named("reduce_scatter_single", "reduce_scatter_tensor"))}
     try:
         return _timed_steps(size, expert_parallels, world_size, world, timers)
     finally:

@@ -29,6 +29,13 @@ export LIVEMOE_BENCH_OUT=$RES PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 unset TRITON_INTERPRET  # the GPU runs the compiled kernels
 PY=${PYTHON:-python3}
+# the GPU image lacks the server's and the core's packages (msgspec, pyzmq, xgrammar, fastapi, ...): without them a
+# third of the test modules cannot import. bench/gpu_wheels.sh downloads them here into .whl/ (git-ignored through
+# .git/info/exclude); carried there, they are installed into /tmp/site
+if compgen -G ".whl/*.whl" >/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="/tmp/site:$PYTHONPATH" || echo "installing .whl/ failed: the modules that need them fail"
+fi
 exec > >(tee -a "$RES/gpu_check.log") 2>&1  # a kill still leaves everything printed so far in the log
 
 left() { echo $(( BUDGET - ($(date +%s) - START) )); }
@@ -120,6 +127,8 @@ for f in "${order[@]}" bench/bench_*.py; do
   [ -f "$f" ] && [ "$f" != bench/bench_tp.py ] && [[ ! " ${files[*]} " =~ " $f " ]] && files+=("$f")
 done
 [ -f bench/bench_tp.py ] && files+=(bench/bench_tp.py)
+# LIVEMOE_GPU_CHECK_BENCH="bench/bench_a.py ...": only these suites (a rerun of what failed)
+[ -n "${LIVEMOE_GPU_CHECK_BENCH:-}" ] && read -ra files <<< "$LIVEMOE_GPU_CHECK_BENCH"
 timeout $t "$PY" -m pytest "${files[@]}" --benchmark -v -p no:cacheprovider -rfEs --tb=short \
   --continue-on-collection-errors --benchmark-json="$RES/pytest_benchmark.json" "${BENCH_TIMEOUT_OPT[@]}"
 benches=$?

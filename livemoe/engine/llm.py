@@ -215,6 +215,7 @@ class LLM:
         return self.core.stats()
 
     def close(self) -> None:
-        """Stops the tensor-parallel worker processes (if any); the engine cannot step after it."""
+        """Aborts what is in flight, frees the KV cache and CUDA graphs, stops the tensor-parallel workers (if any);
+        new requests are refused after it (EngineDeadError)."""
         if getattr(self, "core", None) is not None:
             self.core.close()

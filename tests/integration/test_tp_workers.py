@@ -15,9 +15,7 @@ import pytest
 import torch
 
 from livemoe.engine.async_llm import AsyncLLM
-from livemoe.engine.errors import EngineDeadError
-from livemoe.engine.errors import EngineConfigError
-from livemoe.engine.errors import WorkerError
+from livemoe.engine.errors import EngineConfigError, EngineDeadError, WorkerError
 from livemoe.engine.llm import LLM
 from livemoe.engine.decoder.workers import FAULT_ENV
 from livemoe.engine.sampling.params import SamplingParams
@@ -188,7 +186,7 @@ def test_kv_cache_release_sleep_refusals_and_close(checkpoints, tp2):
     finally:
         llm.close()
     assert gone(pids)
-    with pytest.raises(WorkerError, match="stopped"):
+    with pytest.raises(EngineDeadError, match="closed"):
         llm.generate(ps, GREEDY)
 
 

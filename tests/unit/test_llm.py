@@ -4,7 +4,7 @@ logprobs, bad input, abort, the KV-cache lifetime, and the Triton path under the
 import pytest
 import torch
 
-from livemoe.engine.errors import EngineConfigError
+from livemoe.engine.errors import EngineConfigError, EngineDeadError
 from livemoe.engine.llm import LLM
 from livemoe.engine.model.loader import load_model
 from livemoe.engine.sampling.params import SamplingParams
@@ -295,6 +295,28 @@ def test_from_model_shares_weights_and_kv_cache_release(checkpoints):
     llm.add_request(prompt[0], GREEDY)
     with pytest.raises(RuntimeError, match="in flight"):
         llm.release_kv_cache()
+
+
+def test_close_aborts_frees_the_cache_and_refuses_new_requests(checkpoints):
+    llm = engine(checkpoints[True][0])
+    llm.add_request([3] * 6, SamplingParams(max_tokens=20, ignore_eos=True))
+    llm.step()
+    llm.close()
+    assert llm.core.runner.kv_cache is None and not llm.has_unfinished_requests()
+    with pytest.raises(EngineDeadError, match="closed"):
+        llm.generate([[3, 4]], GREEDY)
+    llm.close()  # a second close does nothing
+
+
+@pytest.mark.gpu
+def test_a_closed_engine_gives_its_memory_to_the_next(checkpoints):
+    # each engine sizes its cache from the memory in use: without the close freeing it, the second engine
+    # found no room for one block (bench_tp's first H200 run)
+    path = checkpoints[True][0]
+    for _ in range(2):
+        llm = LLM(path, dtype=torch.float32, device="cuda", gpu_memory_utilization=0.85)
+        assert llm.generate([[3, 4, 5]], GREEDY)[0].token_ids
+        llm.close()
 
 
 @triton_here

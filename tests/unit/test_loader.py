@@ -46,6 +46,17 @@ def test_save_keeps_dtype_and_tokenizer_files(tmp_path, moe_ckpt):
     assert engine.load_model(out, device="cpu").lm_head_weight.dtype == torch.bfloat16
 
 
+def test_a_config_field_changed_before_init_is_saved_as_changed(tmp_path, moe_ckpt):
+    # bench_tp cuts a preset's num_hidden_layers before init_model: the saved config.json must say so, or the
+    # checkpoint cannot be loaded (the H200 run found it naming layer 4's tensors missing)
+    cfg = engine.load_config(moe_ckpt[0])
+    assert cfg.num_hidden_layers > 1
+    cfg.num_hidden_layers = 1
+    out = engine.save_model(engine.init_model(cfg, device="cpu"), tmp_path / "cut")
+    assert json.load(open(os.path.join(out, "config.json")))["num_hidden_layers"] == 1
+    assert engine.load_model(out, device="cpu").config.num_hidden_layers == 1
+
+
 def test_save_replaces_existing_dir_whole(tmp_path, moe_ckpt):
     model = engine.load_model(moe_ckpt[0], device="cpu")
     out = tmp_path / "out"

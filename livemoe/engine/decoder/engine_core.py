@@ -26,7 +26,7 @@ from livemoe.engine.decoder.model_runner import ModelRunner
 from livemoe.engine.decoder.output_processor import OutputProcessor
 from livemoe.engine.decoder.scheduler import Scheduler
 from livemoe.engine.decoder.sequence import Request, Sequence
-from livemoe.engine.errors import RequestError, RequestFailedError
+from livemoe.engine.errors import EngineDeadError, RequestError, RequestFailedError
 from livemoe.engine.model import flops
 from livemoe.engine.model.qwen3 import Qwen3ForCausalLM
 from livemoe.engine.model.weights import copy_weights, copy_weights_from_disk
@@ -77,12 +77,24 @@ class EngineCore:
         self.num_failed_requests = 0
         self.num_nonfinite_logits_steps = 0
         self.last_logits_finite = True  # whether the last step that sampled got finite logits on every row
+        self.closed = False
         self.reserve_kv_cache()
 
     def close(self) -> None:
-        """Stops the tensor-parallel worker processes (if any); the engine cannot step after it."""
+        """Aborts the requests in flight, frees the KV cache and the CUDA graphs, and stops the tensor-parallel
+        worker processes (if any); new requests are refused after it. Freeing matters on a GPU: the next engine in
+        this process sizes its cache from the memory in use (gpu_memory_utilization)."""
+        if self.closed:
+            return
+        self.closed = True
+        for rid in list(self.requests):
+            self.abort(rid)
+        self.block_manager = self.scheduler = None
         if self.workers is not None:
-            self._finalizer()
+            self._finalizer()  # the workers' caches go with their processes
+            ModelRunner.free_kv_cache(self.runner)  # rank 0's own, without a message to the stopped workers
+        else:
+            self.runner.free_kv_cache()
 
     def refuse_tensor_parallel(self, what: str, instead: str = "restart the engine on the new checkpoint") -> None:
         """What a multi-process engine does not do: a clear error naming it."""
@@ -137,6 +149,8 @@ class EngineCore:
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """RequestError for a request this engine cannot serve as asked (it changes nothing)."""
+        if self.closed:
+            raise EngineDeadError("the engine is closed (close() was called): start a new one")
         if self.scheduler is None:
             self.reserve_kv_cache()
         assert self.block_manager is not None  # reserved just above

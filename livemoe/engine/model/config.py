@@ -5,7 +5,7 @@ checkpoint means the same thing here as there. The raw dict is kept so saving wr
 """
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from livemoe.engine.errors import CheckpointError
 
@@ -121,7 +121,14 @@ class ModelConfig:
             fail(f"layers {dense_layers} are dense MLPs but 'intermediate_size' is missing or 0")
 
     def to_dict(self) -> dict:
-        return dict(self.raw)
+        """The raw dict as it came, with the typed fields written over the keys of the same name: a field changed
+        after loading (a benchmark cutting num_hidden_layers) is saved as changed, not as loaded."""
+        out = dict(self.raw)
+        for f in fields(self):
+            key = "num_local_experts" if f.name == "num_experts" and "num_local_experts" in out else f.name
+            if key in out and key not in ("raw", "dtype"):
+                out[key] = getattr(self, f.name)
+        return out
 
 
 def load_config(path: str) -> ModelConfig:
