@@ -33,6 +33,16 @@ class RequestMetrics:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
     num_preemptions: int = 0
     decode_flops: int = 0  # livemoe.engine.model.flops.decode_flops over the output tokens (2 x active x tokens)
+    # speculative decoding (all n completions): drafts verified, drafts kept, and verifications
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_spec_steps: int = 0
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """Tokens per verification (kept drafts + the target's own token); None without speculation."""
+        n = self.num_spec_steps
+        return (self.num_accepted_tokens + n) / n if n else None
 
 
 @dataclass

@@ -284,9 +284,21 @@ class BlockManager:
                 return False
             for _ in range(needed):
                 seq.block_table.append(self._take_free_block())
-        if self.enable_prefix_caching and total // self.block_size > len(seq.block_hashes):
-            self.cache_blocks(seq, total)
+        # a block is registered once its committed tokens fill it: speculative drafts may yet be rejected
+        committed = min(total, len(seq.token_ids) - seq.num_draft_tokens)
+        if self.enable_prefix_caching and committed // self.block_size > len(seq.block_hashes):
+            self.cache_blocks(seq, committed)
         return True
+
+    def trim(self, seq: Sequence) -> None:
+        """After a verification: gives back the blocks past those seq's tokens need (rejected drafts' slots; none
+        of them was registered) and registers the blocks its accepted drafts filled."""
+        keep = -(-len(seq.token_ids) // self.block_size)
+        for block_id in reversed(seq.block_table[keep:]):
+            self._release(block_id)
+        del seq.block_table[keep:]
+        if self.enable_prefix_caching and seq.num_computed_tokens // self.block_size > len(seq.block_hashes):
+            self.cache_blocks(seq)
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
         """try_append_slots where the caller knows the blocks are there (can_append)."""

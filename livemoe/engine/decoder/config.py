@@ -7,6 +7,7 @@ smallest any rank can hold), of its own heads.
 """
 from dataclasses import dataclass, fields
 
+from livemoe.engine.decoder.spec.config import SpeculativeConfig
 from livemoe.engine.errors import EngineConfigError, RequestError
 
 ATTENTION_BACKENDS = ("auto", "triton", "reference")
@@ -38,6 +39,9 @@ class EngineConfig:
     # ranks one model is split over (livemoe/engine/decoder/workers.py): one process per GPU, this one is rank 0
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False  # MoE layers: each rank holds num_experts / tensor_parallel_size experts
+    # livemoe.engine.decoder.spec: {"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...} (a dict or
+    # its JSON; parsed into a SpeculativeConfig here)
+    speculative_config: str | dict | SpeculativeConfig | None = None
 
     def __post_init__(self):
         def fail(msg):
@@ -69,6 +73,12 @@ class EngineConfig:
             fail(f"enable_expert_parallel must be a bool, got {self.enable_expert_parallel!r}")
         if self.enable_expert_parallel and self.tensor_parallel_size == 1:
             fail("enable_expert_parallel needs tensor_parallel_size > 1 (it splits the experts over those ranks)")
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        assert not isinstance(self.speculative_config, (str, dict))  # parsed in __post_init__
+        return self.speculative_config
 
     @classmethod
     def from_options(cls, **options) -> "EngineConfig":

@@ -15,7 +15,7 @@ import logging
 import math
 import time
 import weakref
-from itertools import count
+from itertools import accumulate, count
 
 import torch
 
@@ -26,6 +26,8 @@ from livemoe.engine.decoder.model_runner import ModelRunner
 from livemoe.engine.decoder.output_processor import OutputProcessor
 from livemoe.engine.decoder.scheduler import Scheduler
 from livemoe.engine.decoder.sequence import Request, Sequence
+from livemoe.engine.decoder.spec.speculator import Speculator
+from livemoe.engine.decoder.spec.verify import verified_tokens
 from livemoe.engine.errors import EngineDeadError, RequestError, RequestFailedError
 from livemoe.engine.model import flops
 from livemoe.engine.model.qwen3 import Qwen3ForCausalLM
@@ -60,6 +62,8 @@ class EngineCore:
 
             self.runner = DriverRunner(model, config, self.max_model_len, workers)
         self.sampler = Sampler(config.seed, self.eos_token_ids)
+        spec = config.speculative
+        self.speculator = Speculator.create(spec) if spec is not None else None
         self.input_processor = InputProcessor(tokenizer, self.vocab_size, self.max_model_len, self.eos_token_ids)
         self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len,
                                                 flops.decode_flops(mc, 1), text_in_flight)
@@ -228,53 +232,103 @@ class EngineCore:
             self._weights_version = version
             self.reset_prefix_cache()
         assert self.scheduler is not None  # requests are in flight: the KV cache is reserved
-        out = self.scheduler.schedule()
-        if not out.seqs:
-            raise RuntimeError("scheduler found nothing to run although requests are waiting (KV cache too small?)")
-        was_training = self.model.training
-        if was_training:  # a trainer's module: decode in eval mode, hand it back as it came
-            self.model.eval()
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running, self.max_model_len)
         try:
-            logits, sampling = self.runner.run(out)
-        finally:
-            if was_training:
-                self.model.train()
+            out = self.scheduler.schedule()
+            if not out.seqs:
+                raise RuntimeError("scheduler found nothing to run although requests are waiting (KV cache too "
+                                   "small?)")
+            was_training = self.model.training
+            if was_training:  # a trainer's module: decode in eval mode, hand it back as it came
+                self.model.eval()
+            try:
+                logits, sampling = self.runner.run(out)
+            finally:
+                if was_training:
+                    self.model.train()
+        except BaseException:
+            for seq in self.scheduler.running:  # drafts never outlive their step
+                seq.drop_drafts()
+            raise
         self.scheduler.update_computed(out)
         self.num_steps += 1
-        seqs = self._drop_nonfinite_rows([out.seqs[i] for i in sampling], logits)
+        seqs = [out.seqs[i] for i in sampling]
+        # a sequence verifying drafts has 1 + num_draft_tokens consecutive rows; the others one
+        starts = list(accumulate((1 + seq.num_draft_tokens for seq in seqs), initial=0))
+        self._fail_nonfinite_rows([seq for seq in seqs for _ in range(1 + seq.num_draft_tokens)], logits)
         for seq in seqs:
             if seq.generator is None and seq.seed is not None:
                 try:
                     seq.generator = torch.Generator(device=logits.device).manual_seed(seq.seed)
                 except Exception as e:  # noqa: BLE001 (one request's seed: fail it alone)
                     self._fail(seq.request_id, f"its generator could not be seeded with {seq.seed}: {e!r}")
-        seqs, result = self._sample(logits, seqs)
-        return pending + self._advance(seqs, result, finished_only)
-
-    def _advance(self, seqs: list[Sequence], result: SampleResult, finished_only: bool) -> list[RequestOutput]:
-        """Appends the sampled tokens, ends the sequences they stop; the outputs of the requests to report: every
-        sampled one, or (finished_only) only those a finishing sequence completes."""
-        now = time.perf_counter()
-        assert self.scheduler is not None  # a step runs with the KV cache reserved
+        plain = [i for i, seq in enumerate(seqs) if not seq.num_draft_tokens]
         touched: dict[str, Request] = {}
-        for seq, token, lp in zip(seqs, result.token_ids, result.logprobs):
-            if seq.request_id not in self.requests:
-                continue  # failed earlier in this step (another of its n samples)
-            seq.append_token(token, now)
-            if seq.grammar is not None:
-                seq.grammar.advance([token])
-            if lp is not None:
-                seq.logprobs.append(lp)
-            try:
-                self.output_processor.check_stop(seq)
-            except Exception as e:  # noqa: BLE001 (e.g. its stop strings could not be detokenized)
-                self._fail(seq.request_id, f"checking its stop conditions failed: {e!r}")
-                continue
-            if seq.finish_reason is not None:
-                self.scheduler.finish(seq)
-                touched[seq.request_id] = self.requests[seq.request_id]
-            elif not finished_only:
-                touched[seq.request_id] = self.requests[seq.request_id]
+        if plain:
+            if len(plain) < len(seqs):
+                kept, result = self._sample(logits[[starts[i] for i in plain]], [seqs[i] for i in plain])
+            else:
+                kept, result = self._sample(logits, seqs)
+            now = time.perf_counter()
+            for seq, token, lp in zip(kept, result.token_ids, result.logprobs):
+                self._emit(seq, token, lp, now, touched, finished_only)
+        for i, seq in enumerate(seqs):
+            if seq.num_draft_tokens:
+                self._verify(seq, logits[starts[i]:starts[i + 1]], touched, finished_only)
+        return pending + self._outputs(touched, finished_only)
+
+    def _verify(self, seq: Sequence, logits: torch.Tensor, touched: dict, finished_only: bool) -> None:
+        """Emits what verification keeps of seq's drafts (spec/verify.py) and the target's own token; rejected
+        drafts give their KV slots back."""
+        assert self.speculator is not None and self.block_manager is not None  # seq has drafts; a step is running
+        drafts, probs = seq.take_drafts()
+        if seq.request_id not in self.requests:
+            return  # failed earlier in this step
+        accepted = 0
+        now = time.perf_counter()
+        try:
+            for token, lp, is_draft in verified_tokens(self.sampler, seq, logits, drafts, probs):
+                if is_draft:
+                    seq.num_computed_tokens += 1  # its K/V were computed in this step's forward
+                    accepted += 1
+                if not self._emit(seq, token, lp, now, touched, finished_only) or seq.finish_reason is not None:
+                    break
+        except Exception as e:  # noqa: BLE001 (one request's verification: fail it alone)
+            self._fail(seq.request_id, f"verifying its speculative tokens failed: {e!r}")
+            return
+        self.speculator.record(seq, len(drafts), accepted)
+        if seq.finish_reason is None and seq.request_id in self.requests:
+            self.block_manager.trim(seq)
+
+    def _emit(self, seq: Sequence, token: int, lp: dict | None, now: float, touched: dict,
+              finished_only: bool) -> bool:
+        """Appends one new token to seq and ends seq if the token stops it; marks its request to report (every
+        one, or with finished_only those a finishing sequence completes). False if the request is gone (failed
+        earlier in this step, or now)."""
+        if seq.request_id not in self.requests:
+            return False
+        seq.append_token(token, now)
+        if seq.grammar is not None:
+            seq.grammar.advance([token])
+        if lp is not None:
+            seq.logprobs.append(lp)
+        try:
+            self.output_processor.check_stop(seq)
+        except Exception as e:  # noqa: BLE001 (e.g. its stop strings could not be detokenized)
+            self._fail(seq.request_id, f"checking its stop conditions failed: {e!r}")
+            return False
+        if seq.finish_reason is not None:
+            assert self.scheduler is not None  # a step runs with the KV cache reserved
+            self.scheduler.finish(seq)
+            touched[seq.request_id] = self.requests[seq.request_id]
+        elif not finished_only:
+            touched[seq.request_id] = self.requests[seq.request_id]
+        return True
+
+    def _outputs(self, touched: dict[str, Request], finished_only: bool) -> list[RequestOutput]:
+        """The outputs of the requests a step touched; a finished request leaves the engine."""
+        now = time.perf_counter()
         outputs = []
         for req in touched.values():
             if req.finished:
@@ -287,22 +341,22 @@ class EngineCore:
 
     # -- faults of one request ----------------------------------------------------------------------
 
-    def _drop_nonfinite_rows(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Sequence]:
+    def _fail_nonfinite_rows(self, row_seqs: list[Sequence], logits: torch.Tensor) -> None:
         """Fails the requests whose logits hold NaN or +inf (sampling them would pick garbage) and counts
         the step (`stats()["last_logits_finite"]`: /health reports a model that produces them). A max
-        propagates NaN and shows +inf: one over the batch on the hot path (~2 us), per row only if it fails."""
-        if not seqs:
-            return seqs
+        propagates NaN and shows +inf: one over the batch on the hot path (~2 us), per row only if it fails.
+        row_seqs: each logits row's sequence. The rows stay: sampling skips the failed requests' rows."""
+        if not row_seqs:
+            return
         self.last_logits_finite = math.isfinite(logits.amax().item())
         if self.last_logits_finite:
-            return seqs
+            return
         bad = (~torch.isfinite(logits.amax(-1))).nonzero()[:, 0].tolist()
         self.num_nonfinite_logits_steps += 1
         for i in bad:
-            self._fail(seqs[i].request_id, "the model produced non-finite logits (NaN or inf) for it")
+            self._fail(row_seqs[i].request_id, "the model produced non-finite logits (NaN or inf) for it")
         log.error("step %d: the model produced non-finite logits for %d of %d rows", self.num_steps, len(bad),
-                  len(seqs))
-        return [seq for seq in seqs if seq.request_id in self.requests]
+                  len(row_seqs))
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[Sequence], SampleResult]:
         """The batch sampled at once; if that fails, row by row, so only the rows that fail lose their request."""
@@ -417,4 +471,5 @@ class EngineCore:
             last_logits_finite=self.last_logits_finite,
             tensor_parallel_size=self.config.tensor_parallel_size,  # the parallel layout (/metrics)
             expert_parallel=self.config.enable_expert_parallel,
+            **(self.speculator.stats() if self.speculator is not None else {}),
         )

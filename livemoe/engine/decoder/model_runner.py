@@ -140,8 +140,8 @@ class ModelRunner:
                 slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
                 cu.append(cu[-1] + n)
                 context_lens.append(end)
-                if end == len(seq):
-                    sample_rows.append(cu[-1] - 1)
+                if end == len(seq):  # the last token's row, after those of its drafts being verified (if any)
+                    sample_rows.extend(range(cu[-1] - 1 - seq.num_draft_tokens, cu[-1]))
                     sampling_seqs.append(i)
         width = max(len(seq.block_table) for seq in seqs)
         ints = context_lens + cu
@@ -181,7 +181,8 @@ class ModelRunner:
         return host.pin_memory().to(self.device, non_blocking=True)
 
     def run(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
-        """Runs one step; returns (logits [num_sampling_seqs, V] fp32, indices into out.seqs that sample)."""
+        """Runs one step; returns (logits [num_sample_rows, V] fp32, indices into out.seqs that sample). A sampling
+        sequence has one row, or 1 + num_draft_tokens consecutive rows when it verifies speculative drafts."""
         plan = self.plan(out)
         assert plan.sampling_seqs is not None  # plan() sets it (only a worker's received plan lacks it)
         return self.execute(plan), plan.sampling_seqs

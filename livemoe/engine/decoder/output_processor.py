@@ -88,7 +88,10 @@ class OutputProcessor:
                            num_prompt_tokens=len(req.prompt_ids), num_output_tokens=n_out,
                            num_cached_tokens=max(s.num_cached_prompt_tokens for s in req.seqs),
                            num_preemptions=sum(s.num_preemptions for s in req.seqs),
-                           decode_flops=self.flops_per_token * n_out)
+                           decode_flops=self.flops_per_token * n_out,
+                           num_draft_tokens=sum(s.num_drafted_tokens for s in req.seqs),
+                           num_accepted_tokens=sum(s.num_accepted_tokens for s in req.seqs),
+                           num_spec_steps=sum(s.num_spec_steps for s in req.seqs))
         if firsts:
             m.first_token_time = min(firsts)
             m.ttft = m.first_token_time - req.arrival_time

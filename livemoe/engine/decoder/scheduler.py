@@ -65,7 +65,13 @@ class Scheduler:
             seq = running[i]
             n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             assert n > 0, seq
+            if seq.num_draft_tokens:  # speculative drafts are verified whole with their token: keep those that fit
+                seq.drop_drafts(keep=n - 1)
             while not bm.try_append_slots(seq, n):
+                if seq.num_draft_tokens:  # drafts never cost a preemption
+                    seq.drop_drafts()
+                    n = 1
+                    continue
                 victim = running.pop()  # the newest; never one scheduled already (those are < i)
                 self._preempt(victim)
                 preempted = True
@@ -78,6 +84,8 @@ class Scheduler:
                 i += 1
                 continue
             break
+        for seq in running[i:]:  # not scheduled this step: drafts are only ever verified in the step that made them
+            seq.drop_drafts()
         # admitting new work right after a preemption would only thrash
         # requests under their share first (in arrival order), then the queue's front
         fair = deque(self._under_share(running_of)) if running_of is not None and not preempted else deque()
@@ -130,6 +138,7 @@ class Scheduler:
         return running_of
 
     def _preempt(self, seq: Sequence) -> None:
+        seq.drop_drafts()  # it is recomputed from its committed tokens
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1

@@ -47,6 +47,13 @@ class Sequence:
         self.text = ""  # detokenized output, kept only when stop strings need it
         self.detokenizer: IncrementalDetokenizer | None = None  # of the output: stop strings, in-flight text
         self.grammar: GrammarState | None = None  # when the request's output is constrained
+        # speculative decoding (livemoe.engine.decoder.spec): drafts sit at the end of token_ids, uncomputed, from the
+        # proposal to the verification of one step, and never outlive it
+        self.num_draft_tokens = 0
+        self.draft_probs: torch.Tensor | None = None  # [num_draft_tokens, V], None: point masses
+        self.num_spec_steps = 0  # verifications
+        self.num_drafted_tokens = 0
+        self.num_accepted_tokens = 0
         # metrics
         self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None
@@ -84,6 +91,29 @@ class Sequence:
             self.first_token_time = now
         self.last_token_time = now
         self.token_ids.append(token_id)
+
+    def add_drafts(self, drafts: list[int], probs: torch.Tensor | None = None) -> None:
+        assert not self.num_draft_tokens and self.num_computed_tokens == len(self.token_ids) - 1, self
+        self.token_ids += drafts
+        self.num_draft_tokens, self.draft_probs = len(drafts), probs
+
+    def drop_drafts(self, keep: int = 0) -> None:
+        """Removes the drafts past the first `keep` (they were not scheduled, or the sequence was preempted)."""
+        if self.num_draft_tokens > keep:
+            del self.token_ids[len(self.token_ids) - self.num_draft_tokens + keep:]
+            self.num_draft_tokens = keep
+            if self.draft_probs is not None:
+                self.draft_probs = self.draft_probs[:keep] if keep else None
+
+    def take_drafts(self) -> tuple[list[int], torch.Tensor | None]:
+        """After the verification forward: the drafts and their distribution, removed from token_ids and from
+        the computed count (verify.py puts back the accepted ones)."""
+        k = self.num_draft_tokens
+        drafts, probs = self.token_ids[len(self.token_ids) - k:], self.draft_probs
+        del self.token_ids[len(self.token_ids) - k:]
+        self.num_computed_tokens = min(self.num_computed_tokens, len(self.token_ids))
+        self.num_draft_tokens, self.draft_probs = 0, None
+        return drafts, probs
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, req={self.request_id!r}, len={len(self)}, "

@@ -62,12 +62,30 @@ class Sampler:
         per row: their tokens and grammar state) are needed only when a row's params process logits."""
         B, V = logits.shape
         assert len(params) == B == len(generators)
+        if all(p.greedy and p.logprobs is None and not p.processes_logits for p in params):  # nothing else asked
+            return SampleResult(logits.argmax(-1).tolist(), [None] * B)
+        d = self.distributions(logits, params, seqs)
+        sample_rows = [i for i in range(B) if not params[i].greedy]
+        every_row = len(sample_rows) == B  # a rollout batch: skip the row indexing
+        tokens = None if every_row else d.processed.argmax(-1)
+        if sample_rows:
+            noise = self.exponential_noise(len(sample_rows), V, logits.device, [generators[i] for i in sample_rows])
+            if every_row:
+                tokens = (d.filtered.softmax(-1) / noise).argmax(-1)
+            else:
+                assert tokens is not None  # the greedy rows' argmax
+                tokens[sample_rows] = (d.filtered[sample_rows].softmax(-1) / noise).argmax(-1)
+        assert tokens is not None  # every row sampled, or the argmax
+        return SampleResult(tokens.tolist(), self.logprobs(d, params, tokens))
+
+    def distributions(self, logits: torch.Tensor, params: list[SamplingParams], seqs=None) -> "Distributions":
+        """The rows' logits processed (logits processors), then scaled by temperature and filtered: what sampling
+        draws from (softmax of `filtered`), and the raw scaled logits the "raw" logprobs come from."""
+        B = logits.shape[0]
         raw_logits, any_processing = logits, any(p.processes_logits for p in params)
         if any_processing:
             assert seqs is not None and len(seqs) == B, "logits processing needs the rows' sequences"
             logits = process_logits(logits.float(), params, seqs, self.eos_token_ids)
-        if all(p.greedy and p.logprobs is None for p in params):  # greedy, nothing else asked
-            return SampleResult(logits.argmax(-1).tolist(), [None] * B)
         logits = logits.float()
         device = logits.device
         # greedy rows (temperature below MIN_TEMPERATURE) are divided by 1: their raw logprobs are log_softmax(logits)
@@ -82,48 +100,63 @@ class Sampler:
                 torch.tensor([0.0 if p.greedy else p.min_p for p in params], device=device))
         else:
             filtered = scaled
+        return Distributions(logits, filtered, raw_scaled, any_filter or any_processing)
 
-        sample_rows = [i for i in range(B) if not params[i].greedy]
-        every_row = len(sample_rows) == B  # a rollout batch: skip the row indexing
-        tokens = None if every_row else logits.argmax(-1)
-        if sample_rows:
-            noise = torch.empty(len(sample_rows), V, device=device)
-            shared = [j for j, i in enumerate(sample_rows) if generators[i] is None]
-            if shared:
-                noise[shared] = torch.empty(len(shared), V, device=device).exponential_(
-                    generator=self._shared_generator(device))
-            noise_rows = noise.unbind(0)
-            for j, i in enumerate(sample_rows):
-                if generators[i] is not None:
-                    noise_rows[j].exponential_(generator=generators[i])
-            if every_row:
-                tokens = (filtered.softmax(-1) / noise).argmax(-1)
-            else:
-                assert tokens is not None  # the greedy rows' argmax
-                tokens[sample_rows] = (filtered[sample_rows].softmax(-1) / noise).argmax(-1)
+    def exponential_noise(self, rows: int, V: int, device, generators: list[torch.Generator | None]) -> torch.Tensor:
+        """[rows, V] Exp(1) draws for the exponential race, each row from its own generator (None: the shared one)."""
+        noise = torch.empty(rows, V, device=device)
+        shared = [j for j, g in enumerate(generators) if g is None]
+        if shared:
+            noise[shared] = torch.empty(len(shared), V, device=device).exponential_(
+                generator=self._shared_generator(device))
+        noise_rows = noise.unbind(0)
+        for j, g in enumerate(generators):
+            if g is not None:
+                noise_rows[j].exponential_(generator=g)
+        return noise
 
-        assert tokens is not None  # every row sampled, or the argmax
-        token_ids = tokens.tolist()
-        logprobs: list[dict[int, float] | None] = [None] * B
+    def uniform(self, device, generator: torch.Generator | None) -> float:
+        """One U[0, 1) draw from the row's generator (None: the shared one)."""
+        g = generator if generator is not None else self._shared_generator(device)
+        return float(torch.rand(1, device=device, generator=g))
+
+    @staticmethod
+    def logprobs(d: "Distributions", params: list[SamplingParams], tokens: torch.Tensor) -> list[dict[int, float] | None]:
+        """Per row that asks: {chosen token: logprob, top-1: lp, ...} under its logprobs_mode; None elsewhere."""
+        B, V = d.filtered.shape
+        out: list[dict[int, float] | None] = [None] * B
         rows = [i for i in range(B) if params[i].logprobs is not None]
-        if rows:
-            pick = (lambda t: t) if len(rows) == B else (lambda t: t[rows])  # a rollout batch asks on every row
-            raw = pick(raw_scaled).log_softmax(-1)
-            dist = raw
-            if any_filter or any_processing:
-                processed = pick(filtered).log_softmax(-1)
-                use_raw = torch.tensor([params[i].logprobs_mode == "raw" for i in rows], device=device)
-                dist = torch.where(use_raw[:, None], raw, processed)
-            # the sampled tokens' logprobs in one gather (a rollout asks for them at every step)
-            sampled = dist.gather(1, pick(tokens)[:, None])[:, 0].tolist()
-            for j, i in enumerate(rows):
-                entry = {token_ids[i]: sampled[j]}
-                k = params[i].logprobs
-                assert k is not None  # a row that asks
-                n = min(k, V)
-                if n:
-                    top_lp, top_ids = dist[j].topk(n)
-                    for t, lp in zip(top_ids.tolist(), top_lp.tolist()):
-                        entry.setdefault(t, lp)
-                logprobs[i] = entry
-        return SampleResult(token_ids, logprobs)
+        if not rows:
+            return out
+        token_ids = tokens.tolist()
+        pick = (lambda t: t) if len(rows) == B else (lambda t: t[rows])  # a rollout batch asks on every row
+        raw = pick(d.raw_scaled).log_softmax(-1)
+        dist = raw
+        if d.changed:
+            processed = pick(d.filtered).log_softmax(-1)
+            use_raw = torch.tensor([params[i].logprobs_mode == "raw" for i in rows], device=raw.device)
+            dist = torch.where(use_raw[:, None], raw, processed)
+        # the chosen tokens' logprobs in one gather (a rollout asks for them at every step)
+        chosen = dist.gather(1, pick(tokens)[:, None])[:, 0].tolist()
+        for j, i in enumerate(rows):
+            entry = {token_ids[i]: chosen[j]}
+            k = params[i].logprobs
+            assert k is not None  # a row that asks
+            n = min(k, V)
+            if n:
+                top_lp, top_ids = dist[j].topk(n)
+                for t, lp in zip(top_ids.tolist(), top_lp.tolist()):
+                    entry.setdefault(t, lp)
+            out[i] = entry
+        return out
+
+
+@dataclass(slots=True)
+class Distributions:
+    """Sampler.distributions' rows: `processed` logits (greedy takes their argmax), `filtered` (scaled by
+    temperature and filtered: sampling draws from their softmax), `raw_scaled` (raw logprobs), and whether
+    processing or a filter changed anything (else processed logprobs are the raw ones)."""
+    processed: torch.Tensor
+    filtered: torch.Tensor
+    raw_scaled: torch.Tensor
+    changed: bool

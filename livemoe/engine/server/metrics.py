@@ -6,7 +6,9 @@ requests by finish reason, prompt / generated tokens, decode FLOPs. Engine state
 from AsyncLLM.replica_stats() and labelled `replica` (data-parallel engine cores): running / waiting
 requests, KV blocks used and total (per rank: each rank's cache holds that many blocks of its heads),
 the parallel layout (tensor_parallel_size, expert parallel on/off), prefix-cache hit rate, preemptions, eager fallbacks (decode steps
-that could not replay a CUDA graph), engine steps, requests failed alone and steps with non-finite logits.
+that could not replay a CUDA graph), engine steps, requests failed alone and steps with non-finite logits;
+with speculative decoding, drafted / accepted tokens, verifications, skipped steps, and per request a histogram
+of its mean acceptance length.
 Every finished request also gets one log line with its metrics.
 """
 import logging
@@ -19,6 +21,7 @@ from livemoe.engine.outputs import RequestMetrics
 log = logging.getLogger("livemoe.engine.server")
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ACCEPTANCE_BUCKETS = (1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0)
 TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -44,6 +47,12 @@ class EngineCollector:
         "prefix_cache_hits": ("livemoe_prefix_cache_hit_tokens", "Prompt tokens served by the prefix cache"),
         "prefix_cache_queries": ("livemoe_prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache"),
         "num_steps": ("livemoe_engine_steps", "Engine steps run"),
+        "spec_num_verifications": ("livemoe_spec_verifications", "Speculative verifications (a sequence's drafts "
+                                   "scored in one forward)"),
+        "spec_drafted_tokens": ("livemoe_spec_draft_tokens", "Speculative draft tokens verified"),
+        "spec_accepted_tokens": ("livemoe_spec_accepted_tokens", "Speculative draft tokens accepted"),
+        "spec_disabled_steps": ("livemoe_spec_disabled_steps", "Steps not speculated: more decoding sequences than "
+                                "speculative_config's disable_by_batch_size"),
     }
 
     def __init__(self, replica_stats):
@@ -77,6 +86,9 @@ class ServerMetrics:
                                          registry=r)
         self.decode_flops = Counter("livemoe_decode_flops", "Decode FLOPs (2 x active parameters x output tokens)",
                                     registry=r)
+        self.acceptance_length = Histogram(
+            "livemoe_spec_acceptance_length", "Per finished request with speculative decoding: tokens per "
+            "verification (accepted drafts + 1)", buckets=ACCEPTANCE_BUCKETS, registry=r)
         r.register(EngineCollector(replica_stats))
 
     def request_finished(self, request_id: str, finish_reasons: list[str], m: RequestMetrics) -> None:
@@ -91,6 +103,8 @@ class ServerMetrics:
         self.prompt_tokens.inc(m.num_prompt_tokens)
         self.generation_tokens.inc(m.num_output_tokens)
         self.decode_flops.inc(m.decode_flops)
+        if m.mean_acceptance_length is not None:
+            self.acceptance_length.observe(m.mean_acceptance_length)
         log.info("request %s finished (%s): prompt_tokens=%d cached=%d output_tokens=%d ttft=%s tpot=%s "
                  "decode_flops=%.4g", request_id, ",".join(map(str, finish_reasons)), m.num_prompt_tokens,
                  m.num_cached_tokens, m.num_output_tokens, _ms(m.ttft), _ms(m.tpot), m.decode_flops)
