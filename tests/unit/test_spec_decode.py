@@ -1,0 +1,277 @@
+"""Speculative decoding (livemoe.engine.decoder.spec) is exact: greedy tokens equal decoding without it on the
+committed student and two random MoE checkpoints, at batch 1, 7 and 32, with prefix hits, chunked prefill,
+preemption, stop strings, penalties, logit_bias, min_tokens and grammars; the verification rule draws from the
+target distribution (a chi-square test over many seeds); logprobs are the target's; KV blocks come back."""
+import json
+
+import pytest
+import torch
+
+from livemoe.engine.decoder.spec.config import SpeculativeConfig
+from livemoe.engine.decoder.spec.proposers import NgramProposer
+from livemoe.engine.decoder.spec.verify import verified_tokens
+from livemoe.engine.errors import EngineConfigError
+from livemoe.engine.llm import LLM
+from livemoe.engine.sampling.params import SamplingParams
+from livemoe.engine.sampling.sampler import Sampler
+from livemoe.train.config import DEFAULT_STUDENT
+from test_llm import add_tokenizer
+from tiny_models import make_checkpoint
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    out = {"student": DEFAULT_STUDENT}
+    for seed in (0, 1):
+        path, _ = make_checkpoint(tmp_path_factory.mktemp(f"moe{seed}") / "ckpt", moe=True, seed=seed)
+        add_tokenizer(path)
+        out[f"moe{seed}"] = path
+    return out
+
+
+def engines(path, **options):
+    options = dict(dtype=torch.float32, block_size=4, num_kv_blocks=512, use_tqdm=False) | options
+    return LLM(path, **options), LLM(path, speculative_config=NGRAM, **options)
+
+
+def repetitive_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """Prompts with repeats in them (so prompt lookup finds something), some sharing a prefix (prefix hits)."""
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.randint(3, vocab, (9,), generator=g).tolist()
+    out = []
+    for i in range(n):
+        motif = torch.randint(3, vocab, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
+        head = shared if i % 3 == 0 else []
+        out.append(head + motif * int(torch.randint(2, 5, (1,), generator=g)) + motif[:1])
+    return out
+
+
+def vocab_of(llm) -> int:
+    return llm.model.config.vocab_size
+
+
+@pytest.mark.parametrize("name", ["student", "moe0", "moe1"])
+@pytest.mark.parametrize("batch", [1, 7, 32])
+def test_greedy_tokens_equal_decoding_without_speculation(checkpoints, name, batch):
+    base, spec = engines(checkpoints[name], max_num_batched_tokens=64)  # chunked prefill for the long batches
+    prompts = repetitive_prompts(batch, min(vocab_of(base), 120), seed=batch)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    expected = [o.token_ids for o in base.generate(prompts, params)]
+    assert [o.token_ids for o in spec.generate(prompts, params)] == expected
+    # again: the shared prefixes now hit the cache
+    assert [o.token_ids for o in spec.generate(prompts, params)] == expected
+    stats = spec.stats()
+    assert stats["spec_drafted_tokens"] > 0 and stats["spec_accepted_tokens"] > 0, stats
+    assert stats["prefix_cache_hits"] > 0
+    assert stats["kv_blocks_used"] == 0  # every slot back, the rejected drafts' too
+
+
+def test_greedy_equal_under_preemption_and_stop_strings(checkpoints):
+    base, spec = engines(checkpoints["moe0"], num_kv_blocks=40, max_num_seqs=8)  # too few blocks: preemption
+    prompts = repetitive_prompts(8, 120, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    expected = base.generate(prompts, params)
+    got = spec.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert spec.stats()["num_preemptions"] > 0 and spec.stats()["spec_accepted_tokens"] > 0
+    # a stop string inside an accepted run ends the output where decoding without speculation ends it
+    text = expected[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop])
+    a, b = base.generate(prompts[:4], params), spec.generate(prompts[:4], params)
+    assert [(o.text, o.token_ids, o.finish_reason) for o in b] == [(o.text, o.token_ids, o.finish_reason) for o in a]
+
+
+def test_processing_and_logprobs_equal_decoding_without_speculation(checkpoints):
+    base, spec = engines(checkpoints["moe1"])
+    prompts = repetitive_prompts(5, 120, seed=4)
+    eos = sorted(base.core.eos_token_ids)
+    cases = [
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.3,
+                       frequency_penalty=0.4, presence_penalty=0.2),
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logit_bias={7: 4.0, 9: -100.0}),
+        SamplingParams(temperature=0, max_tokens=24, min_tokens=20, stop_token_ids=eos),
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3),
+    ]
+    for params in cases:
+        a, b = base.generate(prompts, params), spec.generate(prompts, params)
+        assert [o.token_ids for o in b] == [o.token_ids for o in a], params
+        if params.logprobs:
+            for x, y in zip(a, b):
+                for ex, got in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
+                    assert ex.keys() == got.keys()
+                    # a k+1-token chunk and a 1-token decode sum in another order: fp32 rounding apart
+                    assert all(abs(ex[t] - got[t]) < 1e-4 for t in ex), (ex, got)
+    assert spec.stats()["spec_accepted_tokens"] > 0
+
+
+def test_grammar_constrained_greedy_equal(tmp_path):
+    pytest.importorskip("xgrammar", reason="needs xgrammar (a runtime dependency: pip install -e .)")
+    from livemoe.engine.sampling.structured import StructuredOutput
+    from tiny_tokenizer import make_text_checkpoint
+
+    path, _ = make_text_checkpoint(tmp_path / "ckpt", moe=True)
+    options = dict(dtype=torch.float32, block_size=16, num_kv_blocks=256, max_model_len=512, use_tqdm=False)
+    base, spec = LLM(path, **options), LLM(path, speculative_config=NGRAM, **options)
+    schema = {"type": "object", "properties": {"a": {"type": "array", "items": {"type": "integer"}, "maxItems": 6}},
+              "required": ["a"], "additionalProperties": False}
+    prompts = [f"list {i} {i} {i}: [1, 2, 1, 2, 1, 2" for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=80, structured=StructuredOutput(json=schema))
+    a, b = base.generate(prompts, params), spec.generate(prompts, params)
+    assert [o.text for o in b] == [o.text for o in a]
+    for o in b:  # a random model may run out of tokens inside the array; what ends must validate
+        if o.finish_reason == "stop":
+            assert isinstance(json.loads(o.text)["a"], list), o.text
+        else:
+            assert o.finish_reason == "length" and o.text.startswith('{"a": ['), o.text
+    assert spec.stats()["spec_drafted_tokens"] > 0
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(checkpoints):
+    _, spec = engines(checkpoints["moe0"])
+    prompts = repetitive_prompts(6, 120, seed=5)
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=100 + i, max_tokens=24, ignore_eos=True)
+              for i in range(len(prompts))]
+    together = [o.token_ids for o in spec.generate(prompts, params)]
+    alone = [spec.generate([p], [sp])[0].token_ids for p, sp in zip(prompts, params)]
+    assert together == alone
+    assert spec.stats()["spec_drafted_tokens"] > 0
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (1.0, 0.8)])
+@pytest.mark.parametrize("q_kind", ["point", "draft"])
+def test_verification_draws_from_the_target_distribution(temperature, top_p, q_kind):
+    """Over many seeds, the first and (given the first draft kept) second emitted tokens are distributed as the
+    target's filtered softmax: chi-square at p = 0.001 (critical 24.3 for 7 degrees of freedom)."""
+    V, trials = 8, 6000
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(3, V, generator=g) * 1.5
+    drafts = [2, 5]  # ngram's: fixed, a point mass each
+    q = None
+    if q_kind == "draft":  # a draft model's: each trial draws its drafts from q, as the rule assumes
+        q = torch.softmax(torch.randn(2, V, generator=g), -1)
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=8)
+    sampler = Sampler()
+    target = sampler.distributions(logits, [params] * 3).filtered.softmax(-1)
+    firsts, seconds = torch.zeros(V), torch.zeros(V)
+
+    class Seq:  # what verification reads of a sequence
+        token_ids, num_prompt_tokens, grammar = [1], 1, None
+
+    for t in range(trials):
+        seq = Seq()
+        seq.params, seq.generator = params, torch.Generator().manual_seed(t)
+        if q is not None:
+            drafts = torch.multinomial(q, 1, generator=g)[:, 0].tolist()
+        emitted = [(tok, kept) for tok, _, kept in verified_tokens(sampler, seq, logits, drafts, q)]
+        firsts[emitted[0][0]] += 1
+        if emitted[0][1]:  # the first draft kept: the second token is drawn given it
+            seconds[emitted[1][0]] += 1
+
+    def chi2(counts, p):
+        keep = p > 0
+        assert counts[~keep].sum() == 0  # nothing outside the kept set (top_p)
+        expected = counts.sum() * p[keep]
+        return float(((counts[keep] - expected) ** 2 / expected).sum())
+
+    assert chi2(firsts, target[0]) < 24.3
+    assert seconds.sum() > 300 and chi2(seconds, target[1]) < 24.3
+
+
+def test_ngram_lookup():
+    ngram = NgramProposer(1, 3)
+    assert ngram.lookup([5, 6, 7, 8, 9, 5, 6, 7], 3) == [8, 9, 5]  # the 3-token suffix seen before
+    assert ngram.lookup([1, 2, 3, 1, 2, 4, 1, 2], 2) == [4, 1]  # the latest earlier occurrence
+    assert ngram.lookup([1, 2, 3, 4], 2) == []
+    assert ngram.lookup([7, 7], 0) == []
+    assert NgramProposer(2, 3).lookup([1, 2, 9, 2], 2) == []  # a 1-token match is below prompt_lookup_min
+
+
+def test_blocks_are_trimmed_after_each_verification(checkpoints):
+    _, spec = engines(checkpoints["moe0"])
+    prompt = repetitive_prompts(1, 120, seed=6)[0]
+    spec.add_request(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    seq = next(iter(spec.core.requests.values())).seqs[0]
+    while spec.has_unfinished_requests():
+        spec.step()
+        if not seq.is_finished:
+            assert seq.num_draft_tokens == 0  # drafts never outlive their step
+            assert seq.num_computed_tokens == len(seq.token_ids) - 1
+            # the blocks its tokens need (the last one's slot may come with the next step), no more
+            assert -(-seq.num_computed_tokens // 4) <= len(seq.block_table) <= -(-len(seq.token_ids) // 4)
+    assert spec.stats()["kv_blocks_used"] == 0 and seq.num_accepted_tokens > 0
+    # an abort between steps gives every block back
+    rid = spec.add_request(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    for _ in range(4):
+        spec.step()
+    assert spec.abort(rid) and spec.stats()["kv_blocks_used"] == 0
+
+
+def test_request_metrics_and_auto_off(checkpoints):
+    path = checkpoints["moe0"]
+    spec = LLM(path, dtype=torch.float32, block_size=4, num_kv_blocks=512, use_tqdm=False,
+               speculative_config=dict(NGRAM, disable_by_batch_size=2))
+    prompts = repetitive_prompts(4, 120, seed=8)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    spec.generate(prompts, params)  # 4 decoding sequences > 2: no speculation while they all run
+    s = spec.stats()
+    assert s["spec_disabled_steps"] > 0
+    out = spec.generate(prompts[:1], params)[0]
+    m = out.metrics
+    assert m.num_spec_steps > 0 and m.num_draft_tokens >= m.num_accepted_tokens
+    assert m.mean_acceptance_length == (m.num_accepted_tokens + m.num_spec_steps) / m.num_spec_steps
+
+
+@pytest.mark.parametrize("value,message", [
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be a positive integer"),
+    ({"method": "ngram"}, "missing \\['num_speculative_tokens'\\]"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+     "prompt_lookup_min \\(4\\) must be <= prompt_lookup_max"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "unknown key\\(s\\) \\['lookahead'\\]"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
+    ("{not json", "not valid JSON"),
+    ([1, 2], "must be a JSON object"),
+])
+def test_bad_speculative_config_is_refused(value, message):
+    with pytest.raises(EngineConfigError, match=message):
+        SpeculativeConfig.parse(value)
+
+
+def test_speculative_config_as_json_string_and_flag():
+    from livemoe.engine.server.__main__ import parser
+
+    args = parser().parse_args(["--model", "m", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+    parsed = SpeculativeConfig.parse(args.speculative_config)
+    assert parsed == SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+
+
+@pytest.mark.parametrize("core", ["thread", "process"])
+def test_async_llm_streams_what_llm_gives_without_speculation(tmp_path, core):
+    import asyncio
+
+    from fixtures import collect_deltas, wait_idle
+    from livemoe.engine.async_llm import AsyncLLM
+    from tiny_tokenizer import make_text_checkpoint
+
+    path, _ = make_text_checkpoint(tmp_path / "ckpt", moe=True)
+    options = dict(dtype=torch.float32, device="cpu", block_size=4, num_kv_blocks=256, use_tqdm=False)
+    prompts = [f"ab ab ab ab {i} cd cd cd" for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    expected = LLM(path, **options).generate(prompts, params)
+    engine = AsyncLLM(path, engine_core=core, speculative_config=NGRAM, **options)
+    try:
+        async def main():
+            got = await asyncio.gather(*(collect_deltas(engine.generate(p, params)) for p in prompts))
+            return got, await wait_idle(engine)
+
+        results, stats = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert [(ids, text) for ids, text, _ in results] == [(o.token_ids, o.text) for o in expected]
+    assert stats["spec_accepted_tokens"] > 0
+    assert sum(d[-1].metrics.num_accepted_tokens for _, _, d in results) == stats["spec_accepted_tokens"]
