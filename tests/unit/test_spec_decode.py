@@ -182,6 +182,25 @@ def test_verification_draws_from_the_target_distribution(temperature, top_p, q_k
     assert seconds.sum() > 300 and chi2(seconds, target[1]) < 24.3
 
 
+def naive_lookup(tokens: list[int], k: int, lo: int, hi: int) -> list[int]:
+    for n in range(min(hi, len(tokens) - 1), lo - 1, -1):
+        suffix = tokens[len(tokens) - n:]
+        starts = [s for s in range(len(tokens) - n) if tokens[s:s + n] == suffix]
+        if starts:
+            return tokens[starts[-1] + n:starts[-1] + n + k]
+    return []
+
+
+def test_ngram_lookup_equals_a_naive_search():
+    g = torch.Generator().manual_seed(0)
+    for trial in range(400):
+        lo = int(torch.randint(1, 4, (1,), generator=g))
+        hi = lo + int(torch.randint(0, 4, (1,), generator=g))
+        tokens = torch.randint(0, 4, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist()
+        k = int(torch.randint(1, 6, (1,), generator=g))
+        assert NgramProposer(lo, hi).lookup(tokens, k) == naive_lookup(tokens, k, lo, hi), (tokens, k, lo, hi)
+
+
 def test_ngram_lookup():
     ngram = NgramProposer(1, 3)
     assert ngram.lookup([5, 6, 7, 8, 9, 5, 6, 7], 3) == [8, 9, 5]  # the 3-token suffix seen before
@@ -275,3 +294,46 @@ def test_async_llm_streams_what_llm_gives_without_speculation(tmp_path, core):
     assert [(ids, text) for ids, text, _ in results] == [(o.token_ids, o.text) for o in expected]
     assert stats["spec_accepted_tokens"] > 0
     assert sum(d[-1].metrics.num_accepted_tokens for _, _, d in results) == stats["spec_accepted_tokens"]
+
+
+def draft_engine(path, draft, **options):
+    options = dict(dtype=torch.float32, block_size=4, num_kv_blocks=512, use_tqdm=False) | options
+    return LLM(path, speculative_config={"method": "draft_model", "num_speculative_tokens": 3, "model": draft},
+               **options)
+
+
+def test_draft_model_is_exact_and_a_self_draft_is_always_kept(checkpoints, tmp_path):
+    path = checkpoints["moe0"]
+    small, _ = make_checkpoint(tmp_path / "draft", moe=True, seed=0, num_hidden_layers=1)
+    add_tokenizer(small)
+    base, _ = engines(path)
+    prompts = repetitive_prompts(7, 120, seed=9)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = [o.token_ids for o in base.generate(prompts, greedy)]
+    for draft in (path, small):  # the target drafting for itself, and a 1-layer random model
+        spec = draft_engine(path, draft, num_kv_blocks=48, max_num_seqs=7)  # few blocks: preemption too
+        assert [o.token_ids for o in spec.generate(prompts, greedy)] == expected
+        s = spec.stats()
+        assert s["kv_blocks_used"] == 0 and s["spec_drafted_tokens"] > 0
+        if draft == path:  # its drafts are the target's own argmax: every one is kept
+            assert s["spec_accepted_tokens"] == s["spec_drafted_tokens"]
+    # sampled: the draft's q is the target's p (up to the chunk's rounding), so min(1, p/q) keeps nearly all
+    spec = draft_engine(path, path)
+    sampled = [SamplingParams(temperature=0.9, top_p=0.95, seed=i, max_tokens=24, ignore_eos=True) for i in range(7)]
+    outs = spec.generate(prompts, sampled)
+    s = spec.stats()
+    assert s["spec_accepted_tokens"] >= 0.97 * s["spec_drafted_tokens"] > 0
+    # and seeded sampling is reproducible
+    assert [o.token_ids for o in spec.generate(prompts, sampled)] == [o.token_ids for o in outs]
+
+
+def test_draft_model_with_another_vocabulary_or_tokenizer_is_refused(checkpoints, tmp_path):
+    path = checkpoints["moe0"]
+    other_vocab, _ = make_checkpoint(tmp_path / "v", moe=True, vocab_size=150)
+    add_tokenizer(other_vocab, vocab_size=150)
+    with pytest.raises(EngineConfigError, match="vocab_size 150, the target 131"):
+        draft_engine(path, other_vocab)
+    other_tokenizer, _ = make_checkpoint(tmp_path / "t", moe=True)
+    add_tokenizer(other_tokenizer, vocab_size=100)
+    with pytest.raises(EngineConfigError, match="another tokenizer"):
+        draft_engine(path, other_tokenizer)

@@ -319,4 +319,4 @@ class BlockManager:
             self._release(block_id)
         seq.block_table = []
         seq.block_hashes = []
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.num_draft_computed = 0  # both caches' K/V go with the blocks

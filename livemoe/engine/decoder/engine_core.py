@@ -62,8 +62,8 @@ class EngineCore:
 
             self.runner = DriverRunner(model, config, self.max_model_len, workers)
         self.sampler = Sampler(config.seed, self.eos_token_ids)
-        spec = config.speculative
-        self.speculator = Speculator.create(spec) if spec is not None else None
+        self.speculator = None if config.speculative is None else Speculator.create(
+            config, model, tokenizer, self.max_model_len, self.sampler)
         self.input_processor = InputProcessor(tokenizer, self.vocab_size, self.max_model_len, self.eos_token_ids)
         self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len,
                                                 flops.decode_flops(mc, 1), text_in_flight)
@@ -99,6 +99,7 @@ class EngineCore:
             ModelRunner.free_kv_cache(self.runner)  # rank 0's own, without a message to the stopped workers
         else:
             self.runner.free_kv_cache()
+        self._free_draft_cache()
 
     def refuse_tensor_parallel(self, what: str, instead: str = "restart the engine on the new checkpoint") -> None:
         """What a multi-process engine does not do: a clear error naming it."""
@@ -113,9 +114,12 @@ class EngineCore:
         """Allocates the KV cache (the configured budget unless num_blocks is given)."""
         if self.runner.kv_cache is not None:
             return
-        num_blocks = num_blocks or self.runner.budget_num_blocks()
+        draft = self.speculator.draft_model if self.speculator is not None else None
+        num_blocks = num_blocks or self.runner.budget_num_blocks(draft.block_bytes if draft is not None else 0)
         self.runner.allocate_kv_cache(num_blocks)
         self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        if draft is not None:
+            draft.allocate(num_blocks, self.block_manager)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                    self.config.max_running_seqs_per_request)
         self._weights_version = self._param_version()
@@ -125,7 +129,13 @@ class EngineCore:
         if self.requests:
             raise RuntimeError(f"release_kv_cache: {len(self.requests)} request(s) in flight; finish or abort them")
         self.runner.free_kv_cache()
+        self._free_draft_cache()
         self.block_manager = self.scheduler = None
+
+    def _free_draft_cache(self) -> None:
+        draft = self.speculator.draft_model if self.speculator is not None else None
+        if draft is not None:
+            draft.free()
 
     @contextlib.contextmanager
     def kv_cache_released(self):
@@ -300,6 +310,8 @@ class EngineCore:
         self.speculator.record(seq, len(drafts), accepted)
         if seq.finish_reason is None and seq.request_id in self.requests:
             self.block_manager.trim(seq)
+            # a draft model's K/V hold for the kept positions only
+            seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)
 
     def _emit(self, seq: Sequence, token: int, lp: dict | None, now: float, touched: dict,
               finished_only: bool) -> bool:

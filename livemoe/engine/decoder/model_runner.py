@@ -62,23 +62,26 @@ class ModelRunner:
         """K and V of one block across all layers."""
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
-    def budget_num_blocks(self) -> int:
+    def budget_num_blocks(self, extra_block_bytes: int = 0) -> int:
+        """Blocks the budget holds; extra_block_bytes: what each block costs besides this model's K and V (a draft
+        model's cache, indexed by the same blocks)."""
         cfg = self.config
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
+        per_block = self.block_bytes + extra_block_bytes
         if self.device.type == "cuda":
-            num = self._profile_gpu_blocks()
+            num = self._profile_gpu_blocks(per_block)
             budget = "gpu_memory_utilization"
         else:
-            num = cfg.kv_cache_bytes // self.block_bytes
+            num = cfg.kv_cache_bytes // per_block
             budget = "kv_cache_bytes"
         if num < 1:
             raise EngineConfigError(f"EngineConfig: {budget} leaves no room for one KV block "
-                                    f"({self.block_bytes} bytes)")
+                                    f"({per_block} bytes)")
         return int(num)
 
     @torch.inference_mode()
-    def _profile_gpu_blocks(self) -> int:
+    def _profile_gpu_blocks(self, per_block: int) -> int:
         """Free memory after a warm-up forward of a full token budget, as a fraction of the device."""
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -93,7 +96,7 @@ class ModelRunner:
         used = total - free
         activations = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
         available = total * self.config.gpu_memory_utilization - used - activations
-        return int(available // self.block_bytes)
+        return int(available // per_block)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         assert self.kv_cache is None, "KV cache already allocated"

@@ -54,6 +54,9 @@ class Sequence:
         self.num_spec_steps = 0  # verifications
         self.num_drafted_tokens = 0
         self.num_accepted_tokens = 0
+        self.spec_misses = 0  # verifications in a row that kept no draft
+        self.num_draft_computed = 0  # draft_model: tokens whose K/V the draft model has written (spec/draft_model.py)
+        self.spec_skip_steps = 0  # decode steps to go without drafting (backoff after misses)
         # metrics
         self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None
@@ -102,6 +105,7 @@ class Sequence:
         if self.num_draft_tokens > keep:
             del self.token_ids[len(self.token_ids) - self.num_draft_tokens + keep:]
             self.num_draft_tokens = keep
+            self.num_draft_computed = min(self.num_draft_computed, len(self.token_ids))
             if self.draft_probs is not None:
                 self.draft_probs = self.draft_probs[:keep] if keep else None
 

@@ -329,8 +329,9 @@ class DriverRunner(ModelRunner):
         super().__init__(model, config, max_model_len)
         self.workers = workers
 
-    def budget_num_blocks(self) -> int:
+    def budget_num_blocks(self, extra_block_bytes: int = 0) -> int:
         """The smallest over the ranks (on a GPU each profiles its own memory, collectives included)."""
+        assert not extra_block_bytes, "no draft model with tensor parallel (SpeculativeConfig refuses it)"
         self.workers.profile()
         mine = super().budget_num_blocks()
         return min([mine, *self.workers.kv_blocks()])

@@ -19,7 +19,7 @@ class SpeculativeConfig:
     model: str | None = None  # draft_model: a checkpoint with the target's tokenizer and vocabulary
     # speculation is skipped for a step with more decoding sequences than this (verifying k+1 tokens per sequence
     # stops paying once the batch makes the step compute-bound); counted in stats()
-    disable_by_batch_size: int = 8
+    disable_by_batch_size: int = 4
 
     def __post_init__(self):
         def fail(msg):

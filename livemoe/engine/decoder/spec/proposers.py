@@ -13,7 +13,6 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 import torch
-from numpy.lib.stride_tricks import sliding_window_view
 
 from livemoe.engine.decoder.sequence import Sequence
 
@@ -41,10 +40,21 @@ class NgramProposer(Proposer):
         if k <= 0 or L <= self.min_n:
             return []
         arr = np.asarray(token_ids, dtype=np.int64)
-        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
-            # windows that end before the last token: every earlier occurrence, not the suffix itself
-            hits = np.flatnonzero((sliding_window_view(arr[:L - 1], n) == arr[L - n:]).all(1))
-            if hits.size:
-                start = int(hits[-1]) + n
-                return token_ids[start:start + k]
-        return []
+        # ends[i]: where an earlier occurrence of the suffix's last n tokens ends (never the suffix itself), for
+        # n = 1, 2, ...: one pass over the sequence for the last token, then each step only filters the survivors
+        ends = np.flatnonzero(arr[:L - 1] == arr[L - 1])
+        found = None
+        for n in range(2, min(self.max_n, L - 1) + 1):
+            if n - 1 >= self.min_n and ends.size:
+                found = ends
+            ends = ends[ends >= n - 1]
+            ends = ends[arr[ends - (n - 1)] == arr[L - n]]
+            if not ends.size:
+                break
+        else:
+            if min(self.max_n, L - 1) >= self.min_n and ends.size:
+                found = ends
+        if found is None or not found.size:
+            return []
+        start = int(found[-1]) + 1  # the latest occurrence of the longest suffix found
+        return token_ids[start:start + k]

@@ -1,8 +1,15 @@
 """Speculator: the engine core's speculative-decoding state: its proposer, when to draft, and the counters
 (stats() and /metrics): drafted and accepted tokens and the histogram of accepted drafts per verification."""
+from livemoe.engine.decoder.config import EngineConfig
 from livemoe.engine.decoder.sequence import Sequence
 from livemoe.engine.decoder.spec.config import SpeculativeConfig
+from livemoe.engine.decoder.spec.draft_model import DraftModelProposer, check_compatible
 from livemoe.engine.decoder.spec.proposers import NgramProposer, Proposer
+from livemoe.engine.errors import EngineConfigError
+from livemoe.engine.model.loader import load_model, load_tokenizer
+
+
+MAX_BACKOFF = 16  # steps
 
 
 class Speculator:
@@ -16,10 +23,24 @@ class Speculator:
         self.accepted_histogram = [0] * (self.k + 1)  # verifications by accepted drafts (0..k)
 
     @classmethod
-    def create(cls, config: SpeculativeConfig) -> "Speculator":
+    def create(cls, engine_config: EngineConfig, model, tokenizer, max_model_len: int, sampler) -> "Speculator":
+        """The engine's speculator (its draft model loaded and checked against the target for draft_model)."""
+        config = engine_config.speculative
+        assert config is not None
         if config.method == "ngram":
             return cls(config, NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max))
-        raise NotImplementedError(config.method)  # SpeculativeConfig refuses other methods
+        if engine_config.tensor_parallel_size > 1:
+            raise EngineConfigError("speculative_config: method 'draft_model' is not supported with "
+                                    f"tensor_parallel_size={engine_config.tensor_parallel_size}; use 'ngram'")
+        param = next(model.parameters())
+        draft = load_model(config.model, dtype=param.dtype, device=param.device)
+        check_compatible(model, tokenizer, draft, load_tokenizer(config.model), config.model)
+        return cls(config, DraftModelProposer(draft, engine_config, max_model_len, sampler))
+
+    @property
+    def draft_model(self) -> DraftModelProposer | None:
+        """The draft_model proposer, whose KV cache lives and dies with the target's; None for ngram."""
+        return self.proposer if isinstance(self.proposer, DraftModelProposer) else None
 
     def propose(self, running: list[Sequence], max_model_len: int) -> None:
         """Gives drafts to the running sequences about to decode (their last token the only uncomputed one), at
@@ -30,6 +51,13 @@ class Speculator:
         if len(decoding) > self.config.disable_by_batch_size:
             self.num_disabled_steps += 1
             return
+        ready = []
+        for seq in decoding:
+            if seq.spec_skip_steps:
+                seq.spec_skip_steps -= 1
+            else:
+                ready.append(seq)
+        decoding = ready
         limits = [min(self.k, s.params.max_tokens - s.num_output_tokens - 1, max_model_len - len(s.token_ids) - 1)
                   for s in decoding]
         for seq, (drafts, probs) in zip(decoding, self.proposer.propose(decoding, limits)):
@@ -37,6 +65,13 @@ class Speculator:
                 seq.add_drafts(drafts, probs)
 
     def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        # a verification that keeps nothing cost more than the decode step it replaced: a sequence whose drafts
+        # keep failing (text the lookup cannot predict) waits 1, 2, 4 ... MAX_BACKOFF steps before drafting again
+        if accepted:
+            seq.spec_misses = 0
+        else:
+            seq.spec_misses += 1
+            seq.spec_skip_steps = min(MAX_BACKOFF, 2 ** (seq.spec_misses - 1))
         seq.num_spec_steps += 1
         seq.num_drafted_tokens += drafted
         seq.num_accepted_tokens += accepted
