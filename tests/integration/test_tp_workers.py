@@ -129,7 +129,12 @@ def tp2(checkpoints):
         get(name, ep)
         return engines.pop((name, ep))
 
-    get.take = take
+    def close_all():
+        for llm in engines.values():
+            llm.close()
+        engines.clear()
+
+    get.take, get.close_all = take, close_all
     yield get
     for llm in engines.values():
         llm.close()
@@ -158,6 +163,25 @@ def test_tp2_greedy_equals_transformers_and_one_process(checkpoints, tp2, name, 
         torch.testing.assert_close(lp_tp, lp_one, atol=LOGPROB_ATOL, rtol=0)
     # flops per token are the model's, not a rank's
     assert outs[0].metrics.decode_flops == one[0].metrics.decode_flops > 0
+
+
+def test_tp2_with_ngram_speculation_equals_transformers(checkpoints, tp2):
+    """The verification's k+1-token chunks and their several logits rows go to the workers like any step."""
+    path, hf = checkpoints["moe"]
+    ps = [p + p[:6] for p in prompts()]  # a repeat in each prompt: prompt lookup finds drafts
+    expected = [hf_greedy(hf, p) for p in ps]
+    tp2.close_all()  # one tensor-parallel engine per process at a time
+    llm = LLM(path, tensor_parallel_size=2, num_kv_blocks=30, **OPTIONS,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY)] == expected
+        stats = llm.stats()
+        assert stats["spec_accepted_tokens"] > 0 and stats["num_preemptions"] > 0
+    finally:
+        llm.close()
+    with pytest.raises(EngineConfigError, match="'draft_model' is not supported with tensor_parallel_size=2"):
+        LLM(path, tensor_parallel_size=2, **OPTIONS,
+            speculative_config={"method": "draft_model", "num_speculative_tokens": 3, "model": path})
 
 
 def test_kv_cache_release_sleep_refusals_and_close(checkpoints, tp2):

@@ -193,7 +193,7 @@ def naive_lookup(tokens: list[int], k: int, lo: int, hi: int) -> list[int]:
 
 def test_ngram_lookup_equals_a_naive_search():
     g = torch.Generator().manual_seed(0)
-    for trial in range(400):
+    for _ in range(400):
         lo = int(torch.randint(1, 4, (1,), generator=g))
         hi = lo + int(torch.randint(0, 4, (1,), generator=g))
         tokens = torch.randint(0, 4, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist()

@@ -5,7 +5,6 @@ from livemoe.engine.decoder.sequence import Sequence
 from livemoe.engine.decoder.spec.config import SpeculativeConfig
 from livemoe.engine.decoder.spec.draft_model import DraftModelProposer, check_compatible
 from livemoe.engine.decoder.spec.proposers import NgramProposer, Proposer
-from livemoe.engine.errors import EngineConfigError
 from livemoe.engine.model.loader import load_model, load_tokenizer
 
 
@@ -29,9 +28,6 @@ class Speculator:
         assert config is not None
         if config.method == "ngram":
             return cls(config, NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max))
-        if engine_config.tensor_parallel_size > 1:
-            raise EngineConfigError("speculative_config: method 'draft_model' is not supported with "
-                                    f"tensor_parallel_size={engine_config.tensor_parallel_size}; use 'ngram'")
         param = next(model.parameters())
         draft = load_model(config.model, dtype=param.dtype, device=param.device)
         check_compatible(model, tokenizer, draft, load_tokenizer(config.model), config.model)
