@@ -11,6 +11,7 @@ Workloads, each at batch 1, 8 and 64 (the first b prompts):
 - random control: the tiny random MoE on random prompts (lookup finds little), greedy, 32 tokens.
 Rows: tokens/s (ours = with speculation), ms per output token and the mean acceptance length (extra).
 Goal (issue 37): >= 2x tokens/s at batch 1 on the demo answers; never below 0.95x at batch 64 or on the control.
+On a GPU the same suites run on the GPU (fp32; a verification step runs eagerly: no CUDA graph for its shape yet).
 """
 import pytest
 import torch
@@ -18,6 +19,7 @@ import torch
 from bench.common import median_pair, record
 
 SUITE = "spec_decode"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU (bench/gpu_check.sh) the same rows, eager verify
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
 
 
@@ -58,7 +60,7 @@ def test_demo_answers(bench_mode, one_thread):
     from livemoe.train.data import build_prompt
     from livemoe.train.synthetic.world import make_rooms
 
-    opts = dict(num_kv_blocks=4096, use_tqdm=False, dtype=torch.float32, device="cpu")
+    opts = dict(num_kv_blocks=4096, use_tqdm=False, dtype=torch.float32, device=DEVICE)
     base, spec = LLM(DEFAULT_STUDENT, **opts), LLM(DEFAULT_STUDENT, speculative_config=NGRAM, **opts)
     rooms = make_rooms(64, seed=1_000_003, prefix="eval")
     prompts = [build_prompt(r, base.tokenizer) for r in rooms]
@@ -76,7 +78,7 @@ def test_random_control(bench_mode, one_thread, tmp_path_factory):
     from tiny_models import make_checkpoint
 
     path, _ = make_checkpoint(tmp_path_factory.mktemp("bench_spec") / "m", moe=True)
-    opts = dict(num_kv_blocks=4096, use_tqdm=False, dtype=torch.float32, device="cpu")
+    opts = dict(num_kv_blocks=4096, use_tqdm=False, dtype=torch.float32, device=DEVICE)
     base, spec = LLM(path, **opts), LLM(path, speculative_config=NGRAM, **opts)
     prompts = random_prompts(64, 16, 48, 131, seed=3)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
@@ -94,7 +96,7 @@ def test_live_session(bench_mode, one_thread, tmp_path_factory, num_sessions):
 
     size = SMALL if bench_mode == "full" else {"max_position_embeddings": 4096}
     path, _ = make_text_checkpoint(tmp_path_factory.mktemp("bench_spec_live") / "m", moe=True, **size)
-    opts = dict(device="cpu", num_kv_blocks=4096, use_tqdm=False)
+    opts = dict(device=DEVICE, num_kv_blocks=4096, use_tqdm=False)
     base, spec = LLM(path, **opts), LLM(path, speculative_config=NGRAM, **opts)
     warm, timed = (6, 4) if bench_mode == "full" else (2, 1)
     t_spec, (_, _, out), t_base, (_, _, out_base) = median_pair(

@@ -337,3 +337,35 @@ def test_draft_model_with_another_vocabulary_or_tokenizer_is_refused(checkpoints
     add_tokenizer(other_tokenizer, vocab_size=100)
     with pytest.raises(EngineConfigError, match="another tokenizer"):
         draft_engine(path, other_tokenizer)
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_engine_samples_the_same_distribution_with_and_without_speculation(tmp_path, temperature, top_p, method):
+    """1,500 seeded samples of 3 tokens each way on a 12-token vocabulary: the 2nd and 3rd tokens (drawn in
+    verifications) have the same distribution (two-sample chi-square, p = 0.001: 31.3 for 11 degrees of freedom).
+    ngram's drafts are mostly rejected here (the residual path), a self-draft's nearly all kept (the accept path)."""
+    path, _ = make_checkpoint(tmp_path / "v12", moe=True, vocab_size=12)
+    options = dict(dtype=torch.float32, block_size=4, num_kv_blocks=4096, max_num_seqs=2048, use_tqdm=False)
+    spec_config = {"ngram": dict(NGRAM, prompt_lookup_min=1),
+                   "draft_model": {"method": "draft_model", "num_speculative_tokens": 2, "model": path}}[method]
+    base = LLM(path, **options)
+    spec = LLM(path, speculative_config=dict(spec_config, disable_by_batch_size=4096), **options)
+    prompt = list(range(12)) * 2 + [5, 6]  # every token occurs before: prompt lookup always drafts
+    n = 1500
+
+    def samples(llm, first_seed):
+        params = [SamplingParams(temperature=temperature, top_p=top_p, seed=first_seed + i, max_tokens=3,
+                                 ignore_eos=True) for i in range(n)]
+        return torch.tensor([o.token_ids for o in llm.generate([prompt] * n, params)])
+
+    a, b = samples(base, 0), samples(spec, n)
+    s = spec.stats()
+    assert s["spec_num_verifications"] >= 0.9 * n
+    if method == "draft_model":
+        assert s["spec_accepted_tokens"] > 0.9 * s["spec_drafted_tokens"]
+    for position in (1, 2):
+        x, y = torch.bincount(a[:, position], minlength=12).float(), torch.bincount(b[:, position], minlength=12).float()
+        seen = (x + y) > 0
+        stat = float(((x - y)[seen] ** 2 / (x + y)[seen]).sum())
+        assert stat < 31.3, (position, x.tolist(), y.tolist())
