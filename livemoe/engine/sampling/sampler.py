@@ -160,3 +160,6 @@ class Distributions:
     filtered: torch.Tensor
     raw_scaled: torch.Tensor
     changed: bool
+
+    def row(self, i: int) -> "Distributions":
+        return Distributions(self.processed[i:i + 1], self.filtered[i:i + 1], self.raw_scaled[i:i + 1], self.changed)

@@ -5,10 +5,14 @@ sequence as it stands (the tokens accepted so far are appended before position j
 min_tokens and a grammar see exactly what decoding without speculation would), then scaled and filtered.
 
   greedy   a draft is kept while it equals argmax p_j; the first mismatch yields the argmax instead.
-  sampled  draft d (drawn from q_j) is kept with probability min(1, p_j(d) / q_j(d)); on a rejection the token is
-           drawn from normalise(max(0, p_j - q_j)) and the run ends (the standard rule: the emitted tokens are
-           distributed as p). For ngram q_j is a point mass on d: keep with probability p_j(d), else draw from p_j
-           without d.
+  sampled, a draft model's drafts (d drawn from q_j): d is kept with probability min(1, p_j(d) / q_j(d)); on a
+           rejection the token is drawn from normalise(max(0, p_j - q_j)) and the run ends (the standard rule: the
+           emitted tokens are distributed as p).
+  sampled, ngram's drafts (q_j a point mass on d): the token is drawn from p_j exactly as decoding without
+           speculation draws it (the exponential race, with the same draws from the sequence's generator), and d is
+           kept if the draw is d. That is the same rule (kept with probability p_j(d); otherwise a token of p_j other
+           than d), and it makes a seeded request's tokens those decoding without speculation gives, whatever the
+           batch and whether a step speculates.
   all kept one more token drawn from p_k (the "bonus" token).
 
 Random draws come from the sequence's generator when it has a seed, so seeded requests are reproducible.
@@ -36,26 +40,26 @@ def verified_tokens(sampler: Sampler, seq: Sequence, logits: torch.Tensor, draft
         yield target[len(drafts)], None, False
         return
     device = logits.device
+    # without logits processing the distributions do not depend on the tokens kept before: all rows at once
+    every = None if params.processes_logits else sampler.distributions(logits, [params] * len(logits))
     for j in range(len(drafts) + 1):
-        dist = sampler.distributions(logits[j:j + 1], [params], [seq])
+        dist = every.row(j) if every is not None else sampler.distributions(logits[j:j + 1], [params], [seq])
         accepted = False
         if params.greedy:
             token = int(dist.processed[0].argmax())
+            accepted = j < len(drafts) and token == drafts[j]
+        elif q is None:  # a point-mass draft: draw the token decoding without speculation would, keep d if it is d
+            token = _draw(sampler, dist.filtered[0].softmax(-1), seq)
             accepted = j < len(drafts) and token == drafts[j]
         else:
             p = dist.filtered[0].softmax(-1)
             if j < len(drafts):
                 d = drafts[j]
-                q_d = 1.0 if q is None else float(q[j, d])
-                p_d = float(p[d])
+                q_d, p_d = float(q[j, d]), float(p[d])
                 if q_d <= 0.0 or sampler.uniform(device, seq.generator) < min(1.0, p_d / q_d):
                     token, accepted = d, True  # (q_d == 0: a draft its own distribution could not draw)
                 else:
-                    residual = p.clone()
-                    if q is None:
-                        residual[d] = 0.0
-                    else:
-                        residual = (p - q[j].to(p)).clamp_min(0.0)
+                    residual = (p - q[j].to(p)).clamp_min(0.0)
                     if float(residual.sum()) > 0:
                         token = _draw(sampler, residual, seq)  # never d: its residual is 0 when rejected
                     else:  # p == q up to rounding: nothing to draw instead
