@@ -1,5 +1,7 @@
 """Speculator: the engine core's speculative-decoding state: its proposer, when to draft, and the counters
 (stats() and /metrics): drafted and accepted tokens and the histogram of accepted drafts per verification."""
+import logging
+
 from livemoe.engine.decoder.config import EngineConfig
 from livemoe.engine.decoder.sequence import Sequence
 from livemoe.engine.decoder.spec.config import SpeculativeConfig
@@ -7,7 +9,7 @@ from livemoe.engine.decoder.spec.draft_model import DraftModelProposer, check_co
 from livemoe.engine.decoder.spec.proposers import NgramProposer, Proposer
 from livemoe.engine.model.loader import load_model, load_tokenizer
 
-
+log = logging.getLogger(__name__)
 MAX_BACKOFF = 16  # steps
 
 
@@ -26,9 +28,12 @@ class Speculator:
         """The engine's speculator (its draft model loaded and checked against the target for draft_model)."""
         config = engine_config.speculative
         assert config is not None
+        param = next(model.parameters())
+        if param.device.type == "cuda" and not engine_config.enforce_eager:
+            log.warning("speculative decoding: a verification step runs without CUDA graphs (a k+1-token chunk "
+                        "through the prefill path), where a decode step replays one; measure before relying on it")
         if config.method == "ngram":
             return cls(config, NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max))
-        param = next(model.parameters())
         draft = load_model(config.model, dtype=param.dtype, device=param.device)
         check_compatible(model, tokenizer, draft, load_tokenizer(config.model), config.model)
         return cls(config, DraftModelProposer(draft, engine_config, max_model_len, sampler))
