@@ -87,7 +87,7 @@ class DraftModelProposer(Proposer):
                 start = seq.num_draft_computed if step == 0 else len(tokens) - 1
                 views.append(_DraftView(tokens, start, seq.block_table))
                 counts.append(len(tokens) - start)
-            logits, _ = self.runner.run(SchedulerOutput(views, counts))  # type: ignore[arg-type]
+            logits, _ = self.runner.run(SchedulerOutput(views, counts))  # views: what plan() reads of a Sequence
             for j, i in enumerate(rows):
                 seqs[i].num_draft_computed = views[j].num_computed_tokens + counts[j]
             params = [seqs[i].params for i in rows]

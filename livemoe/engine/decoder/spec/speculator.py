@@ -34,8 +34,10 @@ class Speculator:
                         "through the prefill path), where a decode step replays one; measure before relying on it")
         if config.method == "ngram":
             return cls(config, NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max))
-        draft = load_model(config.model, dtype=param.dtype, device=param.device)
-        check_compatible(model, tokenizer, draft, load_tokenizer(config.model), config.model)
+        path = config.model
+        assert path is not None  # SpeculativeConfig requires it for draft_model
+        draft = load_model(path, dtype=param.dtype, device=param.device)
+        check_compatible(model, tokenizer, draft, load_tokenizer(path), path)
         return cls(config, DraftModelProposer(draft, engine_config, max_model_len, sampler))
 
     @property
