@@ -53,6 +53,7 @@ from livemoe.engine.server.live import live_router
 from livemoe.engine.server.metrics import ServerMetrics
 from livemoe.engine.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from livemoe.engine.server.responses import Run
+from livemoe.engine.server.tokenizer_routes import tokenizer_router
 from livemoe.engine.text.prompts import chat_prompt_ids
 from livemoe.engine.text.reasoning import REASONING_PARSERS, think_token_ids
 
@@ -128,6 +129,7 @@ def build_app(engine: AsyncLLM, model_name: str, config: ServerConfig | None = N
         return await server.chat_completions(body, request.receive)
 
     app.include_router(live_router(server))
+    app.include_router(tokenizer_router(server))
     add_admin_routes(app, engine)
     inner = app.fastapi_call
     if hot_routes:
@@ -246,6 +248,7 @@ class OpenAIServer:
         self.check_count("n", params.n, c.max_n, "--max-n")
         self.check_count("sequences (prompts x n)", len(prompts) * params.n, c.max_sequences, "--max-sequences")
         self.check_count("logprobs", params.logprobs or 0, c.max_logprobs, "--max-logprobs")
+        self.check_count("prompt_logprobs", params.prompt_logprobs or 0, c.max_logprobs, "--max-logprobs")
         self.check_count("stop strings", len(params.stop), c.max_stop, "--max-stop")
         limit = self.context_limit
         for ids in prompts:
@@ -361,7 +364,7 @@ class OpenAIServer:
             for s in streams:
                 s.abort()
             raise  # a RequestError becomes a 400
-        run = Run(self, rid, body, params, streams, [len(p) for p in prompts], chat)
+        run = Run(self, rid, body, params, streams, prompts, chat)
         if body.stream:
             return SSEResponse(run.events(), run.close, media_type="text/event-stream")
         collect = asyncio.ensure_future(run.collect())
