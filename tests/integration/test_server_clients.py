@@ -2,7 +2,8 @@
 a process): lm-evaluation-harness's loglikelihood body (echo + logprobs; the summed continuation logprob equals
 transformers') and its remote-tokenizer probes (/tokenizer_info, /tokenize, /detokenize), vLLM's prompt_logprobs
 on both endpoints, guidellm's stream_options with continuous_usage_stats, the developer role, the legacy
-functions / function_call fields and older instructor's response_format.schema."""
+functions / function_call fields and older instructor's response_format.schema, and the Responses API through the
+openai client's responses.create and responses.stream."""
 import json
 import urllib.request
 
@@ -241,3 +242,74 @@ def test_help_says_what_each_none_default_means():
     text = parser().format_help()
     assert "default: None" not in text
     assert "default: 1 (torch CPU threads" in " ".join(text.split())
+
+
+SCHEMA = {"type": "object", "properties": {"action": {"enum": ["reply", "ignore"]}}, "required": ["action"],
+          "additionalProperties": False}
+
+
+def test_responses_api_with_the_openai_client(served, client):
+    url, tok, _ = served
+    out = client.responses.create(model=MODEL, input="hello", instructions="be brief", max_output_tokens=6,
+                                  temperature=0)
+    assert out.status == "incomplete" and out.incomplete_details.reason == "max_output_tokens"
+    assert [i.type for i in out.output] == ["message"] and out.output_text
+    # the same prompt and tokens as the chat request it means
+    chat = client.chat.completions.create(model=MODEL, max_tokens=6, temperature=0,
+                                          messages=[{"role": "system", "content": "be brief"},
+                                                    {"role": "user", "content": "hello"}])
+    assert out.output_text == chat.choices[0].message.content
+    assert (out.usage.input_tokens, out.usage.output_tokens) == (chat.usage.prompt_tokens, 6)
+    # streamed: the typed events join to the JSON answer
+    events = list(client.responses.create(model=MODEL, input=[{"role": "user", "content": "hello"}],
+                                          instructions="be brief", max_output_tokens=6, temperature=0, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == out.output_text
+    assert events[-1].response.output[0].content[0].text == out.output_text
+    # responses.stream with a json_schema text format (the grammar ends the output: completed)
+    with client.responses.stream(model=MODEL, input="decide", max_output_tokens=60, extra_body={"seed": 1},
+                                 text={"format": {"type": "json_schema", "name": "decision", "schema": SCHEMA}}) as s:
+        deltas = "".join(e.delta for e in s if e.type == "response.output_text.delta")
+        final = s.get_final_response()
+    assert final.status == "completed" and deltas == final.output_text
+    assert json.loads(final.output_text)["action"] in ("reply", "ignore")
+
+
+def test_responses_api_tools_and_conversation_items(served, client):
+    url, _, _ = served
+    tool = {"type": "function", **LOOKUP}
+    out = client.responses.create(model=MODEL, input="What is in link 12?", tools=[tool], tool_choice="required",
+                                  max_output_tokens=120, extra_body={"seed": 3})
+    [call] = out.output
+    assert call.type == "function_call" and call.name == "lookup" and set(json.loads(call.arguments)) == {"id"}
+    named = client.responses.create(model=MODEL, input="x", tools=[tool], max_output_tokens=120, extra_body={"seed": 3},
+                                    tool_choice={"type": "function", "name": "lookup"})
+    assert named.output[0].type == "function_call"
+    # the whole conversation goes back as items: the earlier call, its output, an assistant message
+    items = [{"role": "developer", "content": "use tools"},
+             {"role": "user", "content": [{"type": "input_text", "text": "What is in link 12?"}]},
+             *[i.model_dump(exclude_none=True) for i in out.output],
+             {"type": "function_call_output", "call_id": call.call_id, "output": "pork zongzi"}]
+    again = client.responses.create(model=MODEL, input=items, tools=[tool], tool_choice="none", max_output_tokens=4)
+    assert again.output[0].type == "message" and again.usage.input_tokens > out.usage.input_tokens
+    body = {"model": MODEL, "input": "x"}
+    for extra, words in [({"previous_response_id": "resp_1"}, "keeps no conversation state"),
+                         ({"store": True}, "store: true is not supported"),
+                         ({"background": True}, "background: true is not supported"),
+                         ({"include": ["reasoning.encrypted_content"]}, "include"),
+                         ({"truncation": "auto"}, "truncation: auto"),
+                         ({"reasoning": {"effort": "high"}}, "reasoning: not supported"),
+                         ({"top_logprobs": 2}, "top_logprobs: unknown field"),
+                         ({"tools": [{"type": "web_search"}]}, "tools.0"),
+                         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+                          "input"),
+                         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "needs name and schema"),
+                         ({"max_output_tokens": 10**6}, "maximum context length")]:
+        assert words in refused(url + "/v1/responses", {**body, **extra}), extra
+    assert ok(url + "/v1/responses", {**body, "store": False, "truncation": "disabled", "max_output_tokens": 2,
+                                       "metadata": {"k": "v"}})["status"] == "incomplete"
