@@ -14,7 +14,7 @@ limits (ServerConfig) are checked by the app. On chat, `special_tokens_in_conten
 reads special tokens written in a message as tokens rather than text (livemoe.engine.text.prompts).
 """
 import re
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
@@ -71,6 +71,18 @@ class StreamOptions(StrictModel):
 
 
 class _Common(StrictModel):
+    # for the docs' field table (field_table.py): the fields that are not OpenAI's, and whose they are; the fields
+    # refused in some uses, and when (the checks below raise the 400s)
+    EXTENSIONS: ClassVar[dict[str, str]] = {
+        **{k: "vLLM" for k in ("top_k", "min_p", "ignore_eos", "return_token_ids", "repetition_penalty", "min_tokens",
+                               "guided_json", "guided_regex", "guided_choice", "guided_grammar", "prompt_logprobs",
+                               "stream_options.continuous_usage_stats")},
+        "response_format.schema": "older clients (instructor)"}
+    REFUSED_WHEN: ClassVar[dict[str, str]] = {
+        "stream_options": "without stream: true", "prompt_logprobs": "with stream: true",
+        "response_format.schema": "with a type other than json_object"}
+    NO_EFFECT: ClassVar[tuple[str, ...]] = NO_EFFECT_FIELDS
+
     model: str
     max_tokens: int | None = None
     temperature: float | None = None
@@ -160,6 +172,9 @@ class _Common(StrictModel):
 
 
 class CompletionRequest(_Common):
+    REFUSED_WHEN: ClassVar[dict[str, str]] = {**_Common.REFUSED_WHEN, "echo": "with logprobs and stream: true",
+                                              "suffix": "non-empty", "best_of": "other than n"}
+
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
@@ -261,6 +276,12 @@ class NamedToolChoice(StrictModel):
 
 
 class ChatCompletionRequest(_Common):
+    EXTENSIONS: ClassVar[dict[str, str]] = {**_Common.EXTENSIONS, "special_tokens_in_content": "livemoe"}
+    REFUSED_WHEN: ClassVar[dict[str, str]] = {
+        **_Common.REFUSED_WHEN, "top_logprobs": "without logprobs: true",
+        "parallel_tool_calls": "false with tool_choice auto", "functions": "with tools or tool_choice",
+        "function_call": "without functions"}
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False

@@ -13,7 +13,7 @@ or refused by name. A response that runs out of `max_output_tokens` ends `incomp
 """
 import time
 import uuid
-from typing import Literal
+from typing import ClassVar, Literal
 
 import msgspec
 from pydantic import Field, ValidationError
@@ -88,6 +88,12 @@ class TextConfig(StrictModel):
 
 
 class ResponsesRequest(StrictModel):
+    EXTENSIONS: ClassVar[dict[str, str]] = {k: "vLLM" for k in ("top_k", "seed", "stop", "ignore_eos")}
+    REFUSED_WHEN: ClassVar[dict[str, str]] = {
+        "previous_response_id": "always (no state is kept)", "store": "true", "background": "true",
+        "include": "non-empty", "truncation": "auto", "reasoning": "with any setting but null"}
+    NO_EFFECT: ClassVar[tuple[str, ...]] = NO_EFFECT_FIELDS
+
     model: str
     input: str | list[InputMessage | FunctionCallItem | FunctionCallOutputItem | ReasoningItem]
     instructions: str | None = None
