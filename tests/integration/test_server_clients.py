@@ -1,10 +1,16 @@
 """Third-party clients' exact requests against the server as users start it (`python -m livemoe.engine.server`,
 a process): lm-evaluation-harness's loglikelihood body (echo + logprobs; the summed continuation logprob equals
-transformers') and its remote-tokenizer probes (/tokenizer_info, /tokenize, /detokenize), vLLM's prompt_logprobs
-on both endpoints, guidellm's stream_options with continuous_usage_stats, the developer role, the legacy
-functions / function_call fields and older instructor's response_format.schema, and the Responses API through the
-openai client's responses.create and responses.stream."""
+transformers') and its remote-tokenizer probes (/tokenizer_info, /tokenize, /detokenize); lm-eval itself where it
+is installed (its accuracies and loglikelihoods equal its `hf` model type's on the same checkpoint); vLLM's
+prompt_logprobs on both endpoints; guidellm's stream_options with continuous_usage_stats; the developer role, the
+legacy functions / function_call fields and older instructor's response_format.schema; and the Responses API
+through the openai client's responses.create and responses.stream."""
+import glob
+import importlib.util
 import json
+import os
+import subprocess
+import sys
 import urllib.request
 
 import pytest
@@ -313,3 +319,57 @@ def test_responses_api_tools_and_conversation_items(served, client):
         assert words in refused(url + "/v1/responses", {**body, **extra}), extra
     assert ok(url + "/v1/responses", {**body, "store": False, "truncation": "disabled", "max_output_tokens": 2,
                                        "metadata": {"k": "v"}})["status"] == "incomplete"
+
+
+LM_EVAL_TASKS = {
+    "tiny_mc": ("multiple_choice", 'doc_to_choice: "{{choices}}"\ndoc_to_target: "{{answer}}"\n'
+                "metric_list:\n  - metric: acc\n  - metric: acc_norm\n"),
+    "tiny_gen": ("generate_until", 'doc_to_target: "{{answer}}"\ngeneration_kwargs:\n  until: ["\\n"]\n'
+                 "  max_gen_toks: 8\n  do_sample: false\nmetric_list:\n  - metric: exact_match\n"),
+}
+
+
+def write_lm_eval_tasks(folder) -> None:
+    """Two local JSON tasks: a multiple-choice one (loglikelihood requests) and a generate_until one."""
+    words = "red green blue cat dog sun moon tree car book".split()
+    mc = [{"question": " ".join(words[(i * 3 + k) % 10] for k in range(5)) + " is",
+           "choices": [" " + words[(i + k) % 10] for k in range(4)], "answer": i % 4} for i in range(12)]
+    gen = [{"question": " ".join(words[(i * 7 + k) % 10] for k in range(4)), "answer": words[i]} for i in range(4)]
+    for name, docs in (("tiny_mc", mc), ("tiny_gen", gen)):
+        with open(os.path.join(folder, f"{name}.jsonl"), "w") as f:
+            f.writelines(json.dumps(d) + "\n" for d in docs)
+        kind, rest = LM_EVAL_TASKS[name]
+        with open(os.path.join(folder, f"{name}.yaml"), "w") as f:
+            f.write(f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+                    f"    test: {os.path.join(folder, name + '.jsonl')}\ntest_split: test\noutput_type: {kind}\n"
+                    f'doc_to_text: "{{{{question}}}}"\n{rest}')
+
+
+def lm_eval(folder, out: str, model: str, model_args: str) -> dict:
+    """Runs lm-eval's CLI on the two tasks; returns each task's logged samples."""
+    cmd = [sys.executable, "-m", "lm_eval", "--model", model, "--model_args", model_args, "--tasks", "tiny_mc,tiny_gen",
+           "--include_path", str(folder), "--output_path", str(folder / out), "--log_samples", "--device", "cpu"]
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    samples = {}
+    for task in LM_EVAL_TASKS:
+        [path] = glob.glob(str(folder / out / "**" / f"samples_{task}_*.jsonl"), recursive=True)
+        with open(path) as f:
+            samples[task] = [json.loads(line) for line in f]
+    return samples
+
+
+@pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None, reason="needs lm-evaluation-harness (lm-eval)")
+def test_lm_eval_itself_matches_its_hf_model_type(served, tmp_path):
+    url, _, hf = served
+    write_lm_eval_tasks(tmp_path)
+    remote = lm_eval(tmp_path, "server", "local-completions",
+                     f"model={MODEL},base_url={url}/v1/completions,tokenizer_backend=remote,num_concurrent=1,"
+                     "max_retries=1")
+    local = lm_eval(tmp_path, "hf", "hf", f"pretrained={hf.name_or_path},dtype=float32")
+    for a, b in zip(remote["tiny_mc"], local["tiny_mc"], strict=True):
+        for (lp_a, greedy_a), (lp_b, greedy_b) in zip((r[0] for r in a["resps"]), (r[0] for r in b["resps"])):
+            assert abs(float(lp_a) - float(lp_b)) < 1e-3 and greedy_a == greedy_b
+        assert (a["acc"], a["acc_norm"]) == (b["acc"], b["acc_norm"])
+    assert [s["resps"] for s in remote["tiny_gen"]] == [s["resps"] for s in local["tiny_gen"]]
