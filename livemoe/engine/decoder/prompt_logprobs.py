@@ -15,7 +15,7 @@ from livemoe.engine.decoder.scheduler import SchedulerOutput
 from livemoe.engine.decoder.sequence import Request, Sequence
 from livemoe.kernels.logprobs import fused_linear_logprobs
 
-CHUNK_BYTES = 64 << 20  # fp32 logits of one row chunk when top-k is asked
+CHUNK_BYTES = 32 << 20  # fp32 logits of one row chunk when top-k is asked (logsumexp takes as much again)
 
 
 class _Pending:
@@ -99,7 +99,9 @@ class PromptLogprobs:
         chunk = max(1, CHUNK_BYTES // (4 * weight.shape[0]))
         parts = []
         for r0 in range(0, hidden.shape[0], chunk):
-            lp = torch.log_softmax(self.model.compute_logits(hidden[r0:r0 + chunk]).float(), dim=-1)
-            top = lp.topk(min(k, lp.shape[-1]), dim=-1)
-            parts.append((lp.gather(-1, targets[r0:r0 + chunk, None])[:, 0], top.indices, top.values))
+            logits = self.model.compute_logits(hidden[r0:r0 + chunk]).float()
+            lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # (no second [rows, V] as log_softmax makes)
+            top = logits.max(-1, keepdim=True) if k == 1 else logits.topk(min(k, logits.shape[-1]), dim=-1)
+            token = logits.gather(-1, targets[r0:r0 + chunk, None])
+            parts.append(((token - lse)[:, 0], top.indices, top.values - lse))
         return tuple(torch.cat(x).cpu() for x in zip(*parts))
