@@ -111,6 +111,10 @@ def test_requests_map_onto_the_chat_request_they_mean():
     assert [c.id for c in chat.messages[3].tool_calls] == ["c1", "c2"]  # one turn's calls in one message
     assert (chat.max_tokens, chat.temperature, chat.top_p) == (9, 0.5, 0.9)
     assert chat.tool_mode() == "named" and chat.tools[0].function.name == "lookup"
-    assert chat.response_format.type == "json_object"
+    # a forced call leaves no text for text.format to shape: its grammar alone applies (instructor's
+    # RESPONSES_TOOLS sends both)
+    assert chat.response_format is None and chat.constraint()[1] == "tools"
+    free = request.model_copy(update={"tool_choice": "auto"}).as_chat()
+    assert free.response_format.type == "json_object" and free.tool_mode() == "auto"
     with pytest.raises(RequestError, match="input has no message"):
         ResponsesRequest.model_validate({"model": "tiny", "input": []}).as_chat()

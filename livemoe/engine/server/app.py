@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP app over an AsyncLLM: /v1/completions, /v1/chat/completions (JSON, or
-server-sent events ending with `data: [DONE]`), /v1/models, /health, /metrics.
+server-sent events ending with `data: [DONE]`), /v1/responses (served as the chat request it means:
+responses_api.py), /v1/models, /health, /metrics, and vLLM's tokenizer routes (tokenizer_routes.py).
 
 Every request error is a 400 with an OpenAI error body (bad JSON, a wrong type, a parameter out of
 range or over a ServerConfig limit, a prompt plus max_tokens over the context), except an unknown model

@@ -2,12 +2,15 @@
 
 Field types are checked by pydantic and ranges by SamplingParams (one place for the rules): either
 failure is a 400 with an OpenAI-style error body. Every field is honoured or refused: an unknown field
-is a 400 naming it, and so is a known one used in a way we cannot serve (echo with logprobs, suffix,
-best_of != n).
+is a 400 naming it, and so is a known one used in a way we cannot serve (prompt logprobs on a stream, suffix,
+best_of != n; each model's REFUSED_WHEN lists them for the docs' field table, field_table.py).
 The only fields accepted without an effect are NO_EFFECT_FIELDS, which by nature mean nothing to a
 local server. Extensions in the body: `top_k`, `min_p`, `ignore_eos`, `return_token_ids` (each choice,
 streamed or not, also carries its token ids), `repetition_penalty`, `min_tokens`, and vLLM's
-`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (livemoe.engine.sampling.structured).
+`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (livemoe.engine.sampling.structured),
+`prompt_logprobs` and `stream_options.continuous_usage_stats`. Older clients' spellings are read as what they
+mean: the `developer` role as `system`, `functions` / `function_call` as tools, `response_format.schema` with
+type json_object as a JSON schema.
 
 Types are strict: `"5"` or `true` is no integer, and NaN, Infinity or 1e999 no number. The server's
 limits (ServerConfig) are checked by the app. On chat, `special_tokens_in_content` (default false)

@@ -155,22 +155,29 @@ class ResponsesRequest(StrictModel):
             body["tool_choice"] = ({"type": "function", "function": {"name": choice.name}}
                                    if isinstance(choice, NamedTool) else choice)
         fmt = self.text.format if self.text is not None else None
+        if fmt is not None:
+            self._check_format(fmt)
+        if choice == "required" or isinstance(choice, NamedTool):
+            # a forced call leaves no text for the format to shape (instructor's RESPONSES_TOOLS sends both):
+            # the chat request it means has the call's grammar alone
+            fmt = None
         if fmt is not None and fmt.type == "json_schema":
-            if fmt.schema_ is None or fmt.name is None:
-                raise RequestError("text.format: type json_schema needs name and schema")
             spec = {"name": fmt.name, "schema": fmt.schema_, "description": fmt.description, "strict": fmt.strict}
             body["response_format"] = {"type": "json_schema",
                                        "json_schema": {k: v for k, v in spec.items() if v is not None}}
-        elif fmt is not None:
-            if fmt.schema_ is not None or fmt.name is not None:
-                raise RequestError(f"text.format: name and schema are only read with type json_schema, not "
-                                   f"{fmt.type}")
-            if fmt.type == "json_object":
-                body["response_format"] = {"type": "json_object"}
+        elif fmt is not None and fmt.type == "json_object":
+            body["response_format"] = {"type": "json_object"}
         try:
             return ChatCompletionRequest.model_validate(body)
         except ValidationError as e:
             raise RequestError(f"invalid request: {e.errors()[0]['msg']}") from None
+
+    @staticmethod
+    def _check_format(fmt: TextFormat) -> None:
+        if fmt.type == "json_schema" and (fmt.schema_ is None or fmt.name is None):
+            raise RequestError("text.format: type json_schema needs name and schema")
+        if fmt.type != "json_schema" and (fmt.schema_ is not None or fmt.name is not None):
+            raise RequestError(f"text.format: name and schema are only read with type json_schema, not {fmt.type}")
 
     def _messages(self) -> list[dict]:
         messages = [] if self.instructions is None else [{"role": "system", "content": self.instructions}]
