@@ -1,6 +1,7 @@
 """Prompt log-probs (SamplingParams.prompt_logprobs) equal transformers' log_softmax of its own logits, on a tiny
 random MoE checkpoint: in one prefill and in chunks, with and without top-k, when the prompt is in the prefix cache
-(the request computes it anyway), with n > 1, after preemption, and through an engine-core process."""
+(the request computes it anyway), with n > 1, after preemption, beside speculative decoding, and through an
+engine-core process."""
 import asyncio
 
 import pytest
@@ -81,6 +82,21 @@ def test_preempted_request_still_completes_its_prompt_logprobs(checkpoint):
     assert llm.core.scheduler.num_preemptions > 0
     for ids, out in zip(prompts, outs):
         assert_matches(out.prompt_logprobs, ids, reference(hf, ids), 2)
+
+
+def test_beside_speculative_decoding(checkpoint):
+    path, hf = checkpoint
+    llm = LLM(path, dtype=torch.float32, device="cpu", block_size=4, num_kv_blocks=128, max_num_batched_tokens=16,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    ids = prompt(12, 7) * 3  # repeats: the ngram drafter proposes from the prompt
+    plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    decoding = llm.add_request(prompt(9, 8) * 3, plain)  # another request decodes with drafts meanwhile
+    llm.step()
+    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=2))[0]
+    assert_matches(out.prompt_logprobs, ids, reference(hf, ids), 2)
+    assert llm.core.speculator.num_verifications > 0  # drafts were verified in the steps that computed them
+    llm.abort(decoding)
+    assert out.token_ids == llm.generate([ids], plain)[0].token_ids
 
 
 def test_through_an_engine_core_process(checkpoint):

@@ -38,6 +38,7 @@ NONE_MEANS = {
     "num_kv_blocks": "sized by --kv-cache-bytes (CPU) or --gpu-memory-utilization (GPU)",
     "api_key": f"none (or the {API_KEY_ENV} environment variable)",
     "allowed_hosts": "loopback names when bound to loopback, else any",
+    "speculative_config": 'off (JSON: {"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...})',
 }
 
 
