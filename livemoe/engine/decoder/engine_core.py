@@ -170,11 +170,11 @@ class EngineCore:
         if self.scheduler is None:
             self.reserve_kv_cache()
         assert self.block_manager is not None  # reserved just above
+        self.input_processor.validate(prompt_ids, params, self.block_manager.num_blocks * self.config.block_size)
         if params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
             # the lm_head is split over the ranks, which would all have to join the log-probs' pass
             raise RequestError(f"prompt_logprobs is not supported with tensor_parallel_size="
                                f"{self.config.tensor_parallel_size}; serve the model on one rank to get them")
-        self.input_processor.validate(prompt_ids, params, self.block_manager.num_blocks * self.config.block_size)
 
     def add_request(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
                     validated: bool = False) -> None:
