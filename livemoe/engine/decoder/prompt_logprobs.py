@@ -21,8 +21,8 @@ CHUNK_BYTES = 32 << 20  # fp32 logits of one row chunk when top-k is asked (logs
 class _Pending:
     """One request's prompt log-probs being filled, by position (a preempted sequence recomputes: rewrites)."""
 
-    def __init__(self, req: Request):
-        self.req = req
+    def __init__(self, req: Request, k: int):
+        self.req, self.k = req, k  # k: the top-k asked
         n = len(req.prompt_ids) - 1  # position p predicts token p + 1
         self.values: list[dict[int, float] | None] = [None] * n
         self.missing = n
@@ -35,10 +35,11 @@ class PromptLogprobs:
 
     def add(self, req: Request) -> None:
         """Called as the request enters the engine; its first sequence computes the whole prompt."""
-        if req.params.prompt_logprobs is None:
+        k = req.params.prompt_logprobs
+        if k is None:
             return
         seq = req.seqs[0]
-        entry = _Pending(req)
+        entry = _Pending(req, k)
         if entry.missing == 0:  # a one-token prompt: nothing to predict
             req.prompt_logprobs = [None]
             return
@@ -70,16 +71,15 @@ class PromptLogprobs:
             row += n
         if not rows:
             return
-        k = max(self.pending[seq_id].req.params.prompt_logprobs for seq_id, _ in where)
+        k = max(self.pending[seq_id].k for seq_id, _ in where)
         h = hidden.index_select(0, torch.tensor(rows, dtype=torch.long, device=hidden.device))
         tgt = torch.tensor(targets, dtype=torch.long, device=hidden.device)
         token_lp, top_ids, top_lp = self.compute(h, tgt, k)
         token_lp, top_ids, top_lp = token_lp.tolist(), top_ids.tolist(), top_lp.tolist()
         for i, (seq_id, p) in enumerate(where):
             entry = self.pending[seq_id]
-            kk = entry.req.params.prompt_logprobs
             lp = {targets[i]: token_lp[i]}  # the prompt token first, then the top-k (as sampled logprobs)
-            for t, v in zip(top_ids[i][:kk], top_lp[i][:kk]):
+            for t, v in zip(top_ids[i][:entry.k], top_lp[i][:entry.k]):
                 lp.setdefault(t, v)
             if entry.values[p] is None:
                 entry.missing -= 1
