@@ -53,6 +53,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(repr=False, default=None)
+    # SamplingParams.prompt_logprobs: per prompt token {token: lp, top-1: lp, ...}, None for the first (vLLM's)
+    prompt_logprobs: list[dict[int, float] | None] | None = field(repr=False, default=None)
 
     # the first completion's fields, for the common n == 1 case
     @property

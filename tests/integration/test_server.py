@@ -164,7 +164,8 @@ BAD = [
     (dict(max_tokens=100000), "maximum context length is 256 tokens"),  # refused, not clamped
     (dict(extra_body={"top_k": "many"}), "top_k"),
     (dict(presence_penalty=2.5), "presence_penalty"),
-    (dict(extra_body={"prompt_logprobs": 1}), "prompt_logprobs: unknown field"),
+    (dict(extra_body={"prompt_logprob": 1}), "prompt_logprob: unknown field"),
+    (dict(extra_body={"prompt_logprobs": -1}), "prompt_logprobs"),  # json: out of range; sse: not with stream
     (dict(logprobs=99), "logprobs"),
     # integers the engine cannot hold: once a 500 for every request in flight
     (dict(seed=2**64), "seed"),

@@ -35,12 +35,14 @@ VALID = [
     (C, dict(GEN, prompt=[5, 6, 7], echo=True, stop=["a"], stream=True)),
     (CHAT, dict(GEN, messages=MSG, logprobs=True, top_logprobs=2)),
     (CHAT, dict(GEN, messages=MSG, stream=True, max_completion_tokens=5)),
+    (C, dict(GEN, prompt=["one", "two"], echo=True, logprobs=1, prompt_logprobs=2)),
+    (CHAT, dict(GEN, messages=MSG, prompt_logprobs=0)),
 ]
 INVALID = [  # (path, raw body, content type)
     (C, b'{"model": "tiny", "prompt": "x"', "application/json"),  # malformed JSON
     (C, b'{"model": "tiny", "prompt": "x", "max_tokens": "5"}', "application/json"),  # no coercion
     (C, b'{"model": "tiny", "prompt": "x", "temperature": NaN}', "application/json"),
-    (C, b'{"model": "tiny", "prompt": "x", "prompt_logprobs": 1}', "application/json"),  # unknown field
+    (C, b'{"model": "tiny", "prompt": "x", "prompt_logprob": 1}', "application/json"),  # unknown field
     (C, b'{"model": "tiny"}', "application/json"),  # missing prompt
     (C, b'[1, 2]', "application/json"),
     (C, b'', "application/json"),

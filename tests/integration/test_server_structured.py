@@ -340,5 +340,5 @@ def test_echo_prepends_the_prompt(client):
         for c in chunk.choices:
             streamed[c.index] = streamed.get(c.index, "") + c.text
     assert streamed == {c.index: c.text for c in full.choices}
-    with pytest.raises(openai.BadRequestError, match="echo with logprobs"):
-        client.completions.create(logprobs=1, **kw)
+    with pytest.raises(openai.BadRequestError, match="echo with logprobs is not available with stream"):
+        client.completions.create(logprobs=1, stream=True, **kw)

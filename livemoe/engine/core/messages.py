@@ -79,6 +79,7 @@ class RequestDelta(Message):
     request_id: str
     completions: list[CompletionDelta]
     metrics: RequestMetrics | None = None  # set on the last delta: the request finished
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # on the first delta, when the request asked
 
 
 class Rejected(Message):

@@ -369,6 +369,8 @@ class MPClient(EngineCoreClient):
                 c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
                 c.text = d.text if d.text is not None else final_text(self.tokenizer, c.token_ids, d.finish_reason,
                                                                       d.stop_reason, t.params.skip_special_tokens)
+        if delta.prompt_logprobs is not None:
+            out.prompt_logprobs = delta.prompt_logprobs
         if delta.metrics is not None:
             out.finished = True
             out.metrics = delta.metrics
@@ -380,4 +382,4 @@ def _snapshot(out: RequestOutput) -> RequestOutput:
     return RequestOutput(out.request_id, out.prompt, out.prompt_token_ids,
                          [CompletionOutput(c.index, c.text, c.token_ids[:], c.finish_reason, c.stop_reason,
                                            None if c.logprobs is None else c.logprobs[:]) for c in out.outputs],
-                         out.finished, out.metrics)
+                         out.finished, out.metrics, out.prompt_logprobs)

@@ -144,6 +144,11 @@ class CoreLoop:
         sent = self.sent.get(out.request_id)
         if sent is None:
             return None  # aborted meanwhile
+        # the prompt's logprobs go once, in the first delta that has them (key -1: sent)
+        prompt_logprobs = None
+        if out.prompt_logprobs is not None and -1 not in sent:
+            prompt_logprobs = out.prompt_logprobs
+            sent[-1] = 0
         completions = []
         for c in out.outputs:
             start = sent.get(c.index, 0)
@@ -156,4 +161,5 @@ class CoreLoop:
                                                  text))
         if out.finished:
             del self.sent[out.request_id]
-        return m.RequestDelta(out.request_id, completions, out.metrics if out.finished else None)
+        return m.RequestDelta(out.request_id, completions, out.metrics if out.finished else None,
+                              prompt_logprobs)

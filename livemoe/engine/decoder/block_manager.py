@@ -158,9 +158,9 @@ class BlockManager:
         assert not seq.block_table and seq.num_computed_tokens == 0, seq
         while self._unpin_later:
             self.unpin(self._unpin_later.popleft())
-        hits = self.match_prefix(seq)
+        hits = [] if seq.uncached_prefill else self.match_prefix(seq)
         num_full = len(hits)
-        tail = self._match_tail(seq, hits)
+        tail = None if seq.uncached_prefill else self._match_tail(seq, hits)
         if tail is not None:
             hits.append(tail[0])
         num_cached = num_full * self.block_size + (len(tail[1]) if tail is not None else 0)

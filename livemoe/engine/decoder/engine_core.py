@@ -24,6 +24,7 @@ from livemoe.engine.decoder.config import EngineConfig, resolve_max_model_len
 from livemoe.engine.decoder.input_processor import InputProcessor
 from livemoe.engine.decoder.model_runner import ModelRunner
 from livemoe.engine.decoder.output_processor import OutputProcessor
+from livemoe.engine.decoder.prompt_logprobs import PromptLogprobs
 from livemoe.engine.decoder.scheduler import Scheduler
 from livemoe.engine.decoder.sequence import Request, Sequence
 from livemoe.engine.decoder.spec.speculator import Speculator
@@ -67,6 +68,7 @@ class EngineCore:
         self.input_processor = InputProcessor(tokenizer, self.vocab_size, self.max_model_len, self.eos_token_ids)
         self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len,
                                                 flops.decode_flops(mc, 1), text_in_flight)
+        self.prompt_logprobs = PromptLogprobs(model)
         self.block_manager: BlockManager | None = None
         self.scheduler: Scheduler | None = None
         self.requests: dict[str, Request] = {}
@@ -169,6 +171,10 @@ class EngineCore:
             self.reserve_kv_cache()
         assert self.block_manager is not None  # reserved just above
         self.input_processor.validate(prompt_ids, params, self.block_manager.num_blocks * self.config.block_size)
+        if params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
+            # the lm_head is split over the ranks, which would all have to join the log-probs' pass
+            raise RequestError(f"prompt_logprobs is not supported with tensor_parallel_size="
+                               f"{self.config.tensor_parallel_size}; serve the model on one rank to get them")
 
     def add_request(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
                     validated: bool = False) -> None:
@@ -184,7 +190,8 @@ class EngineCore:
         if params.structured is not None:
             for seq in seqs:
                 seq.grammar = self.input_processor.grammars().state(params.structured, prompt_ids)
-        self.requests[request_id] = Request(request_id, prompt, prompt_ids, params, seqs)
+        self.requests[request_id] = req = Request(request_id, prompt, prompt_ids, params, seqs)
+        self.prompt_logprobs.add(req)
         assert self.scheduler is not None  # validate() reserved the KV cache
         for seq in seqs:
             self.scheduler.add(seq)
@@ -196,6 +203,7 @@ class EngineCore:
             return False
         assert self.scheduler is not None  # a request in flight holds the KV cache (release_kv_cache refuses)
         for seq in req.seqs:
+            self.prompt_logprobs.discard(seq)
             if not seq.is_finished:
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
@@ -252,8 +260,11 @@ class EngineCore:
             was_training = self.model.training
             if was_training:  # a trainer's module: decode in eval mode, hand it back as it came
                 self.model.eval()
+            self.runner.keep_hidden = self.prompt_logprobs.wanted(out)
             try:
                 logits, sampling = self.runner.run(out)
+                if self.runner.keep_hidden:
+                    self._collect_prompt_logprobs(out)
             finally:
                 if was_training:
                     self.model.train()
@@ -350,6 +361,11 @@ class EngineCore:
             elif not finished_only:
                 outputs.append(self.output_processor.make_output(req))
         return outputs
+
+    def _collect_prompt_logprobs(self, out) -> None:
+        hidden, self.runner.last_hidden, self.runner.keep_hidden = self.runner.last_hidden, None, False
+        assert hidden is not None  # execute() kept it
+        self.prompt_logprobs.collect(out, hidden)
 
     # -- faults of one request ----------------------------------------------------------------------
 

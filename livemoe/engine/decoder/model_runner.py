@@ -54,6 +54,9 @@ class ModelRunner:
         self.graph_pool: torch.cuda._POOL_HANDLE | None = None  # the graphs' shared memory pool
         self.num_eager_fallbacks = 0
         self.num_graph_replays = 0
+        # set for a step with prompt-logprob rows: execute() keeps every row's hidden state for the core to read
+        self.keep_hidden = False
+        self.last_hidden: torch.Tensor | None = None
 
     # -- KV cache -----------------------------------------------------------------------------------
 
@@ -200,6 +203,8 @@ class ModelRunner:
             hidden = self._run_decode_graph(input_ids, positions, ctx)
         else:
             hidden = self._run_eager(input_ids, positions, ctx)
+        if self.keep_hidden:
+            self.last_hidden = hidden
         if len(sample_rows) < hidden.shape[0]:  # logits only for the rows that sample
             hidden = hidden.index_select(0, torch.tensor(sample_rows, dtype=torch.long, device=self.device))
         return self.model.compute_logits(hidden).float()

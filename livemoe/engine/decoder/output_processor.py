@@ -66,7 +66,8 @@ class OutputProcessor:
             logprobs = req.params.logprobs is not None
             return RequestOutput(req.request_id, req.prompt, req.prompt_ids,
                                  [CompletionOutput(s.index, "", s.output_token_ids, s.finish_reason, s.stop_reason,
-                                                   s.logprobs if logprobs else None) for s in req.seqs], False)
+                                                   s.logprobs if logprobs else None) for s in req.seqs], False,
+                                 prompt_logprobs=req.prompt_logprobs)
         completions = []
         for seq in req.seqs:
             ids = seq.output_token_ids
@@ -79,7 +80,8 @@ class OutputProcessor:
                                   req.params.skip_special_tokens)
             completions.append(CompletionOutput(seq.index, text, list(ids), seq.finish_reason, seq.stop_reason,
                                                 list(seq.logprobs) if req.params.logprobs is not None else None))
-        return RequestOutput(req.request_id, req.prompt, req.prompt_ids, completions, req.finished, self.metrics(req))
+        return RequestOutput(req.request_id, req.prompt, req.prompt_ids, completions, req.finished, self.metrics(req),
+                             req.prompt_logprobs)
 
     def metrics(self, req: Request) -> RequestMetrics:
         firsts = [s.first_token_time for s in req.seqs if s.first_token_time is not None]

@@ -44,6 +44,7 @@ class Sequence:
         self.logprobs: list[dict] = []  # per output token: {token_id: logprob, ...} (sampled first)
         self.num_preemptions = 0
         self.num_cached_prompt_tokens = 0  # prefix-cache hit at first scheduling
+        self.uncached_prefill = False  # computes every prompt token, no prefix-cache hit (prompt logprobs)
         self.text = ""  # detokenized output, kept only when stop strings need it
         self.detokenizer: IncrementalDetokenizer | None = None  # of the output: stop strings, in-flight text
         self.grammar: GrammarState | None = None  # when the request's output is constrained
@@ -132,6 +133,7 @@ class Request:
         self.request_id, self.prompt, self.prompt_ids, self.params, self.seqs = request_id, prompt, prompt_ids, params, seqs
         self.arrival_time = seqs[0].arrival_time
         self.finish_time: float | None = None
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None  # when asked, once the prefill is done
 
     @property
     def finished(self) -> bool:

@@ -40,6 +40,9 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None  # None: none; 0: the sampled token's; N: also the top-N
     logprobs_mode: str = "raw"
+    # None: none; N >= 0: each prompt token's logprob (and the top-N) given the tokens before it, from the
+    # model's own distribution (no temperature or filters, as vLLM's); the first token has none
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # logits processing before temperature (livemoe.engine.sampling.logits_processors; vLLM's definitions)
     presence_penalty: float = 0.0
@@ -63,6 +66,7 @@ class SamplingParams:
             fail(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
         # every integer must fit the int64 tensors and generator seeds it ends up in (seed + i for sample i)
         ints = {"top_k": self.top_k, "max_tokens": self.max_tokens, "n": self.n, "logprobs": self.logprobs,
+                "prompt_logprobs": self.prompt_logprobs,
                 "stop_token_ids": max((t for t in self.stop_token_ids if _is_int(t)), default=0)}
         if _is_int(self.seed) and _is_int(self.n):
             ints["seed + n - 1"] = self.seed + max(self.n, 1) - 1
@@ -88,6 +92,8 @@ class SamplingParams:
             fail(f"n must be an integer >= 1, got {self.n!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             fail(f"logprobs must be None or an integer >= 0, got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
+            fail(f"prompt_logprobs must be None or an integer >= 0, got {self.prompt_logprobs!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             fail(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         validate_logits_processing(self, fail)

@@ -26,11 +26,20 @@ import threading
 from dataclasses import MISSING, fields
 from typing import get_args
 
-from livemoe.engine.decoder.config import EngineConfig
+from livemoe.engine.decoder.config import DEFAULT_THREADS, EngineConfig
 from livemoe.engine.server.config import ServerConfig
 
 SKIPPED_OPTIONS = {"use_tqdm"}  # meaningless for a server
 API_KEY_ENV = "LIVEMOE_API_KEY"
+# what a field's None default means for a server (its help would say "default: None")
+NONE_MEANS = {
+    "threads": f"{DEFAULT_THREADS} (torch CPU threads; 0 keeps torch's own choice)",
+    "max_model_len": "the model's max_position_embeddings",
+    "num_kv_blocks": "sized by --kv-cache-bytes (CPU) or --gpu-memory-utilization (GPU)",
+    "api_key": f"none (or the {API_KEY_ENV} environment variable)",
+    "allowed_hosts": "loopback names when bound to loopback, else any",
+    "speculative_config": 'off (JSON: {"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...})',
+}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -63,7 +72,8 @@ def _add_flags(group, config_class) -> None:
             continue
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not MISSING else None
-        kw = dict(dest=f.name, default=argparse.SUPPRESS, help=f"default: {default}")
+        shown = NONE_MEANS.get(f.name, default) if default is None else default
+        kw = dict(dest=f.name, default=argparse.SUPPRESS, help=f"default: {shown}")
         if isinstance(default, bool):
             group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
         else:

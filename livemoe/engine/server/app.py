@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP app over an AsyncLLM: /v1/completions, /v1/chat/completions (JSON, or
-server-sent events ending with `data: [DONE]`), /v1/models, /health, /metrics.
+server-sent events ending with `data: [DONE]`), /v1/responses (served as the chat request it means:
+responses_api.py), /v1/models, /health, /metrics, and vLLM's tokenizer routes (tokenizer_routes.py).
 
 Every request error is a 400 with an OpenAI error body (bad JSON, a wrong type, a parameter out of
 range or over a ServerConfig limit, a prompt plus max_tokens over the context), except an unknown model
@@ -53,6 +54,8 @@ from livemoe.engine.server.live import live_router
 from livemoe.engine.server.metrics import ServerMetrics
 from livemoe.engine.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from livemoe.engine.server.responses import Run
+from livemoe.engine.server.responses_api import ResponseShape, ResponsesRequest
+from livemoe.engine.server.tokenizer_routes import tokenizer_router
 from livemoe.engine.text.prompts import chat_prompt_ids
 from livemoe.engine.text.reasoning import REASONING_PARSERS, think_token_ids
 
@@ -127,7 +130,12 @@ def build_app(engine: AsyncLLM, model_name: str, config: ServerConfig | None = N
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await server.chat_completions(body, request.receive)
 
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request):
+        return await server.responses(body, request.receive)
+
     app.include_router(live_router(server))
+    app.include_router(tokenizer_router(server))
     add_admin_routes(app, engine)
     inner = app.fastapi_call
     if hot_routes:
@@ -246,6 +254,7 @@ class OpenAIServer:
         self.check_count("n", params.n, c.max_n, "--max-n")
         self.check_count("sequences (prompts x n)", len(prompts) * params.n, c.max_sequences, "--max-sequences")
         self.check_count("logprobs", params.logprobs or 0, c.max_logprobs, "--max-logprobs")
+        self.check_count("prompt_logprobs", params.prompt_logprobs or 0, c.max_logprobs, "--max-logprobs")
         self.check_count("stop strings", len(params.stop), c.max_stop, "--max-stop")
         limit = self.context_limit
         for ids in prompts:
@@ -335,6 +344,22 @@ class OpenAIServer:
 
     async def chat_completions(self, body: ChatCompletionRequest, receive):
         """POST /v1/chat/completions with a validated body (as completions)."""
+        ids, params = await self.prepare_chat(body)
+        return await self.respond(receive, body, [ids], params, chat=True)
+
+    async def responses(self, body: ResponsesRequest, receive):
+        """POST /v1/responses: served as the chat request it means (responses_api.py)."""
+        chat = body.as_chat()
+        ids, params = await self.prepare_chat(chat)
+        def count(text: str) -> int:  # the reasoning tokens in usage
+            return len(self.tokenizer.encode(text, add_special_tokens=False)) if self.tokenizer is not None else 0
+
+        return await self.respond(receive, chat, [ids], params, chat=True,
+                                  shape=lambda run: ResponseShape(run, body, count))
+
+    async def prepare_chat(self, body: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
+        """A chat body's prompt ids and sampling params, checked against the server's limits, its constraint
+        compiled."""
         self.check_model(body.model)
         self.check_available()
         messages = [m.as_template_input() for m in body.messages]
@@ -347,11 +372,14 @@ class OpenAIServer:
         params = self.answer_only_constraint(body.sampling_params(room=self.room(ids)))
         self.check_limits(params, [ids])
         await self.compile_constraint(body)
-        return await self.respond(receive, body, [ids], params, chat=True)
+        return ids, params
 
     # -- running --------------------------------------------------------------------------------
 
-    async def respond(self, receive, body, prompts: list[list[int]], params: SamplingParams, chat: bool):
+    async def respond(self, receive, body, prompts: list[list[int]], params: SamplingParams, chat: bool,
+                      shape=None):
+        """shape(run): the answer's shape when not the endpoint's own (Run's: completions or chat), with the
+        same collect() and events()."""
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         streams: list[RequestStream] = []
         try:
@@ -361,10 +389,11 @@ class OpenAIServer:
             for s in streams:
                 s.abort()
             raise  # a RequestError becomes a 400
-        run = Run(self, rid, body, params, streams, [len(p) for p in prompts], chat)
+        run = Run(self, rid, body, params, streams, prompts, chat)
+        answer = run if shape is None else shape(run)
         if body.stream:
-            return SSEResponse(run.events(), run.close, media_type="text/event-stream")
-        collect = asyncio.ensure_future(run.collect())
+            return SSEResponse(answer.events(), run.close, media_type="text/event-stream")
+        collect = asyncio.ensure_future(answer.collect())
         left = asyncio.ensure_future(_client_gone(receive))
         try:
             await asyncio.wait({collect, left}, return_when=asyncio.FIRST_COMPLETED)

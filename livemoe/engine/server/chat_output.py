@@ -1,6 +1,7 @@
 """A chat choice's text turned into the message fields: `reasoning_content` (the server's
 --reasoning-parser), `content`, and `tool_calls` (the Qwen3 / Hermes parser, when the request has tools
-and tool_choice is not "none"). The same parser serves the JSON answer (the whole text fed at once)
+and tool_choice is not "none"; `function_call`, the legacy shape of one call, when the request sent `functions`).
+The same parser serves the JSON answer (the whole text fed at once)
 and the event stream (deltas), so a stream joins to exactly the JSON answer's message.
 """
 from livemoe.engine.text.reasoning import ReasoningParser
@@ -8,9 +9,10 @@ from livemoe.engine.text.tool_parser import ToolCallParser, openai_tool_calls
 
 
 class ChoiceParser:
-    def __init__(self, reasoning: str | None, tools: bool):
+    def __init__(self, reasoning: str | None, tools: bool, legacy_functions: bool = False):
         self.reasoning = ReasoningParser(reasoning) if reasoning else None
         self.tools = ToolCallParser() if tools else None
+        self.legacy = legacy_functions
         self.num_calls = 0
 
     @property
@@ -33,7 +35,12 @@ class ChoiceParser:
             delta["reasoning_content"] = reasoning
         if content:
             delta["content"] = content
-        if calls:
+        if calls and self.legacy:
+            # the legacy shape holds one call: the first (a model that writes several in auto mode loses the rest)
+            if not self.num_calls:
+                delta["function_call"] = dict(calls[0])
+            self.num_calls += len(calls)
+        elif calls:
             delta["tool_calls"] = openai_tool_calls(calls, self.num_calls, with_index=True)
             self.num_calls += len(calls)
         return delta
@@ -44,10 +51,15 @@ class ChoiceParser:
         message = {"role": "assistant", "content": fields.get("content")}
         if self.reasoning is not None:
             message["reasoning_content"] = fields.get("reasoning_content")
-        if self.tools is not None:
+        if self.tools is not None and self.legacy:
+            message["function_call"] = fields.get("function_call")
+        elif self.tools is not None:
             message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in fields.get("tool_calls", [])]
         return message
 
     def finish_reason(self, reason: str | None) -> str | None:
-        """A choice that ended by itself after calling tools finishes with "tool_calls" (OpenAI's)."""
-        return "tool_calls" if reason == "stop" and self.num_calls else reason
+        """A choice that ended by itself after calling tools finishes with "tool_calls" (OpenAI's; "function_call"
+        in the legacy shape)."""
+        if reason == "stop" and self.num_calls:
+            return "function_call" if self.legacy else "tool_calls"
+        return reason

@@ -1,7 +1,7 @@
 """The checks every HTTP request passes before the app sees it (an ASGI middleware), in this order:
 
 - Host header: one of the accepted names (ServerConfig.host_names), else 400;
-- API key: on /v1 routes and the weight/sleep routes (admin.py) when one is set, `Authorization: Bearer KEY`, else 401;
+- API key: on /v1 routes, the tokenizer routes and the weight/sleep routes (admin.py) when one is set, `Authorization: Bearer KEY`, else 401;
 - body: a declared Content-Length over max_body_bytes gets a 413 before a byte is read; a body read in
   full must stay under it (413 as soon as it passes) and arrive within body_timeout_s (else 408), so a
   huge or trickled body cannot hold memory or a connection. The app then reads the buffered body.
@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse
 from livemoe.engine.server.admin import ADMIN_PATHS
 from livemoe.engine.server.config import ServerConfig
 from livemoe.engine.server.protocol import error_body
+from livemoe.engine.server.tokenizer_routes import TOKENIZER_PATHS
 
 
 class BodyTooLarge(Exception):
@@ -55,7 +56,8 @@ class RequestGuard:
             return 400, error_body(f"Host header {headers.get('host', '')!r} is not one this server answers to "
                                    f"({sorted(self.host_names)}; see --allowed-hosts)")
         path = scope["path"]
-        if self.api_key is not None and (path == "/v1" or path.startswith("/v1/") or path in ADMIN_PATHS):
+        if self.api_key is not None and (path == "/v1" or path.startswith("/v1/") or path in ADMIN_PATHS
+                                        or path in TOKENIZER_PATHS):
             # the scheme is case-insensitive (RFC 7235): "bearer KEY" is as good as "Bearer KEY"
             scheme, _, token = headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key):

@@ -2,21 +2,24 @@
 
 Field types are checked by pydantic and ranges by SamplingParams (one place for the rules): either
 failure is a 400 with an OpenAI-style error body. Every field is honoured or refused: an unknown field
-is a 400 naming it, and so is a known one used in a way we cannot serve (echo with logprobs, suffix,
-best_of != n).
+is a 400 naming it, and so is a known one used in a way we cannot serve (prompt logprobs on a stream, suffix,
+best_of != n; each model's REFUSED_WHEN lists them for the docs' field table, field_table.py).
 The only fields accepted without an effect are NO_EFFECT_FIELDS, which by nature mean nothing to a
 local server. Extensions in the body: `top_k`, `min_p`, `ignore_eos`, `return_token_ids` (each choice,
 streamed or not, also carries its token ids), `repetition_penalty`, `min_tokens`, and vLLM's
-`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (livemoe.engine.sampling.structured).
+`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (livemoe.engine.sampling.structured),
+`prompt_logprobs` and `stream_options.continuous_usage_stats`. Older clients' spellings are read as what they
+mean: the `developer` role as `system`, `functions` / `function_call` as tools, `response_format.schema` with
+type json_object as a JSON schema.
 
 Types are strict: `"5"` or `true` is no integer, and NaN, Infinity or 1e999 no number. The server's
 limits (ServerConfig) are checked by the app. On chat, `special_tokens_in_content` (default false)
 reads special tokens written in a message as tokens rather than text (livemoe.engine.text.prompts).
 """
 import re
-from typing import Literal
+from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from livemoe.engine.errors import RequestError
 from livemoe.engine.sampling.params import SamplingParams
@@ -44,13 +47,45 @@ class JsonSchemaFormat(StrictModel):
 class ResponseFormat(StrictModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+    # older clients (instructor's JSON_SCHEMA mode) send {"type": "json_object", "schema": {...}}
+    schema_: dict | None = Field(default=None, alias="schema")
+
+    def spec(self) -> tuple[str, dict] | None:
+        """(the field that asked, the StructuredOutput arguments), or None for text."""
+        if self.json_schema is not None and self.type != "json_schema":
+            raise RequestError("response_format: json_schema is only allowed with type json_schema")
+        if self.schema_ is not None:
+            if self.type == "json_object":
+                return "response_format.schema", dict(json=self.schema_)
+            raise RequestError(f"response_format.schema is only read with type json_object; with type {self.type} "
+                               "send the schema as response_format.json_schema.schema")
+        if self.type == "json_object":
+            return "response_format", dict(json_object=True)
+        if self.type == "json_schema":
+            if self.json_schema is None or self.json_schema.schema_ is None:
+                raise RequestError("response_format: type json_schema needs json_schema.schema")
+            return "response_format.json_schema.schema", dict(json=self.json_schema.schema_)
+        return None
 
 
 class StreamOptions(StrictModel):
-    include_usage: bool = False
+    include_usage: bool = False  # a last chunk with the request's usage
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
 
 
 class _Common(StrictModel):
+    # for the docs' field table (field_table.py): the fields that are not OpenAI's, and whose they are; the fields
+    # refused in some uses, and when (the checks below raise the 400s)
+    EXTENSIONS: ClassVar[dict[str, str]] = {
+        **{k: "vLLM" for k in ("top_k", "min_p", "ignore_eos", "return_token_ids", "repetition_penalty", "min_tokens",
+                               "guided_json", "guided_regex", "guided_choice", "guided_grammar", "prompt_logprobs",
+                               "stream_options.continuous_usage_stats")},
+        "response_format.schema": "older clients (instructor)"}
+    REFUSED_WHEN: ClassVar[dict[str, str]] = {
+        "stream_options": "without stream: true", "prompt_logprobs": "with stream: true",
+        "response_format.schema": "with a type other than json_object"}
+    NO_EFFECT: ClassVar[tuple[str, ...]] = NO_EFFECT_FIELDS
+
     model: str
     max_tokens: int | None = None
     temperature: float | None = None
@@ -62,6 +97,7 @@ class _Common(StrictModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and the top-N
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -83,19 +119,15 @@ class _Common(StrictModel):
     def _refuse_unsupported(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options is only allowed with stream: true")
+        if self.stream and self.prompt_logprobs is not None:  # as vLLM
+            raise RequestError("prompt_logprobs is not available with stream: true")
 
     def constraint(self) -> tuple[StructuredOutput, str] | None:
         """The output constraint the body asks for, and the field that asked (named by a compile error)."""
         asked = []
-        rf = self.response_format
-        if rf is not None and rf.type == "json_object":
-            asked.append(("response_format", dict(json_object=True)))
-        elif rf is not None and rf.type == "json_schema":
-            if rf.json_schema is None or rf.json_schema.schema_ is None:
-                raise RequestError("response_format: type json_schema needs json_schema.schema")
-            asked.append(("response_format.json_schema.schema", dict(json=rf.json_schema.schema_)))
-        elif rf is not None and rf.json_schema is not None:
-            raise RequestError("response_format: json_schema is only allowed with type json_schema")
+        found = self.response_format.spec() if self.response_format is not None else None
+        if found is not None:
+            asked.append(found)
         for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
                            ("guided_grammar", "grammar")):
             if getattr(self, name) is not None:
@@ -119,8 +151,8 @@ class _Common(StrictModel):
             raise RequestError(f"logit_bias: keys must be token ids (ASCII digits), got {bad[:5]}")
         return {int(k): v for k, v in self.logit_bias.items()}
 
-    def _params(self, max_tokens: int, logprobs: int | None,
-                structured: StructuredOutput | None = None) -> SamplingParams:
+    def _params(self, max_tokens: int, logprobs: int | None, structured: StructuredOutput | None = None,
+                prompt_logprobs: int | None = None) -> SamplingParams:
         self._refuse_unsupported()
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         opt = {k: v for k, v in dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
@@ -129,14 +161,23 @@ class _Common(StrictModel):
                                      repetition_penalty=self.repetition_penalty,
                                      min_tokens=self.min_tokens).items() if v is not None}
         return SamplingParams(max_tokens=max_tokens, n=self.n, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos,
-                              logprobs=logprobs, logit_bias=self._logit_bias(), structured=structured, **opt)
+                              logprobs=logprobs, logit_bias=self._logit_bias(), structured=structured,
+                              prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+                              **opt)
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
 
 class CompletionRequest(_Common):
+    REFUSED_WHEN: ClassVar[dict[str, str]] = {**_Common.REFUSED_WHEN, "echo": "with logprobs and stream: true",
+                                              "suffix": "non-empty", "best_of": "other than n"}
+
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
@@ -155,15 +196,18 @@ class CompletionRequest(_Common):
     def sampling_params(self, room: int) -> SamplingParams:
         """room: the tokens left in the context after the longest prompt (max_tokens defaults to 16, or less
         when less is left)."""
-        if self.echo and self.logprobs is not None:
-            raise RequestError("echo with logprobs needs the prompt's logprobs, which this server does not compute")
+        prompt_logprobs = None
+        if self.echo and self.logprobs is not None:  # the prompt tokens' logprobs lead each choice's
+            if self.stream:
+                raise RequestError("echo with logprobs is not available with stream: true")
+            prompt_logprobs = max(self.logprobs, self.prompt_logprobs or 0)
         if self.suffix:
             raise RequestError("suffix is not supported by this server")
         if self.best_of not in (None, self.n):
             raise RequestError("best_of is not supported by this server (only best_of == n)")
         found = self.constraint()
         return self._params(min(16, room) if self.max_tokens is None else self.max_tokens, self.logprobs,
-                            found[0] if found else None)
+                            found[0] if found else None, prompt_logprobs)
 
 
 class TextPart(StrictModel):
@@ -182,22 +226,32 @@ class ToolCall(StrictModel):
     function: FunctionCall
 
 
+# OpenAI's newer name for system, and the legacy functions API's result role (a tool result named by function)
+ROLE_ALIASES = {"developer": "system", "function": "tool"}
+
+
 class ChatMessage(StrictModel):
-    role: Literal["system", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = None
     name: str | None = None  # given to the chat template with the message
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    function_call: FunctionCall | None = None  # the same in the legacy functions API (one call)
     tool_call_id: str | None = None  # a tool result's call
 
     def as_template_input(self) -> dict:
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        message = {"role": self.role, "content": content or ""}
+        message = {"role": ROLE_ALIASES.get(self.role, self.role), "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
-        if self.tool_calls:
-            message["tool_calls"] = template_tool_calls([c.model_dump() for c in self.tool_calls])
+        calls = [c.model_dump() for c in self.tool_calls or []]
+        if self.function_call is not None:
+            if calls:
+                raise RequestError("a message has both tool_calls and function_call; send one")
+            calls = [{"id": None, "type": "function", "function": self.function_call.model_dump()}]
+        if calls:
+            message["tool_calls"] = template_tool_calls(calls)
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
         return message
@@ -225,6 +279,12 @@ class NamedToolChoice(StrictModel):
 
 
 class ChatCompletionRequest(_Common):
+    EXTENSIONS: ClassVar[dict[str, str]] = {**_Common.EXTENSIONS, "special_tokens_in_content": "livemoe"}
+    REFUSED_WHEN: ClassVar[dict[str, str]] = {
+        **_Common.REFUSED_WHEN, "top_logprobs": "without logprobs: true",
+        "parallel_tool_calls": "false with tool_choice auto", "functions": "with tools or tool_choice",
+        "function_call": "without functions"}
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -233,6 +293,30 @@ class ChatCompletionRequest(_Common):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # true: allowed (required/named make one call, auto what the model writes)
+    # the legacy functions API: read as tools / tool_choice; the answer then has message.function_call
+    functions: list[FunctionDef] | None = None
+    function_call: Literal["none", "auto"] | NamedFunction | None = None
+    _legacy_functions: bool = PrivateAttr(default=False)
+
+    @model_validator(mode="after")
+    def _functions_as_tools(self):
+        if self.functions is None:
+            if self.function_call is not None:
+                raise ValueError("function_call needs functions")
+            return self
+        if self.tools is not None or self.tool_choice is not None:
+            raise ValueError("functions and function_call are the legacy spelling of tools and tool_choice: send "
+                             "one or the other")
+        self.tools = [Tool(type="function", function=f) for f in self.functions]
+        fc = self.function_call
+        self.tool_choice = NamedToolChoice(type="function", function=fc) if isinstance(fc, NamedFunction) else fc
+        self._legacy_functions = True
+        return self
+
+    @property
+    def legacy_functions(self) -> bool:
+        """The request used `functions`: the answer's call goes in message.function_call (one call)."""
+        return self._legacy_functions
 
     def tool_mode(self) -> str:
         """none (no tools in the prompt, no parsing), auto (parsed if the model calls), required or named

@@ -1,6 +1,12 @@
 """One HTTP request's engine requests turned into the OpenAI answer: a JSON body (`Run.collect`) or the
-server-sent events of a stream (`Run.events`), with usage, logprobs in each endpoint's format, and the
-per-request metrics (the server's Prometheus metrics and log line) as each engine request finishes.
+server-sent events of a stream (`Run.events`), with usage (on every chunk too with vLLM's
+`stream_options.continuous_usage_stats`), logprobs in each endpoint's format, and the per-request metrics (the
+server's Prometheus metrics and log line) as each engine request finishes.
+
+Prompt logprobs come in two shapes: completions' `echo` with `logprobs` puts the prompt tokens before the output's
+in OpenAI's legacy lists (the first token's logprob and top_logprobs null), and vLLM's `prompt_logprobs` is a list
+per prompt of None then {token id: {logprob, rank, decoded_token}} (on each completions choice; once per chat
+answer). rank is the order among the returned top-N; the prompt token's own is null when it is not among them.
 """
 import asyncio
 import time
@@ -44,9 +50,10 @@ class Run:
     """The engine requests of one HTTP request, turned into an OpenAI answer or event stream."""
 
     def __init__(self, server: Server, rid: str, body, params: SamplingParams, streams: list[RequestStream],
-                 prompt_lens: list[int], chat: bool):
+                 prompts: list[list[int]], chat: bool):
         self.server, self.rid, self.body, self.params, self.streams = server, rid, body, params, streams
-        self.prompt_lens, self.chat = prompt_lens, chat
+        self.prompts, self.prompt_lens, self.chat = prompts, [len(p) for p in prompts], chat
+        self.prompt_logprobs: dict[int, list] = {}  # prompt index -> the engine's prompt logprobs (when asked)
         self.n = params.n
         self.created = int(time.time())
         self.num_output_tokens = 0
@@ -56,11 +63,14 @@ class Run:
         self.closed = False
         # chat: reasoning content and tool calls split off each choice's text (inactive: plain content)
         tools = chat and body.tool_mode() != "none"
-        self.parsers = [ChoiceParser(server.reasoning_parser if chat else None, tools)
+        legacy = chat and body.legacy_functions
+        self.parsers = [ChoiceParser(server.reasoning_parser if chat else None, tools, legacy)
                         for _ in range(len(streams) * self.n)]
         # completions with echo: each choice's text starts with its prompt's
         self.echo = [p if isinstance(p, str) else server.tokenizer.decode(p) if server.tokenizer is not None else ""
                      for p in body.prompts()] if getattr(body, "echo", False) else None
+        if self.echo:  # the output's text offsets follow the echoed prompt's
+            self.text_offsets = {i: len(self.echo[i // self.n]) for i in range(len(streams) * self.n)}
 
     async def deltas(self):
         """(prompt index, delta) pairs from all streams as they come; aborts what is left on exit. When
@@ -107,6 +117,8 @@ class Run:
 
     def _account(self, k: int, d: StreamDelta) -> None:
         self.num_output_tokens += len(d.token_ids)
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs[k] = d.prompt_logprobs
         if d.finish_reason is not None:
             self.reasons[k][d.index] = d.finish_reason
         if d.metrics is not None:
@@ -137,15 +149,24 @@ class Run:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = (self.echo[i // self.n] if self.echo else "") + text
-            choice["logprobs"] = _merge_logprobs(c.logprobs, self.chat) if self.params.logprobs is not None else None
+            choice["logprobs"] = None
+            if self.params.logprobs is not None:
+                parts = c.logprobs
+                if self.echo and not self.chat:  # echo with logprobs: the prompt's tokens lead
+                    parts = [self._echo_logprobs(i // self.n), *parts]
+                choice["logprobs"] = _merge_logprobs(parts, self.chat)
+            if not self.chat and self.body.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = self._vllm_prompt_logprobs(i // self.n)
             choice["finish_reason"] = parser.finish_reason(c.finish_reason)
             choice["stop_reason"] = c.stop_reason
             if self.body.return_token_ids:
                 choice["token_ids"] = c.token_ids
             out.append(choice)
-        return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.server.model_name, "choices": out,
-                "usage": self._usage()}
+        answer = {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
+                  "created": self.created, "model": self.server.model_name, "choices": out, "usage": self._usage()}
+        if self.chat and self.body.prompt_logprobs is not None:
+            answer["prompt_logprobs"] = self._vllm_prompt_logprobs(0)
+        return answer
 
     def _usage(self) -> dict:
         prompt = sum(self.prompt_lens)
@@ -170,7 +191,9 @@ class Run:
     def _event(self, choices: list[dict], usage="absent") -> bytes:
         chunk = {"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
                  "created": self.created, "model": self.server.model_name, "choices": choices}
-        if self.body.include_usage:
+        if usage == "absent" and self.body.continuous_usage:
+            usage = self._usage()
+        if self.body.include_usage or self.body.continuous_usage:
             chunk["usage"] = None if usage == "absent" else usage
         return _sse(chunk)
 
@@ -207,6 +230,34 @@ class Run:
         yield b"data: [DONE]\n\n"
 
     # -- logprobs -------------------------------------------------------------------------------
+
+    def _echo_logprobs(self, k: int) -> dict:
+        """Prompt k's tokens in the completions logprobs format; the choice's output offsets follow them."""
+        text, top = self.server.token_text, self.params.logprobs
+        ids, lps = self.prompts[k], self.prompt_logprobs[k]
+        tokens = [text(t) for t in ids]
+        offsets = [0]
+        for s in tokens[:-1]:
+            offsets.append(offsets[-1] + len(s))
+        return {"tokens": tokens,
+                "token_logprobs": [None if lp is None else _finite(lp[t]) for t, lp in zip(ids, lps)],
+                "top_logprobs": [None if lp is None else {text(x): _finite(v) for x, v in _top(lp, top)}
+                                 for lp in lps],
+                "text_offset": offsets}
+
+    def _vllm_prompt_logprobs(self, k: int) -> list:
+        text, top = self.server.token_text, self.body.prompt_logprobs
+        out: list[dict | None] = []
+        for t, lp in zip(self.prompts[k], self.prompt_logprobs[k]):
+            if lp is None:
+                out.append(None)
+                continue
+            ranked = _top(lp, top)
+            entry = {str(x): {"logprob": _finite(v), "rank": r, "decoded_token": text(x)}
+                     for r, (x, v) in enumerate(ranked, 1)}
+            entry.setdefault(str(t), {"logprob": _finite(lp[t]), "rank": None, "decoded_token": text(t)})
+            out.append(entry)
+        return out
 
     def _logprobs(self, i: int, d: StreamDelta) -> dict:
         """This delta's logprobs in the endpoint's format (merged across deltas by _merge_logprobs)."""

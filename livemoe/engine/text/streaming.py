@@ -31,6 +31,7 @@ class StreamDelta:
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
     metrics: RequestMetrics | None = None  # on the request's last delta (every completion finished)
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # once, as in RequestOutput, when asked
 
     @property
     def finished(self) -> bool:
@@ -46,6 +47,7 @@ class OutputDeltas:
         self.sent: dict[int, int] = {}  # completion index -> tokens already sent
         self.done: set[int] = set()
         self.tokenizer = tokenizer
+        self.prompt_logprobs_sent = False
 
     def feed(self, out: RequestOutput) -> list[StreamDelta]:
         deltas = []
@@ -71,6 +73,8 @@ class OutputDeltas:
                                       len(out.prompt_token_ids)))
         if out.finished and deltas:
             deltas[-1].metrics = out.metrics
+        if out.prompt_logprobs is not None and deltas and not self.prompt_logprobs_sent:
+            deltas[0].prompt_logprobs, self.prompt_logprobs_sent = out.prompt_logprobs, True
         return deltas
 
 
@@ -78,9 +82,10 @@ def merge_deltas(deltas: list[StreamDelta]) -> list[StreamDelta]:
     """Consecutive deltas of one request as one delta per completion (tokens, text and logprobs joined,
     the last finish reason kept; the request's metrics on the last delta returned)."""
     merged: dict[int, StreamDelta] = {}
-    metrics = None
+    metrics = prompt_logprobs = None
     for d in deltas:
         metrics = d.metrics or metrics
+        prompt_logprobs = prompt_logprobs or d.prompt_logprobs
         m = merged.get(d.index)
         if m is None:
             merged[d.index] = StreamDelta(d.request_id, d.index, list(d.token_ids), d.text,
@@ -96,6 +101,7 @@ def merge_deltas(deltas: list[StreamDelta]) -> list[StreamDelta]:
     out = list(merged.values())
     if out:
         out[-1].metrics = metrics
+        out[0].prompt_logprobs = prompt_logprobs
     return out
 
 
