@@ -155,6 +155,8 @@ class EngineCore:
             self.reserve_kv_cache()
         assert self.block_manager is not None  # reserved just above
         self.input_processor.validate(prompt_ids, params, self.block_manager.num_blocks * self.config.block_size)
+        if params.return_routed_experts and self.model.num_moe_layers == 0:
+            raise RequestError("return_routed_experts: the model is dense (no MoE layer has experts to return)")
 
     def add_request(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
                     validated: bool = False) -> None:
@@ -164,6 +166,10 @@ class EngineCore:
             raise RequestError(f"request id {request_id!r} is already in flight")
         if not validated:
             self.validate(prompt_ids, params)
+        if params.return_routed_experts and not self.runner.capture_routing:
+            # the blocks cached so far hold no routing: a hit on them would return garbage ids
+            self.reset_prefix_cache()
+            self.runner.enable_routing_capture()
         now = time.perf_counter()
         seqs = [Sequence(prompt_ids, params, request_id, i, None if params.seed is None else params.seed + i, now)
                 for i in range(params.n)]
@@ -271,6 +277,8 @@ class EngineCore:
                 self._fail(seq.request_id, f"checking its stop conditions failed: {e!r}")
                 continue
             if seq.finish_reason is not None:
+                if seq.params.return_routed_experts:  # before finish() frees its blocks
+                    seq.routed_experts = self.runner.routed_experts_of(len(seq), seq.block_table)
                 self.scheduler.finish(seq)
                 touched[seq.request_id] = self.requests[seq.request_id]
             elif not finished_only:

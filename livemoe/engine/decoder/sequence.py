@@ -47,6 +47,7 @@ class Sequence:
         self.text = ""  # detokenized output, kept only when stop strings need it
         self.detokenizer: IncrementalDetokenizer | None = None  # of the output: stop strings, in-flight text
         self.grammar: GrammarState | None = None  # when the request's output is constrained
+        self.routed_experts = None  # return_routed_experts: read from the runner as the sequence finishes
         # metrics
         self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None

@@ -6,7 +6,8 @@ is a 400 naming it, and so is a known one used in a way we cannot serve (echo wi
 best_of != n).
 The only fields accepted without an effect are NO_EFFECT_FIELDS, which by nature mean nothing to a
 local server. Extensions in the body: `top_k`, `min_p`, `ignore_eos`, `return_token_ids` (each choice,
-streamed or not, also carries its token ids), `repetition_penalty`, `min_tokens`, and vLLM's
+streamed or not, also carries its token ids), `return_routed_experts` (each choice's last chunk, or the choice,
+carries `routed_experts`: base64 + shape + dtype, livemoe.engine.routed_experts), `repetition_penalty`, `min_tokens`, and vLLM's
 `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (livemoe.engine.sampling.structured).
 
 Types are strict: `"5"` or `true` is no integer, and NaN, Infinity or 1e999 no number. The server's
@@ -69,6 +70,7 @@ class _Common(StrictModel):
     min_tokens: int | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False
+    return_routed_experts: bool = False  # each choice's routed_experts (livemoe.engine.routed_experts)
     response_format: ResponseFormat | None = None
     guided_json: dict | str | None = None
     guided_regex: str | None = None
@@ -129,7 +131,8 @@ class _Common(StrictModel):
                                      repetition_penalty=self.repetition_penalty,
                                      min_tokens=self.min_tokens).items() if v is not None}
         return SamplingParams(max_tokens=max_tokens, n=self.n, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos,
-                              logprobs=logprobs, logit_bias=self._logit_bias(), structured=structured, **opt)
+                              logprobs=logprobs, logit_bias=self._logit_bias(), structured=structured,
+                              return_routed_experts=self.return_routed_experts, **opt)
 
     @property
     def include_usage(self) -> bool:

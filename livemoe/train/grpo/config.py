@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from livemoe.train.advantages import SCALE_REWARDS
 from livemoe.train.config import ConfigError, RunConfig, check_at_least, check_choice, flag, nested
 from livemoe.train.losses import PolicyLossConfig
+from livemoe.train.mismatch import RolloutCorrectionConfig
 from livemoe.train.rewards import RewardConfig, load_reward_fns
 
 
@@ -57,7 +58,19 @@ class GRPOConfig(RunConfig):
     advantage_eps: float = field(default=1e-4, metadata={"help": "added to the reward std when advantages are normalised"})
     drop_zero_variance: bool = field(default=False, metadata={"help": "leave groups with equal rewards out of the loss"})
     mask_truncated: bool = field(default=False, metadata={"help": "leave completions cut at max_new_tokens out of the loss"})
-    old_logprobs: str = field(default="decoder", metadata={"help": "decoder (the sampled tokens' raw logprobs) | trainer"})
+    # trainer (since issue 32): the policy ratio is against the trainer's own log-probs at the start of the step
+    # (its first pass's forward, no extra one); the rollout's mismatch goes to the rollout correction below
+    old_logprobs: str = field(default="trainer", metadata={"help": "trainer (its log-probs at the start of the step) "
+                                                                   "| decoder (the sampled tokens' raw logprobs)"})
+    routing_replay: str = field(default="none", metadata={"help": "none | R3: the policy's and reference's forward "
+                                                                  "run the rollout's routed experts (MoE)"})
+    # TIS at verl's recommended token truncation 2.0 (livemoe/train/mismatch.py; docs/training.md says why)
+    rollout_correction: RolloutCorrectionConfig = nested(
+        RolloutCorrectionConfig,
+        rollout_is=flag("rollout importance weights: token | sequence | none", to="level"),
+        rollout_is_threshold=flag("cap C of the rollout importance weights", to="threshold"),
+        rollout_is_mode=flag("weights above C: truncate (to C) | mask (to 0)", to="mode"),
+        rollout_rs=flag("reject sequences whose geometric-mean ratio is outside [1/B, B]; 0 = off", to="rs_bound"))
     # the rewards (the seed's Table 2: RewardConfig's defaults)
     reward: RewardConfig = nested(
         RewardConfig,
@@ -90,6 +103,11 @@ class GRPOConfig(RunConfig):
             raise ConfigError(f"--top_p must be in (0, 1], got {self.top_p}")
         check_choice("scale_rewards", self.scale_rewards, SCALE_REWARDS)
         check_choice("old_logprobs", self.old_logprobs, ("decoder", "trainer"))
+        check_choice("routing_replay", self.routing_replay, ("none", "R3"))
+        if self.rollout_correction.enabled and self.old_logprobs == "decoder":
+            raise ConfigError("--rollout_is / --rollout_rs weigh the trainer's old log-probs against the rollout's; "
+                              "with --old_logprobs decoder the policy ratio is against the rollout's already: use "
+                              "--old_logprobs trainer, or --rollout_is none --rollout_rs 0")
         check_choice("weight_sync", self.weight_sync, ("distributed", "disk"))
         if self.rollout_url and self.multi_turn:
             raise ConfigError("--multi_turn runs its rollouts in-process; leave out --rollout_url")
