@@ -138,3 +138,21 @@ def test_what_torchrun_does_not_run_is_refused_before_any_work(student, tmp_path
     assert main(argv + extra) == 2
     assert message in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "o" / "metrics.jsonl")
+
+
+@pytest.mark.slow
+def test_routing_replay_with_expert_parallel_two_ranks_equal_one_process(student, tmp_path):
+    """--routing_replay R3 with --expert_parallel 2 on two gloo ranks (torchrun, the collectives' timeouts of
+    livemoe.train.distributed): the same per-step loss, gradient norm, KL and routing disagreement as one process
+    (each rank replays the decoder's experts of its own rollouts through the all-to-all); tolerances as above."""
+    flags = [*REWARD, "--device", "cpu", "--routing_replay", "R3", "--max_steps", "1"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert main(args(student, one, *flags)) == 0
+    res = torchrun_grpo(2, args(student, two, *flags, "--expert_parallel", "2"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    ref_rows, rows = read_metrics(str(one / "metrics.jsonl")), read_metrics(str(two / "metrics.jsonl"))
+    assert [r["reward/mean"] for r in rows] == [r["reward/mean"] for r in ref_rows]
+    for key in ("loss", "grad_norm", "kl", "aux_loss", "mismatch/routing_disagreement"):
+        torch.testing.assert_close(torch.tensor([r[key] for r in rows]), torch.tensor([r[key] for r in ref_rows]),
+                                   rtol=1e-5, atol=1e-9, msg=key)
+    assert rows[0]["grad_norm"] > 0
