@@ -157,6 +157,9 @@ class EngineCore:
         self.input_processor.validate(prompt_ids, params, self.block_manager.num_blocks * self.config.block_size)
         if params.return_routed_experts and self.model.num_moe_layers == 0:
             raise RequestError("return_routed_experts: the model is dense (no MoE layer has experts to return)")
+        why = self.runner.routing_capture_refusal() if params.return_routed_experts else None
+        if why is not None:
+            raise RequestError(why)
 
     def add_request(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
                     validated: bool = False) -> None:

@@ -220,6 +220,10 @@ class ModelRunner:
 
     # -- routed experts -----------------------------------------------------------------------------
 
+    def routing_capture_refusal(self) -> str | None:
+        """Why this runner cannot turn routing capture on now (None: it can)."""
+        return None
+
     def enable_routing_capture(self) -> None:
         """From the next step on, store every token's routed experts (the decode graphs are recaptured with it)."""
         if self.model.num_moe_layers == 0:
