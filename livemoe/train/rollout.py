@@ -4,7 +4,9 @@ weights change). The KV cache is released for the update (`release()`) and comes
 generation, so the update never shares memory with it.
 
 Each completion keeps the decoder's raw log-prob of every sampled token (log_softmax(logits / T)
-before top-k/top-p: what the trainer recomputes) as its old_logprobs. Sampling is seeded per
+before top-k/top-p: what the trainer recomputes) as its old_logprobs (the rollout's log-probs: the policy ratio's
+old ones with --old_logprobs decoder, else what the mismatch metrics and the rollout correction compare the
+trainer's with, livemoe/train/mismatch.py). Sampling is seeded per
 (run seed, step, prompt): a resumed run draws the same rollouts.
 
 Multi-turn (LiveAssistant): a trajectory is ONE token sequence built turn by turn: the prompt, the
