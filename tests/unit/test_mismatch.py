@@ -219,3 +219,34 @@ def test_defaults_and_decoder_old_logprobs_without_correction(moe_path):
         ("trainer", "none", "token", "truncate", 2.0, 0.0)
     cfg = parse_config(GRPOConfig, ["--model", moe_path, "--old_logprobs", "decoder", "--rollout_is", "none"])
     assert not cfg.rollout_correction.enabled
+
+
+def test_the_decode_graph_path_stores_the_routing_of_its_real_rows(moe_path):
+    """The CUDA-graph decode path's routing logic on the CPU: the graph's forward (ModelRunner._graph_forward, what a
+    graph holds) run in place of a replay over padded static buffers; the routed experts it stores for the real
+    rows equal the eager engine's (the padding rows, slot -1, store nothing)."""
+    model = load_model(moe_path, dtype=torch.float32)
+    eager = LLM.from_model(model, None, num_kv_blocks=64, use_tqdm=False)
+    want = sampled(eager)
+    eager.close()
+    llm = LLM.from_model(model, None, num_kv_blocks=64, use_tqdm=False)
+    runner = llm.core.runner
+
+    class Replay:  # what a captured graph does when replayed
+        def __init__(self, b):
+            self.b = b
+
+        def replay(self):
+            runner._graph_forward(self.b)
+
+    def capture():
+        runner.graph_vars = runner._graph_buffers(8)
+        runner.graphs.update({b: Replay(b) for b in (1, 2, 4, 8)})
+
+    runner.use_cuda_graphs = True
+    runner.capture_cuda_graphs = capture
+    got = sampled(llm)
+    assert runner.num_graph_replays > 0 and "routed" in runner.graph_vars
+    for a, b in zip(got, want):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert np.array_equal(a.outputs[0].routed_experts, b.outputs[0].routed_experts)
