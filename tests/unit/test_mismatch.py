@@ -206,6 +206,8 @@ def test_rollout_correction_weights_by_hand():
     (["--rollout_is_mode", "clip"], "--rollout_is_mode must be one of truncate, mask"),
     (["--rollout_rs", "0.5"], "--rollout_rs must be 0 (off) or a finite number > 1"),
     (["--routing_replay", "R2"], "--routing_replay must be one of none, R3"),
+    (["--rollout_dtype", "fp8"], "--rollout_dtype must be one of auto, bfloat16, float32"),
+    (["--rollout_url", "http://127.0.0.1:9", "--rollout_dtype", "bfloat16"], "--rollout_dtype with --rollout_url"),
 ])
 def test_bad_options_are_refused_naming_the_flag(moe_path, extra, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

@@ -36,6 +36,9 @@ class GRPOConfig(RunConfig):
                                                           "starting checkpoint per prompt; 0 = its greedy response"})
     rollout_kv_bytes: int = field(default=256 * 2**20, metadata={"help": "decoder KV-cache budget (CPU)"})
     rollout_max_num_seqs: int = field(default=512, metadata={"help": "sequences the rollout decoder runs at once"})
+    rollout_dtype: str = field(default="auto", metadata={"help": "the rollout decoder's dtype: auto (the trainer's "
+                                                                 "compute dtype) | bfloat16 | float32 (another one "
+                                                                 "decodes a copy refreshed after each step)"})
     rollout_url: str = field(default="", metadata={"help": "rollout servers (livemoe serve), comma-separated; "
                                                            "empty = the in-process decoder (livemoe/train/remote_rollout.py)"})
     weight_sync: str = field(default="distributed", metadata={"help": "with --rollout_url: how new weights reach "
@@ -104,6 +107,9 @@ class GRPOConfig(RunConfig):
         check_choice("scale_rewards", self.scale_rewards, SCALE_REWARDS)
         check_choice("old_logprobs", self.old_logprobs, ("decoder", "trainer"))
         check_choice("routing_replay", self.routing_replay, ("none", "R3"))
+        check_choice("rollout_dtype", self.rollout_dtype, ("auto", "bfloat16", "float32"))
+        if self.rollout_url and self.rollout_dtype != "auto":
+            raise ConfigError("--rollout_dtype with --rollout_url: the servers decode in their own --dtype; set it there")
         if self.rollout_correction.enabled and self.old_logprobs == "decoder":
             raise ConfigError("--rollout_is / --rollout_rs weigh the trainer's old log-probs against the rollout's; "
                               "with --old_logprobs decoder the policy ratio is against the rollout's already: use "

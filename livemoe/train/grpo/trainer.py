@@ -81,11 +81,13 @@ class GRPOTrainer:
         self.model = load_model(model_path, dtype=torch.float32, device=self.device)
         self.model.gradient_checkpointing = cfg.gradient_checkpointing
         self.master = self.infer = None
+        rollout_dtype = self.dtype if cfg.rollout_dtype == "auto" else getattr(torch, cfg.rollout_dtype)
         if self.dist.mesh.distributed:
             self.model = self.dist.parallelize(self.model, self.dtype == torch.bfloat16)
-            self.infer = self.dist.inference_copy(self.model, self.dtype)
         elif self.dtype != torch.float32:
             self.master = MasterWeights(self.model, self.dtype)
+        if self.dist.mesh.distributed or rollout_dtype != self.dtype:  # refreshed after each optimizer step
+            self.infer = self.dist.inference_copy(self.model, rollout_dtype)
         self.tokenizer = load_tokenizer(model_path) or load_tokenizer(self.start_model)
         if self.tokenizer is None:
             raise ConfigError(f"{self.start_model}: the checkpoint has no tokenizer (the prompts are text)")
