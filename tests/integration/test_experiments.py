@@ -110,7 +110,8 @@ def test_rollout_mismatch_from_a_given_start(student, tmp_path):
     results, out, _ = run_tiny("rollout_mismatch", student, tmp_path, "--start", student)
     rows = results["rows"]
     assert [r[0] for r in rows[1:]] == [label for label, _, _ in rollout_mismatch.ARMS]
-    assert all(r[1] > 0 and r[3] >= 0 for r in rows[1:])  # |dlogp| mean: bf16 vs fp32 differ
-    assert "--rollout_dtype bfloat16" in results["arms"]["plain"] and "--routing_replay R3" in results["arms"]["r3"]
+    assert all(r[1] == 1 and r[2] > 0 and r[4] >= 0 for r in rows[1:])  # one seed; |dlogp|: bf16 vs fp32 differ
+    arms = results["arms"]
+    assert "--rollout_dtype bfloat16" in arms["plain_seed0"] and "--routing_replay R3" in arms["r3_seed0"]
     assert (out / "rollout_mismatch.png").stat().st_size > 0
 
