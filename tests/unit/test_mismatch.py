@@ -252,3 +252,17 @@ def test_the_decode_graph_path_stores_the_routing_of_its_real_rows(moe_path):
     for a, b in zip(got, want):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert np.array_equal(a.outputs[0].routed_experts, b.outputs[0].routed_experts)
+
+
+def test_the_model_refuses_replayed_routing_that_does_not_fit(moe_path, tmp_path):
+    model = load_model(moe_path, dtype=torch.float32)
+    ids = torch.tensor([[5, 6, 7]])
+    good = torch.zeros(1, 3, 4, 2, dtype=torch.uint8)
+    good[..., 1] = 1
+    with pytest.raises(ValueError, match=r"routed_experts must be \[B, T, MoE layers, k\] = \[1, 3, 4, 2\]"):
+        model.forward_hidden(ids, routed_experts=good[:, :, :3])
+    with pytest.raises(ValueError, match=r"replayed topk_ids must be expert ids in \[0, 8\)"):
+        model.forward_hidden(ids, routed_experts=good + 8)
+    dense = load_model(make_checkpoint(tmp_path / "dense", moe=False)[0], dtype=torch.float32)
+    with pytest.raises(ValueError, match="routing replay: the model is dense"):
+        dense.forward_hidden(ids, routed_experts=good)

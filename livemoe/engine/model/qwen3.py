@@ -16,6 +16,7 @@ from livemoe.engine.model.layers import MLP, RMSNorm, RotaryEmbedding, SparseMoe
 from livemoe.engine.model.moe_loss import load_balancing_loss
 from livemoe.engine.model.tensor_parallel import (ParallelLMHead, TensorParallel, VocabParallelEmbedding, column_linear,
                                                   gather_logits, row_linear)
+from livemoe.kernels.moe.routing import check_replay
 
 
 class SelfAttention(nn.Module):
@@ -144,6 +145,7 @@ class Qwen3ForCausalLM(nn.Module):
             raise ValueError(f"routed_experts must be [B, T, MoE layers, k] = {list(want)}, "
                              f"got {list(routed_experts.shape)}")
         ids = routed_experts.to(device=input_ids.device, dtype=torch.long).reshape(B * T, L, -1)
+        check_replay(ids, None, cfg.num_experts_per_tok, cfg.num_experts)  # once per forward: one host sync
         return [ids[:, i] for i in range(L)]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

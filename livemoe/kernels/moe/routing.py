@@ -32,7 +32,9 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     if topk_ids is None:
         topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)
     else:
-        check_replay(topk_ids, router_logits.shape[0], top_k, router_logits.shape[1])
+        # the range check reads the ids on the host: on a GPU the model checks a forward's ids once (_replay_ids)
+        check_replay(topk_ids, router_logits.shape[0], top_k, router_logits.shape[1],
+                     check_range=topk_ids.device.type == "cpu")
         topk_ids = topk_ids.to(device=probs.device, dtype=torch.long)
         topk_weights = probs.gather(1, topk_ids)
     if renormalize:
@@ -40,10 +42,11 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     return topk_weights, topk_ids
 
 
-def check_replay(topk_ids: torch.Tensor, num_tokens: int, top_k: int, num_experts: int) -> None:
-    """ValueError naming the problem for replayed expert ids that do not fit this layer."""
-    if tuple(topk_ids.shape) != (num_tokens, top_k):
+def check_replay(topk_ids: torch.Tensor, num_tokens: int | None, top_k: int, num_experts: int,
+                 check_range: bool = True) -> None:
+    """ValueError naming the problem for replayed expert ids that do not fit this layer (num_tokens None: any)."""
+    if topk_ids.shape[-1] != top_k or (num_tokens is not None and tuple(topk_ids.shape) != (num_tokens, top_k)):
         raise ValueError(f"replayed topk_ids must be [T={num_tokens}, k={top_k}], got {tuple(topk_ids.shape)}")
-    if topk_ids.numel() and not (0 <= int(topk_ids.min()) and int(topk_ids.max()) < num_experts):
+    if check_range and topk_ids.numel() and not (0 <= int(topk_ids.min()) and int(topk_ids.max()) < num_experts):
         raise ValueError(f"replayed topk_ids must be expert ids in [0, {num_experts}), got the range "
                          f"[{int(topk_ids.min())}, {int(topk_ids.max())}]")
