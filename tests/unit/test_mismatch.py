@@ -266,3 +266,39 @@ def test_the_model_refuses_replayed_routing_that_does_not_fit(moe_path, tmp_path
     dense = load_model(make_checkpoint(tmp_path / "dense", moe=False)[0], dtype=torch.float32)
     with pytest.raises(ValueError, match="routing replay: the model is dense"):
         dense.forward_hidden(ids, routed_experts=good)
+
+
+@pytest.mark.triton  # the Triton grouped GEMMs (TRITON_INTERPRET=1 on the CPU, set by conftest; fp32)
+@pytest.mark.parametrize("backend", ["triton", "sorted"])
+def test_replay_through_each_moe_backend_matches_the_reference(backend):
+    g = torch.Generator().manual_seed(2)
+    T, H, E, I, k = 9, 16, 8, 16, 2
+    x = torch.randn(T, H, generator=g)
+    logits = torch.randn(T, E, generator=g)
+    w_gu, w_d = torch.randn(E, 2 * I, H, generator=g) * 0.3, torch.randn(E, H, I, generator=g) * 0.3
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    assert not torch.equal(ids.sort(-1).values, select_experts(logits, k).sort(-1).values)  # replay changes routing
+    w, _ = route(logits, k, True, ids)
+    want = experts_reference(x, w_gu, w_d, w, ids)
+    with torch.no_grad():  # the sorted backend's no-grad CPU path is the C++ op, which must not take a replay
+        got = fused_moe(x, w_gu, w_d, logits, k, True, topk_ids=ids, backend=backend)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_routed_experts_in_cuda_graphs_equal_eager(moe_path):
+    """The real decode graphs (recaptured with the routing buffer) against the eager engine, on the GPU."""
+    def run(**kw):
+        llm = LLM(moe_path, dtype=torch.float32, device="cuda", num_kv_blocks=64, use_tqdm=False, **kw)
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                                    return_routed_experts=True))
+        stats = llm.stats()
+        llm.close()
+        return outs, stats
+
+    want, _ = run(enforce_eager=True)
+    got, stats = run(max_num_seqs=4, max_graph_batch_size=4)
+    assert stats["num_graph_replays"] > 0
+    for a, b in zip(got, want):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert np.array_equal(a.outputs[0].routed_experts, b.outputs[0].routed_experts)
