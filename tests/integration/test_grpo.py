@@ -218,3 +218,15 @@ def test_mismatch_metrics_and_routing_replay_each_step(student, tmp_path):
     assert all(k in row and row[k] == row[k] for k in keys), [k for k in keys if k not in row]
     assert row["logprob_diff/max"] > 1e-4 and row["mismatch/k3_kl"] > 0 and row["grad_norm"] > 0
     assert 0 < row["rollout_is/weight_max"] <= float("inf") and row["rollout_is/over_threshold_frac"] == 0
+
+
+def test_routing_replay_of_multi_turn_trajectories(student, tmp_path):
+    """A trajectory's routed experts are its last turn's (that request ran every earlier token): they fit the
+    whole trajectory, and in fp32 the decoder and the trainer route alike."""
+    data = tmp_path / "mt.jsonl"
+    write_jsonl(str(data), multi_turn_records())
+    out = tmp_path / "mt_r3"
+    assert main(args(student, out, "--routing_replay", "R3", "--data", str(data), "--multi_turn", "true",
+                     "--max_steps", "1")) == 0
+    row = read_metrics(str(out / "metrics.jsonl"))[0]
+    assert row["tpr/max"] > 10 and row["grad_norm"] > 0 and row["mismatch/routing_disagreement"] == 0.0
