@@ -8,10 +8,10 @@ and entry point (experiments/common.py). The report goes to experiments/results/
 table, command, date and machine; results.json; a PNG where the seed has a figure). experiments/results/ also
 holds the LiveAssistant seed's results (live/: `python -m train.live` runs, and gspo_one_session.py's check).
 """
-from experiments import length_sweep, moe_vs_dense, reward_ablation, rft_vs_sft
+from experiments import length_sweep, moe_vs_dense, reward_ablation, rft_vs_sft, rollout_mismatch
 from experiments.common import ExperimentArgs, ExperimentError
 
-EXPERIMENTS = {m.NAME: m for m in (rft_vs_sft, length_sweep, reward_ablation, moe_vs_dense)}
+EXPERIMENTS = {m.NAME: m for m in (rft_vs_sft, length_sweep, reward_ablation, moe_vs_dense, rollout_mismatch)}
 
 
 def get(name: str):

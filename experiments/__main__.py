@@ -23,7 +23,8 @@ def main(argv=None, prog: str = "python -m experiments") -> int:
                                                      "NAME/tiny with --tiny)")
     ap.add_argument("--work_dir", default="", help="where the trainers' runs go (default: runs/experiments/NAME)")
     ap.add_argument("--model", default=DEFAULT_STUDENT, help="the base student (default: livemoe/train/assets/student)")
-    ap.add_argument("--start", default="", help="length_sweep, reward_ablation: the RFT student GRPO starts from "
+    ap.add_argument("--start", default="", help="length_sweep, reward_ablation, rollout_mismatch: the RFT student GRPO "
+                                                "starts from "
                                                 "(default: run livemoe.train.rft first, into WORK_DIR/rft)")
     ap.add_argument("--seed", type=int, default=0, help="seed of every arm (default: 0)")
     ap.add_argument("--no_progress", action="store_true", help="no progress bars or per-step lines")
@@ -36,7 +37,7 @@ def main(argv=None, prog: str = "python -m experiments") -> int:
         exp = experiments.get(a.name)
         if a.start and not exp.USES_START:
             raise experiments.ExperimentError(f"--start: {a.name} does not start from an RFT student "
-                                              "(only length_sweep and reward_ablation do)")
+                                              "(only length_sweep, reward_ablation and rollout_mismatch do)")
         args = ExperimentArgs(name=a.name, tiny=a.tiny, output_dir=a.output_dir, work_dir=a.work_dir, model=a.model,
                               start=a.start, seed=a.seed, progress=not a.no_progress,
                               command=" ".join([prog, shlex.join(argv)]).strip())

@@ -1,6 +1,7 @@
 """What the decoder returns: RequestOutput (one per request, in input order from generate), holding one
 CompletionOutput per sample (n of them) and the request's metrics."""
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -12,6 +13,8 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[dict[int, float]] | None = None  # per token {sampled: lp, top-1: lp, ...}
     tool_calls: list[dict] | None = None  # LLM.chat with tools: [{"name", "arguments": JSON text}] parsed from text
+    # return_routed_experts: numpy [tokens, MoE layers, k] (livemoe.engine.routed_experts), set once finished
+    routed_experts: Any = None
 
     @property
     def token_logprobs(self) -> list[float] | None:

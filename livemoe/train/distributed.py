@@ -195,7 +195,8 @@ class Distributed:
                 module.reshard()
         ep_group = self.mesh.ep.get_group() if self.mesh.dims.expert_parallel > 1 else None
         for name, param in model.named_parameters():
-            t = param.full_tensor().detach()  # gathered over its FSDP mesh
+            # gathered over its FSDP mesh (a plain parameter in one process: a --rollout_dtype copy)
+            t = (param.full_tensor() if hasattr(param, "full_tensor") else param).detach()
             if ep_group is not None and ".mlp.experts." in name:
                 parts = [torch.empty_like(t) for _ in range(self.mesh.dims.expert_parallel)]
                 dist.all_gather(parts, t.contiguous(), group=ep_group)

@@ -89,7 +89,7 @@ def _masked_mean(x, mask):
 
 
 def policy_loss(logprobs, old_logprobs, advantages, completion_mask, *, ref_logprobs=None, entropy=None,
-                num_items_in_batch=None, config: PolicyLossConfig | None = None, **options):
+                num_items_in_batch=None, is_weights=None, config: PolicyLossConfig | None = None, **options):
     """Clipped policy-gradient loss of the GRPO family (see the module docstring for the formulas).
 
     logprobs [B, T] (differentiable, from fused_linear_logprobs), old_logprobs [B, T] or None (= the
@@ -97,6 +97,8 @@ def policy_loss(logprobs, old_logprobs, advantages, completion_mask, *, ref_logp
     [B, T] (1 on completion tokens), ref_logprobs [B, T] (needed when beta > 0), entropy [B, T]
     (metric only). num_items_in_batch: dapo's normaliser, the active-token count of the whole
     accumulated batch (default: this batch's, allowed only when gradient_accumulation_steps == 1).
+    is_weights [B, T]: rollout-correction weights (livemoe.train.mismatch) multiplying each token's policy
+    term (not the KL's), as TIS does.
     Options are PolicyLossConfig's fields, given as `config=` and/or keywords (beta=, epsilon_low=,
     epsilon_high=, delta=, importance_sampling_level=, loss_type=, max_completion_length=,
     gradient_accumulation_steps=).
@@ -111,7 +113,7 @@ def policy_loss(logprobs, old_logprobs, advantages, completion_mask, *, ref_logp
         raise ValueError(f"logprobs must be [B, T], got {tuple(logprobs.shape)}")
     shape = tuple(logprobs.shape)
     for name, x in (("old_logprobs", old_logprobs), ("completion_mask", completion_mask),
-                    ("ref_logprobs", ref_logprobs), ("entropy", entropy)):
+                    ("ref_logprobs", ref_logprobs), ("entropy", entropy), ("is_weights", is_weights)):
         if x is not None and tuple(x.shape) != shape:
             raise ValueError(f"{name} must have logprobs' shape {shape}, got {tuple(x.shape)}")
     if tuple(advantages.shape) not in ((shape[0],), shape):
@@ -139,6 +141,8 @@ def policy_loss(logprobs, old_logprobs, advantages, completion_mask, *, ref_logp
     coef_2 = torch.clamp(coef_1, 1 - cfg.epsilon_low, 1 + cfg.epsilon_high)
     unclipped = coef_1 if cfg.delta is None else torch.clamp(coef_1, max=cfg.delta)
     per_token_loss = -torch.min(unclipped * adv, coef_2 * adv)
+    if is_weights is not None:
+        per_token_loss = per_token_loss * is_weights.detach().float()
     per_token_kl = None
     if cfg.beta != 0.0:
         diff = (ref_logprobs.float() - logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)

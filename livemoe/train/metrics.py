@@ -68,6 +68,8 @@ LEAD_GRPO = [
     ("tokens per response (TPR)", "tokens", ["tpr/mean"], False),
     ("KL to the starting checkpoint", "k3 KL per token", ["kl"], False),
     ("decode cost", "decode GFLOPs per response", ["decode_gflops_per_response"], False),
+    ("rollout vs trainer (livemoe.train.mismatch)", "k3 KL; share of tokens routed differently",
+     ["mismatch/k3_kl", "mismatch/routing_disagreement"], False),
 ]
 LEAD_RFT = [
     ("SFT loss", "completion loss (log scale)", ["loss"], True),

@@ -23,6 +23,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
+from livemoe.engine import routed_experts
 from livemoe.engine.core.weight_sync import join_servers, push_weights_to_servers
 from livemoe.engine.net import free_port
 from livemoe.train.rollout import Completion, derive_seed
@@ -33,7 +34,8 @@ WEIGHT_SYNCS = ("distributed", "disk")
 class RemoteRollouts:
     def __init__(self, urls: list[str], tokenizer, model, *, num_generations: int = 8, max_new_tokens: int = 256,
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1, seed: int = 0,
-                 weight_sync: str = "distributed", api_key: str | None = None, timeout_s: float = 600.0):
+                 weight_sync: str = "distributed", api_key: str | None = None, timeout_s: float = 600.0,
+                 return_routed_experts: bool = False):
         import openai
 
         if weight_sync not in WEIGHT_SYNCS:
@@ -43,6 +45,7 @@ class RemoteRollouts:
         self.urls = [u.rstrip("/") for u in urls]
         self.tokenizer, self.k, self.max_new_tokens, self.seed = tokenizer, num_generations, max_new_tokens, seed
         self.sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
+        self.return_routed_experts = return_routed_experts
         self.weight_sync, self.api_key, self.timeout_s = weight_sync, api_key, timeout_s
         self.clients = [openai.OpenAI(base_url=u + "/v1", api_key=api_key or "none", max_retries=2,
                                       timeout=timeout_s) for u in self.urls]
@@ -94,6 +97,8 @@ class RemoteRollouts:
         sampling = dict(temperature=0.0) if greedy else dict(temperature=self.temperature, top_p=self.sampling["top_p"],
                                                                seed=seed)
         extra = {"return_token_ids": True}
+        if not greedy and self.return_routed_experts:
+            extra["return_routed_experts"] = True
         if not greedy and self.sampling["top_k"] > 0:
             extra["top_k"] = self.sampling["top_k"]
         client = self.clients[i % len(self.clients)]
@@ -104,7 +109,9 @@ class RemoteRollouts:
             ids = c.model_extra["token_ids"]
             lps = c.logprobs.token_logprobs
             assert len(lps) == len(ids), (len(lps), len(ids))
-            comps.append(Completion(list(prompt_ids), list(ids), list(lps), c.text, c.finish_reason))
+            routed = c.model_extra.get("routed_experts")
+            comps.append(Completion(list(prompt_ids), list(ids), list(lps), c.text, c.finish_reason,
+                                    routed_experts=None if routed is None else routed_experts.decode(routed)))
         return comps
 
     def generate(self, prompts: list, step, max_new_tokens: int | None = None, n: int | None = None,

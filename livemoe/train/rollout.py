@@ -4,7 +4,9 @@ weights change). The KV cache is released for the update (`release()`) and comes
 generation, so the update never shares memory with it.
 
 Each completion keeps the decoder's raw log-prob of every sampled token (log_softmax(logits / T)
-before top-k/top-p: what the trainer recomputes) as its old_logprobs. Sampling is seeded per
+before top-k/top-p: what the trainer recomputes) as its old_logprobs (the rollout's log-probs: the policy ratio's
+old ones with --old_logprobs decoder, else what the mismatch metrics and the rollout correction compare the
+trainer's with, livemoe/train/mismatch.py). Sampling is seeded per
 (run seed, step, prompt): a resumed run draws the same rollouts.
 
 Multi-turn (LiveAssistant): a trajectory is ONE token sequence built turn by turn: the prompt, the
@@ -15,6 +17,7 @@ assistant tokens (everything else is masked out of the loss).
 import random
 import zlib
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -31,6 +34,8 @@ class Completion:
     finish_reason: str       # "stop" | "length"
     turn_spans: list = field(default_factory=list)  # multi-turn: [(start, end)] of assistant tokens in token_ids
     turn_texts: list = field(default_factory=list)
+    # the decoder's routed experts (numpy [prompt + generated - 1, MoE layers, k]) when the rollouts ask for them
+    routed_experts: Any = None
 
     @property
     def truncated(self) -> bool:
@@ -52,7 +57,7 @@ class Rollouts:
 
     def __init__(self, model, tokenizer, *, num_generations: int = 8, max_new_tokens: int = 256,
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1, seed: int = 0,
-                 **engine_options):
+                 return_routed_experts: bool = False, **engine_options):
         if num_generations < 1:
             raise ValueError(f"num_generations must be >= 1, got {num_generations}")
         if temperature <= 0:
@@ -62,6 +67,7 @@ class Rollouts:
         self.tokenizer = tokenizer
         self.k, self.max_new_tokens, self.seed = num_generations, max_new_tokens, seed
         self.sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
+        self.return_routed_experts = return_routed_experts  # sampled rollouts only (not greedy reference lengths)
 
     @property
     def temperature(self) -> float:
@@ -78,12 +84,13 @@ class Rollouts:
         if greedy:
             return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0)
         return SamplingParams(**self.sampling, n=n, max_tokens=max_tokens, seed=seed, logprobs=0,
-                              logprobs_mode="raw")
+                              logprobs_mode="raw", return_routed_experts=self.return_routed_experts)
 
     @staticmethod
     def _completion(prompt_ids, out) -> Completion:
         lps = [lp[t] for lp, t in zip(out.logprobs, out.token_ids)]
-        return Completion(list(prompt_ids), list(out.token_ids), lps, out.text, out.finish_reason)
+        return Completion(list(prompt_ids), list(out.token_ids), lps, out.text, out.finish_reason,
+                          routed_experts=out.routed_experts)
 
     def _ids(self, prompt) -> list:
         return self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
@@ -145,6 +152,7 @@ class Rollouts:
                 c.old_logprobs += [lp[t] for lp, t in zip(g.logprobs, g.token_ids)]
                 c.turn_spans.append((start, len(c.token_ids)))
                 c.turn_texts.append(g.text)
+                c.routed_experts = g.routed_experts  # the last turn's cover every token before it
                 if g.finish_reason == "length":
                     c.finish_reason = "length"
         for _, _, c in trajs:
@@ -158,7 +166,9 @@ def collate(completions: list, advantages, pad_id: int, mask_truncated: bool = F
 
     advantages: one per completion ([N]) or, for multi-turn, one [len(token_ids)] tensor per completion.
     Returns input_ids, attention_mask [N, T]; targets, completion_mask, old_logprobs, advantages
-    [N, T-1] (completion_mask 1 on generated assistant tokens only)."""
+    [N, T-1] (completion_mask 1 on generated assistant tokens only); when every completion has the decoder's
+    routed experts, also routed_experts [N, T, L, k] (rows it has no routing for: experts 0..k-1) and
+    routed_mask [N, T] (1 where the decoder's routing is there: every token but the last)."""
     n = len(completions)
     if n == 0:
         raise ValueError("collate: no completions")
@@ -187,8 +197,26 @@ def collate(completions: list, advantages, pad_id: int, mask_truncated: bool = F
         else:
             adv[i, p - 1:p - 1 + g] = float(a)
     targets = input_ids[:, 1:].clone()
-    return dict(input_ids=input_ids, attention_mask=attention_mask, targets=targets,
-                completion_mask=completion_mask, old_logprobs=old * completion_mask, advantages=adv * completion_mask)
+    out = dict(input_ids=input_ids, attention_mask=attention_mask, targets=targets,
+               completion_mask=completion_mask, old_logprobs=old * completion_mask, advantages=adv * completion_mask)
+    if all(c.routed_experts is not None for c in completions):
+        out.update(_collate_routing(completions, T))
+    return out
+
+
+def _collate_routing(completions: list, T: int) -> dict:
+    first = completions[0].routed_experts
+    _, L, k = first.shape
+    routed = torch.arange(k, dtype=torch.from_numpy(first[:0]).dtype).expand(len(completions), T, L, k).clone()
+    routed_mask = torch.zeros(len(completions), T, dtype=torch.long)
+    for i, c in enumerate(completions):
+        rows = len(c.prompt_ids) + len(c.token_ids) - 1
+        if c.routed_experts.shape != (rows, L, k):
+            raise ValueError(f"completion {i}: routed experts of shape {c.routed_experts.shape}, expected "
+                             f"{(rows, L, k)} (prompt + generated tokens - 1, MoE layers, k)")
+        routed[i, :rows] = torch.from_numpy(c.routed_experts)
+        routed_mask[i, :rows] = 1
+    return {"routed_experts": routed, "routed_mask": routed_mask}
 
 
 def reference_lengths(rollouts: Rollouts, records: list, prompts: list, cache: dict, samples: int = 0,

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from test_rollout import make_student
-from experiments import EXPERIMENTS, length_sweep, moe_vs_dense, reward_ablation
+from experiments import EXPERIMENTS, length_sweep, moe_vs_dense, reward_ablation, rollout_mismatch
 from experiments.__main__ import main
 from livemoe.train.metrics import read_metrics
 
@@ -41,14 +41,14 @@ def run_tiny(name, student, tmp_path, *extra):
 def test_the_listing_names_every_experiment(capsys):
     assert main([]) == 0
     listed = capsys.readouterr().out
-    assert len(EXPERIMENTS) == 4
+    assert len(EXPERIMENTS) == 5
     for name, module in EXPERIMENTS.items():
         assert f"{name}  " in listed and module.TITLE in listed
 
 
 @pytest.mark.parametrize("argv, message", [
     (["nope"], "no experiment named 'nope'; the experiments are: rft_vs_sft, length_sweep, reward_ablation, "
-               "moe_vs_dense"),
+               "moe_vs_dense, rollout_mismatch"),
     (["rft_vs_sft", "--start", "."], "--start: rft_vs_sft does not start from an RFT student"),
     (["moe_vs_dense", "--model", "/no/such/dir"], "--model /no/such/dir: not a checkpoint directory"),
 ])
@@ -103,3 +103,15 @@ def test_moe_vs_dense(student, tmp_path):
     moe_line = next(line for line in (out / "README.md").read_text().splitlines() if line.startswith("| MoE |"))
     assert moe_line.split(" | ")[4] == f"{rows['MoE'][4]:.3f}"  # losses with 3 decimals, the rest with 1
     assert moe_line.split(" | ")[-1] == f"{rows['MoE'][-1]:.1f} |"
+
+
+def test_rollout_mismatch_from_a_given_start(student, tmp_path):
+    """bf16 rollouts against an fp32 trainer, four arms: the mismatch is measured in each, non-zero."""
+    results, out, _ = run_tiny("rollout_mismatch", student, tmp_path, "--start", student)
+    rows = results["rows"]
+    assert [r[0] for r in rows[1:]] == [label for label, _, _ in rollout_mismatch.ARMS]
+    assert all(r[1] == 1 and r[2] > 0 and r[4] >= 0 for r in rows[1:])  # one seed; |dlogp|: bf16 vs fp32 differ
+    arms = results["arms"]
+    assert "--rollout_dtype bfloat16" in arms["plain_seed0"] and "--routing_replay R3" in arms["r3_seed0"]
+    assert (out / "rollout_mismatch.png").stat().st_size > 0
+

@@ -202,3 +202,31 @@ def test_a_diverging_run_stops_keeps_its_last_good_checkpoint_and_exports_nothin
     code = main(args(student, out, "--lr", "1e9", "--max_steps", "8", "--save_every", "1", "--keep_last", "1",
                      "--max_nonfinite_steps", "2"))
     assert_stopped_on_nonfinite(code, capsys.readouterr().err, out)
+
+
+def test_mismatch_metrics_and_routing_replay_each_step(student, tmp_path):
+    """Issue 32: every step logs the rollout-trainer mismatch (|dlogp|, k3 KL, perplexity ratio, routing
+    disagreement overall and per MoE layer) and the rollout correction's weights; with bf16 rollouts (C++ ops)
+    against the trainer's bf16 autocast forward they are non-zero, and R3 trains through the replayed routing."""
+    out = tmp_path / "r3"
+    assert main(args(student, out, "--bf16", "true", "--routing_replay", "R3", "--max_steps", "1")) == 0
+    row = read_metrics(str(out / "metrics.jsonl"))[0]
+    keys = ("logprob_diff/mean", "logprob_diff/max", "mismatch/k3_kl", "mismatch/ppl_ratio",
+            "mismatch/routing_disagreement", "mismatch/routing_disagreement/layer_0",
+            "mismatch/routing_disagreement/layer_1", "rollout_is/weight_mean", "rollout_is/weight_max",
+            "rollout_is/over_threshold_frac", "rollout_rs/rejected_frac")
+    assert all(k in row and row[k] == row[k] for k in keys), [k for k in keys if k not in row]
+    assert row["logprob_diff/max"] > 1e-4 and row["mismatch/k3_kl"] > 0 and row["grad_norm"] > 0
+    assert 0 < row["rollout_is/weight_max"] <= float("inf") and row["rollout_is/over_threshold_frac"] == 0
+
+
+def test_routing_replay_of_multi_turn_trajectories(student, tmp_path):
+    """A trajectory's routed experts are its last turn's (that request ran every earlier token): they fit the
+    whole trajectory, and in fp32 the decoder and the trainer route alike."""
+    data = tmp_path / "mt.jsonl"
+    write_jsonl(str(data), multi_turn_records())
+    out = tmp_path / "mt_r3"
+    assert main(args(student, out, "--routing_replay", "R3", "--data", str(data), "--multi_turn", "true",
+                     "--max_steps", "1")) == 0
+    row = read_metrics(str(out / "metrics.jsonl"))[0]
+    assert row["tpr/max"] > 10 and row["grad_norm"] > 0 and row["mismatch/routing_disagreement"] == 0.0

@@ -430,3 +430,19 @@ def test_a_failed_worker_ends_its_engine_core(checkpoints, monkeypatch):
         assert gone([core, *workers])
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("ep", [False, True], ids=["moe", "moe-ep"])
+def test_tp2_routed_experts_equal_one_process(checkpoints, tp2, ep):
+    """return_routed_experts under tensor (and expert) parallel: the router is replicated and every rank ends each
+    layer with the same hidden states, so rank 0's routing is the model's (nothing to gather); with preemption
+    (30 blocks) and prefix hits it equals the one-process engine's."""
+    path, _ = checkpoints["moe"]
+    ps = prompts()
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, return_routed_experts=True)
+    one = LLM(path, num_kv_blocks=256, **OPTIONS).generate(ps, params)
+    outs = tp2("moe", ep).generate(ps, params)
+    for a, b in zip(outs, one):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].routed_experts.shape == (len(a.prompt_token_ids) + NEW - 1, 3, 2)
+        assert (a.outputs[0].routed_experts == b.outputs[0].routed_experts).all()

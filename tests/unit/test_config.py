@@ -209,3 +209,14 @@ def test_live_flags_fill_its_stages_configs():
                           (["--max_message_chars", "0"], "--max_message_chars must be >= 1")):
         with pytest.raises(ConfigError, match=message):
             parse_config(LiveConfig, argv)
+
+
+def test_grpo_rollout_speculative_config_is_checked_when_parsed():
+    from livemoe.train.grpo.config import GRPOConfig
+
+    spec = '{"method": "ngram", "num_speculative_tokens": 4}'
+    assert parse_config(GRPOConfig, ["--rollout_speculative_config", spec]).rollout_speculative_config == spec
+    with pytest.raises(ConfigError, match="--rollout_speculative_config: speculative_config: unknown key"):
+        parse_config(GRPOConfig, ["--rollout_speculative_config", '{"method": "ngram", "k": 4}'])
+    with pytest.raises(ConfigError, match="with --rollout_url start the servers with --speculative-config"):
+        parse_config(GRPOConfig, ["--rollout_speculative_config", spec, "--rollout_url", "http://h:1"])

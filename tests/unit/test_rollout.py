@@ -70,6 +70,21 @@ def test_k_seeded_completions_and_old_logprobs_match_the_trainer(model_and_tok):
     assert diff < 2e-5, diff
 
 
+def test_speculative_rollouts_are_the_same_rollouts(model_and_tok):
+    """GRPO's --rollout_speculative_config: seeded ngram speculation gives each rollout the tokens it gets without,
+    and the old log-probs of every token are the target's."""
+    model, tok = model_and_tok
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "disable_by_batch_size": 64}
+    kw = dict(num_generations=4, max_new_tokens=24, temperature=0.7, seed=3, num_kv_blocks=128)
+    plain, fast = Rollouts(model, tok, **kw), Rollouts(model, tok, speculative_config=spec, **kw)
+    a = [c for g in plain.generate(PROMPTS, step=0) for c in g]
+    b = [c for g in fast.generate(PROMPTS, step=0) for c in g]
+    assert [c.token_ids for c in b] == [c.token_ids for c in a]
+    for x, y in zip(a, b):  # a k+1-token chunk and a one-token decode sum in another order
+        assert max(abs(p - q) for p, q in zip(x.old_logprobs, y.old_logprobs)) < 1e-4
+    assert fast.llm.stats()["spec_drafted_tokens"] > 0
+
+
 def test_an_update_is_seen_and_the_kv_cache_is_released(model_and_tok):
     model, tok = model_and_tok
     ro = Rollouts(model, tok, num_generations=2, max_new_tokens=8, temperature=1.0, num_kv_blocks=32)

@@ -387,3 +387,21 @@ def test_engine_samples_the_same_distribution_with_and_without_speculation(tmp_p
         seen = (x + y) > 0
         stat = float(((x - y)[seen] ** 2 / (x + y)[seen]).sum())
         assert stat < 31.3, (position, x.tolist(), y.tolist())
+
+
+def test_routed_experts_cover_the_kept_tokens_with_speculation(checkpoints):
+    """return_routed_experts with ngram drafts: the array holds the routing of the tokens kept (rejected drafts'
+    positions are overwritten later), equal to decoding without speculation."""
+    import numpy as np
+
+    base, spec = engines(checkpoints["moe0"])
+    prompts = repetitive_prompts(4, 120, seed=10)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, return_routed_experts=True)
+    a, b = base.generate(prompts, params), spec.generate(prompts, params)
+    assert spec.stats()["spec_accepted_tokens"] > 0
+    for x, y in zip(a, b):
+        assert x.token_ids == y.token_ids
+        ra, rb = x.outputs[0].routed_experts, y.outputs[0].routed_experts
+        assert rb.shape == ra.shape == (len(x.prompt_token_ids) + len(x.token_ids) - 1, *ra.shape[1:])
+        # a k+1-token chunk and a one-token decode may order a near-tie of router logits differently
+        assert np.mean(np.sort(ra, -1) == np.sort(rb, -1)) > 0.99, np.mean(np.sort(ra, -1) == np.sort(rb, -1))

@@ -73,6 +73,7 @@ class CompletionDelta(Message):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     text: str | None = None
+    routed_experts: Any = None  # on the last delta, with return_routed_experts: the numpy array (pickled)
 
 
 class RequestDelta(Message):

@@ -366,7 +366,7 @@ class MPClient(EngineCoreClient):
             if d.logprobs is not None:
                 c.logprobs = (c.logprobs or []) + d.logprobs
             if d.finish_reason is not None:
-                c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
+                c.finish_reason, c.stop_reason, c.routed_experts = d.finish_reason, d.stop_reason, d.routed_experts
                 c.text = d.text if d.text is not None else final_text(self.tokenizer, c.token_ids, d.finish_reason,
                                                                       d.stop_reason, t.params.skip_special_tokens)
         if delta.prompt_logprobs is not None:
@@ -381,5 +381,6 @@ def _snapshot(out: RequestOutput) -> RequestOutput:
     """What OutputDeltas reads, frozen at this step (the lists keep growing on the reader thread)."""
     return RequestOutput(out.request_id, out.prompt, out.prompt_token_ids,
                          [CompletionOutput(c.index, c.text, c.token_ids[:], c.finish_reason, c.stop_reason,
-                                           None if c.logprobs is None else c.logprobs[:]) for c in out.outputs],
+                                           None if c.logprobs is None else c.logprobs[:],
+                                           routed_experts=c.routed_experts) for c in out.outputs],
                          out.finished, out.metrics, out.prompt_logprobs)

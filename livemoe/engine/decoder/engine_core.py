@@ -175,6 +175,11 @@ class EngineCore:
             # the lm_head is split over the ranks, which would all have to join the log-probs' pass
             raise RequestError(f"prompt_logprobs is not supported with tensor_parallel_size="
                                f"{self.config.tensor_parallel_size}; serve the model on one rank to get them")
+        if params.return_routed_experts and self.model.num_moe_layers == 0:
+            raise RequestError("return_routed_experts: the model is dense (no MoE layer has experts to return)")
+        why = self.runner.routing_capture_refusal() if params.return_routed_experts else None
+        if why is not None:
+            raise RequestError(why)
 
     def add_request(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
                     validated: bool = False) -> None:
@@ -184,6 +189,10 @@ class EngineCore:
             raise RequestError(f"request id {request_id!r} is already in flight")
         if not validated:
             self.validate(prompt_ids, params)
+        if params.return_routed_experts and not self.runner.capture_routing:
+            # the blocks cached so far hold no routing: a hit on them would return garbage ids
+            self.reset_prefix_cache()
+            self.runner.enable_routing_capture()
         now = time.perf_counter()
         seqs = [Sequence(prompt_ids, params, request_id, i, None if params.seed is None else params.seed + i, now)
                 for i in range(params.n)]
@@ -343,6 +352,8 @@ class EngineCore:
             return False
         if seq.finish_reason is not None:
             assert self.scheduler is not None  # a step runs with the KV cache reserved
+            if seq.params.return_routed_experts:  # before finish() frees its blocks
+                seq.routed_experts = self.runner.routed_experts_of(len(seq), seq.block_table)
             self.scheduler.finish(seq)
             touched[seq.request_id] = self.requests[seq.request_id]
         elif not finished_only:

@@ -3,6 +3,11 @@ context lens, cu_seqlens), runs the engine model with them and the cache's per-l
 StepContext (an argument of the forward: nothing is attached to the shared module), and returns logits only
 for the rows that sample. Decode steps replay CUDA graphs captured over a ladder of batch sizes; every
 decode step that cannot (batch too large) runs eagerly and is counted and logged.
+
+Routed experts (SamplingParams.return_routed_experts): once enabled, every step stores each token's top-k
+expert ids per MoE layer at its KV slot, in a buffer beside the KV cache ([slots, MoE layers, k], uint8 or
+int16: 0.4% of Qwen3-30B-A3B's KV bytes per token). Kept per slot as the K/V are, a prefix-cache hit or a
+recomputed (preempted) prefix has them too, and a finished sequence reads its own through its block table.
 """
 import array
 import logging
@@ -17,8 +22,10 @@ from livemoe.engine.errors import EngineConfigError
 from livemoe.engine.model.attention import Attention
 from livemoe.engine.model.context import StepContext
 from livemoe.engine.model.qwen3 import Qwen3ForCausalLM
+from livemoe.engine.routed_experts import routed_dtype
 from livemoe.kernels._ext import sm_count
 from livemoe.kernels.attention import choose_num_splits
+from livemoe.kernels.moe import select_experts
 
 log = logging.getLogger(__name__)
 _ARRAY_TYPECODE = {torch.long: "q", torch.int32: "i"}
@@ -57,6 +64,8 @@ class ModelRunner:
         # set for a step with prompt-logprob rows: execute() keeps every row's hidden state for the core to read
         self.keep_hidden = False
         self.last_hidden: torch.Tensor | None = None
+        self.capture_routing = False  # enable_routing_capture(): store routed experts per KV slot
+        self.routing: torch.Tensor | None = None  # [num_blocks * block_size, MoE layers, k], made at first use
 
     # -- KV cache -----------------------------------------------------------------------------------
 
@@ -112,6 +121,7 @@ class ModelRunner:
 
     def free_kv_cache(self) -> None:
         self.kv_cache = None
+        self.routing = None
         self.layer_caches = []
         self.num_blocks = 0
         self.graphs.clear()  # they hold pointers into the freed cache
@@ -210,7 +220,49 @@ class ModelRunner:
         return self.model.compute_logits(hidden).float()
 
     def _run_eager(self, input_ids, positions, ctx: StepContext) -> torch.Tensor:
-        return self.model.forward_hidden(input_ids[None], positions[None], step=ctx)[0]
+        if not self.capture_routing:
+            return self.model.forward_hidden(input_ids[None], positions[None], step=ctx)[0]
+        hidden, router_logits = self.model.forward_hidden(input_ids[None], positions[None], step=ctx,
+                                                          return_router_logits=True)
+        self._routing_buffer()[ctx.slot_mapping] = self._routed_ids(router_logits)
+        return hidden[0]
+
+    # -- routed experts -----------------------------------------------------------------------------
+
+    def routing_capture_refusal(self) -> str | None:
+        """Why this runner cannot turn routing capture on now (None: it can)."""
+        return None
+
+    def enable_routing_capture(self) -> None:
+        """From the next step on, store every token's routed experts (the decode graphs are recaptured with it)."""
+        if self.model.num_moe_layers == 0:
+            raise EngineConfigError("routed experts: the model is dense (no MoE layer)")
+        if not self.capture_routing:
+            self.capture_routing = True
+            self.graphs.clear()
+            self.graph_vars.clear()
+
+    def _routed_ids(self, router_logits) -> torch.Tensor:
+        """Per MoE layer's router logits [N, E] -> [N, MoE layers, k], the experts the layer ran (its routing)."""
+        cfg = self.model.config
+        ids = torch.stack([select_experts(x, cfg.num_experts_per_tok) for x in router_logits], dim=1)
+        return ids.to(routed_dtype(cfg.num_experts))
+
+    def _routing_buffer(self) -> torch.Tensor:
+        if self.routing is None:
+            assert self.kv_cache is not None, "no KV cache"
+            cfg = self.model.config
+            self.routing = torch.zeros(self.num_blocks * self.block_size, self.model.num_moe_layers,
+                                       cfg.num_experts_per_tok, dtype=routed_dtype(cfg.num_experts), device=self.device)
+        return self.routing
+
+    def routed_experts_of(self, token_ids_len: int, block_table: list[int]):
+        """The routed experts of a sequence's first token_ids_len - 1 tokens (all it ran; the last sampled token
+        never is) as a numpy [tokens, MoE layers, k] array, read through its block table."""
+        bs = self.block_size
+        slots = [block_table[p // bs] * bs + p % bs for p in range(token_ids_len - 1)]
+        index = torch.tensor(slots, dtype=torch.long, device=self.device)
+        return self._routing_buffer().index_select(0, index).cpu().numpy()
 
     # -- CUDA graphs (decode) -----------------------------------------------------------------------
 
@@ -231,6 +283,7 @@ class ModelRunner:
             context_lens=torch.zeros(top, dtype=torch.int32, device=dev),
             block_tables=torch.full((top, self.max_blocks_per_seq), -1, dtype=torch.int32, device=dev),
             hidden=torch.zeros(top, self.model.config.hidden_size, dtype=self.dtype, device=dev),
+            **({"routed": self._routing_buffer()[:top].clone()} if self.capture_routing else {}),
         )
 
     def _graph_context(self, b: int) -> StepContext:
@@ -247,7 +300,12 @@ class ModelRunner:
         """What a decode graph of batch b holds: the forward over the static buffers' first b rows."""
         v = self.graph_vars
         step = self._graph_context(b)
-        v["hidden"][:b] = self.model.forward_hidden(v["input_ids"][:b][None], v["positions"][:b][None], step=step)[0]
+        out = self.model.forward_hidden(v["input_ids"][:b][None], v["positions"][:b][None], step=step,
+                                        return_router_logits=self.capture_routing)
+        if self.capture_routing:
+            out, router_logits = out
+            v["routed"][:b] = self._routed_ids(router_logits)
+        v["hidden"][:b] = out[0]
 
     def _fill_graph_buffers(self, input_ids, positions, ctx: StepContext, size: int) -> None:
         """Copies a decode step of B <= size rows in; rows B..size become padding (slot -1: nothing
@@ -291,4 +349,6 @@ class ModelRunner:
         self._fill_graph_buffers(input_ids, positions, ctx, size)
         self.graphs[size].replay()
         self.num_graph_replays += 1
+        if self.capture_routing:  # outside the graph: the slots of the real rows (padding rows have none)
+            self._routing_buffer()[ctx.slot_mapping] = self.graph_vars["routed"][:B]
         return self.graph_vars["hidden"][:B]

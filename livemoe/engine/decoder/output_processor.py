@@ -79,7 +79,8 @@ class OutputProcessor:
                 text = final_text(self.tokenizer, ids, seq.finish_reason, seq.stop_reason,
                                   req.params.skip_special_tokens)
             completions.append(CompletionOutput(seq.index, text, list(ids), seq.finish_reason, seq.stop_reason,
-                                                list(seq.logprobs) if req.params.logprobs is not None else None))
+                                                list(seq.logprobs) if req.params.logprobs is not None else None,
+                                                routed_experts=seq.routed_experts))
         return RequestOutput(req.request_id, req.prompt, req.prompt_ids, completions, req.finished, self.metrics(req),
                              req.prompt_logprobs)
 

@@ -58,6 +58,7 @@ class Sequence:
         self.spec_misses = 0  # verifications in a row that kept no draft
         self.num_draft_computed = 0  # draft_model: tokens whose K/V the draft model has written (spec/draft_model.py)
         self.spec_skip_steps = 0  # decode steps to go without drafting (backoff after misses)
+        self.routed_experts = None  # return_routed_experts: read from the runner as the sequence finishes
         # metrics
         self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None

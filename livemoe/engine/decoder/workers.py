@@ -344,6 +344,14 @@ class DriverRunner(ModelRunner):
         self.workers.free()
         super().free_kv_cache()
 
+    def routing_capture_refusal(self) -> str | None:
+        # rank 0 alone would recapture its decode graphs (their collectives included) while the workers replay
+        # theirs; before the first capture its graphs just hold the routing ops too (no extra collective)
+        if self.graphs and not self.capture_routing:
+            return ("return_routed_experts on a tensor-parallel CUDA engine must come with its first requests (the "
+                    "ranks' decode graphs are captured together): start the engine again, or pass enforce_eager=True")
+        return None
+
     def run(self, out):
         plan = self.plan(out)
         self.workers.send_step(plan)

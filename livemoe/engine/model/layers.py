@@ -52,7 +52,8 @@ class MLP(nn.Module):
         self.up_proj = column_linear(hidden_size, intermediate_size, False, tp)
         self.down_proj = row_linear(intermediate_size, hidden_size, False, tp)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def forward(self, x: torch.Tensor, topk_ids=None) -> tuple[torch.Tensor, None]:
+        assert topk_ids is None, "a dense MLP has no routing to replay"
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)), None
 
 
@@ -69,9 +70,12 @@ class Experts(nn.Module):
         # (training: livemoe.train.parallel.ExpertParallel, set by parallelize(); decoding: livemoe.engine.model.tensor_parallel)
         self.expert_parallel = None
 
-    def forward(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                topk_ids: torch.Tensor | None = None) -> torch.Tensor:
         moe = fused_moe if self.expert_parallel is None else self.expert_parallel.fused_moe
-        return moe(x, self.gate_up_proj, self.down_proj, router_logits, top_k, renormalize)
+        if topk_ids is None:  # the decoder's tensor-parallel layouts take no replay (Qwen3ForCausalLM refuses it)
+            return moe(x, self.gate_up_proj, self.down_proj, router_logits, top_k, renormalize)
+        return moe(x, self.gate_up_proj, self.down_proj, router_logits, top_k, renormalize, topk_ids=topk_ids)
 
 
 class SparseMoeBlock(nn.Module):
@@ -91,9 +95,10 @@ class SparseMoeBlock(nn.Module):
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [..., H] -> (out [..., H], router_logits [N, E]); topk_ids [N, k]: replay these experts (R3)."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         router_logits = self.gate(flat)
-        out = self.experts(flat, router_logits, self.top_k, self.norm_topk_prob)
+        out = self.experts(flat, router_logits, self.top_k, self.norm_topk_prob, topk_ids)
         return out.reshape(shape), router_logits

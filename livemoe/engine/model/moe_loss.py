@@ -11,8 +11,10 @@ MODES = ("global", "per_layer")
 
 
 def load_balancing_loss(router_logits, num_experts: int, top_k: int, attention_mask=None, mode: str = "global",
-                        group=None):
-    """router_logits: a sequence of [N, E] tensors (one per MoE layer, N = B*T); attention_mask [B, T].
+                        group=None, selected=None):
+    """router_logits: a sequence of [N, E] tensors (one per MoE layer, N = B*T); attention_mask [B, T];
+    selected: per layer the experts the tokens ran on ([N, k]; default the router's top-k), as routing replay
+    sets them.
 
     `group` (a process group of data-parallel ranks, each holding its share of the batch): the expert counts
     and token counts are summed over its ranks, so the loss counts every token of the global batch; each rank
@@ -24,12 +26,12 @@ def load_balancing_loss(router_logits, num_experts: int, top_k: int, attention_m
         raise ValueError("load_balancing_loss needs router logits from at least one MoE layer")
     weight = None if attention_mask is None else attention_mask.reshape(-1).float()
     counts, prob_sums, rows = [], [], []
-    for logits in router_logits:
+    for i, logits in enumerate(router_logits):
         probs = torch.softmax(logits.float(), dim=-1)
-        selected = torch.topk(probs, top_k, dim=-1).indices
+        ids = torch.topk(probs, top_k, dim=-1).indices if selected is None else selected[i].to(probs.device)
         w = torch.ones(probs.shape[0], device=probs.device) if weight is None else weight.to(probs.device)
         counts.append(torch.zeros(num_experts, device=probs.device).scatter_add_(
-            0, selected.reshape(-1), w.repeat_interleave(top_k)))
+            0, ids.reshape(-1), w.repeat_interleave(top_k)))
         prob_sums.append((probs * w[:, None]).sum(0))
         rows.append(w.sum())
     counts, prob_sums, rows = torch.stack(counts), torch.stack(prob_sums), torch.stack(rows)  # [L, E], [L, E], [L]

@@ -16,6 +16,7 @@ from livemoe.engine.model.layers import MLP, RMSNorm, RotaryEmbedding, SparseMoe
 from livemoe.engine.model.moe_loss import load_balancing_loss
 from livemoe.engine.model.tensor_parallel import (ParallelLMHead, TensorParallel, VocabParallelEmbedding, column_linear,
                                                   gather_logits, row_linear)
+from livemoe.kernels.moe.routing import check_replay
 
 
 class SelfAttention(nn.Module):
@@ -50,7 +51,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TensorParallel | None = None):
         super().__init__()
         self.self_attn = SelfAttention(cfg, layer_idx, tp)
-        if cfg.is_moe_layer(layer_idx):
+        self.mlp_is_moe = cfg.is_moe_layer(layer_idx)
+        if self.mlp_is_moe:
             self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size,
                                       cfg.num_experts_per_tok, cfg.norm_topk_prob, tp)
         else:
@@ -58,9 +60,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, attention_mask=None, step: StepContext | None = None):
+    def forward(self, x, cos, sin, attention_mask=None, step: StepContext | None = None, topk_ids=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention_mask, step)
-        out, router_logits = self.mlp(self.post_attention_layernorm(x))
+        out, router_logits = self.mlp(self.post_attention_layernorm(x), topk_ids)
         return x + out, router_logits
 
 
@@ -98,27 +100,53 @@ class Qwen3ForCausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def forward_hidden(self, input_ids, positions=None, attention_mask=None, return_router_logits=False,
-                       step: StepContext | None = None):
+                       step: StepContext | None = None, routed_experts: torch.Tensor | None = None):
         """input_ids [B, T] -> final hidden states [B, T, H] (after the last norm); with
         return_router_logits, also a tuple of router logits [B*T, E], one per MoE layer. `step`: the decoder's
-        step (livemoe.engine.model.context; input_ids then one flattened row [1, N]); None is the plain causal forward."""
+        step (livemoe.engine.model.context; input_ids then one flattened row [1, N]); None is the plain causal forward.
+        routed_experts [B, T, L, k] (L = the MoE layers, in order): routing replay (R3), each MoE layer runs
+        these experts with weights from its own router logits (livemoe.kernels.moe.routing)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+        replay = self._replay_ids(input_ids, routed_experts)
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(positions, x.dtype)
         router_logits = []
         for layer in self.model.layers:
+            ids = replay[len(router_logits)] if replay is not None and layer.mlp_is_moe else None
             if self.gradient_checkpointing and self.training:
-                x, logits = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, attention_mask, step,
+                x, logits = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, attention_mask, step, ids,
                                                               use_reentrant=False)
             else:
-                x, logits = layer(x, cos, sin, attention_mask, step)
+                x, logits = layer(x, cos, sin, attention_mask, step, ids)
             if logits is not None:
                 router_logits.append(logits)
         hidden = self.model.norm(x)
         return (hidden, tuple(router_logits)) if return_router_logits else hidden
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(layer.mlp_is_moe for layer in self.model.layers)
+
+    def _replay_ids(self, input_ids: torch.Tensor, routed_experts: torch.Tensor | None) -> list | None:
+        """Per MoE layer, the replayed topk_ids [B*T, k]; ValueError naming what does not fit."""
+        if routed_experts is None:
+            return None
+        cfg, L = self.config, self.num_moe_layers
+        if L == 0:
+            raise ValueError("routing replay: the model is dense (no MoE layer)")
+        if self.tensor_parallel is not None:
+            raise ValueError("routing replay runs in the trainer's forward, not on a tensor-parallel decoder shard")
+        B, T = input_ids.shape
+        want = (B, T, L, cfg.num_experts_per_tok)
+        if tuple(routed_experts.shape) != want:
+            raise ValueError(f"routed_experts must be [B, T, MoE layers, k] = {list(want)}, "
+                             f"got {list(routed_experts.shape)}")
+        ids = routed_experts.to(device=input_ids.device, dtype=torch.long).reshape(B * T, L, -1)
+        check_replay(ids, None, cfg.num_experts_per_tok, cfg.num_experts)  # once per forward: one host sync
+        return [ids[:, i] for i in range(L)]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., V] (the full vocab on every rank under tensor parallel)."""
@@ -129,10 +157,17 @@ class Qwen3ForCausalLM(nn.Module):
     def forward(self, input_ids, positions=None, attention_mask=None):
         return self.compute_logits(self.forward_hidden(input_ids, positions, attention_mask))
 
-    def load_balancing_loss(self, router_logits, attention_mask=None, mode: str = "global", group=None):
+    def load_balancing_loss(self, router_logits, attention_mask=None, mode: str = "global", group=None,
+                            routed_experts: torch.Tensor | None = None):
         """Unscaled MoE load-balancing loss of `forward_hidden(..., return_router_logits=True)`'s logits;
         the trainer multiplies by its λ_aux (config.router_aux_loss_coef by default). `group`: the
-        data-parallel ranks whose tokens it counts (see livemoe.engine.model.moe_loss)."""
+        data-parallel ranks whose tokens it counts (see livemoe.engine.model.moe_loss). routed_experts
+        [B, T, L, k]: the replayed routing (R3) the expert counts follow."""
         cfg = self.config
+        selected = None
+        if routed_experts is not None:
+            B, T = routed_experts.shape[:2]
+            flat = routed_experts.to(device=router_logits[0].device, dtype=torch.long).reshape(B * T, len(router_logits), -1)
+            selected = [flat[:, i] for i in range(len(router_logits))]
         return load_balancing_loss(router_logits, cfg.num_experts, cfg.num_experts_per_tok, attention_mask, mode,
-                                   group)
+                                   group, selected)

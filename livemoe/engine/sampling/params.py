@@ -51,6 +51,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     min_tokens: int = 0  # EOS and stop_token_ids banned (and stop strings not checked) before this many
     structured: StructuredOutput | None = None  # livemoe.engine.sampling.structured: JSON schema, regex, choice, grammar
+    # each completion's routed experts, [tokens, MoE layers, k] (livemoe.engine.routed_experts; refused on a dense model)
+    return_routed_experts: bool = False
     processes_logits: bool = field(init=False, default=False, repr=False, compare=False)  # any of the above
 
     def __post_init__(self):
@@ -94,6 +96,8 @@ class SamplingParams:
             fail(f"logprobs must be None or an integer >= 0, got {self.logprobs!r}")
         if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
             fail(f"prompt_logprobs must be None or an integer >= 0, got {self.prompt_logprobs!r}")
+        if not isinstance(self.return_routed_experts, bool):
+            fail(f"return_routed_experts must be a bool, got {self.return_routed_experts!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             fail(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         validate_logits_processing(self, fail)

@@ -6,8 +6,9 @@ is a 400 naming it, and so is a known one used in a way we cannot serve (prompt 
 best_of != n; each model's REFUSED_WHEN lists them for the docs' field table, field_table.py).
 The only fields accepted without an effect are NO_EFFECT_FIELDS, which by nature mean nothing to a
 local server. Extensions in the body: `top_k`, `min_p`, `ignore_eos`, `return_token_ids` (each choice,
-streamed or not, also carries its token ids), `repetition_penalty`, `min_tokens`, and vLLM's
-`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (livemoe.engine.sampling.structured),
+streamed or not, also carries its token ids), `return_routed_experts` (each choice's last chunk, or the choice,
+carries `routed_experts`: base64 + shape + dtype, livemoe.engine.routed_experts), `repetition_penalty`, `min_tokens`,
+and vLLM's `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (livemoe.engine.sampling.structured),
 `prompt_logprobs` and `stream_options.continuous_usage_stats`. Older clients' spellings are read as what they
 mean: the `developer` role as `system`, `functions` / `function_call` as tools, `response_format.schema` with
 type json_object as a JSON schema.
@@ -79,10 +80,11 @@ class _Common(StrictModel):
     EXTENSIONS: ClassVar[dict[str, str]] = {
         **{k: "vLLM" for k in ("top_k", "min_p", "ignore_eos", "return_token_ids", "repetition_penalty", "min_tokens",
                                "guided_json", "guided_regex", "guided_choice", "guided_grammar", "prompt_logprobs",
-                               "stream_options.continuous_usage_stats")},
+                               "stream_options.continuous_usage_stats", "return_routed_experts")},
         "response_format.schema": "older clients (instructor)"}
     REFUSED_WHEN: ClassVar[dict[str, str]] = {
         "stream_options": "without stream: true", "prompt_logprobs": "with stream: true",
+        "return_routed_experts": "on a dense model",
         "response_format.schema": "with a type other than json_object"}
     NO_EFFECT: ClassVar[tuple[str, ...]] = NO_EFFECT_FIELDS
 
@@ -105,6 +107,7 @@ class _Common(StrictModel):
     min_tokens: int | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False
+    return_routed_experts: bool = False  # each choice's routed_experts (livemoe.engine.routed_experts)
     response_format: ResponseFormat | None = None
     guided_json: dict | str | None = None
     guided_regex: str | None = None
@@ -163,7 +166,7 @@ class _Common(StrictModel):
         return SamplingParams(max_tokens=max_tokens, n=self.n, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos,
                               logprobs=logprobs, logit_bias=self._logit_bias(), structured=structured,
                               prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
-                              **opt)
+                              return_routed_experts=self.return_routed_experts, **opt)
 
     @property
     def include_usage(self) -> bool:

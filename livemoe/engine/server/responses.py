@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import msgspec
 
+from livemoe.engine import routed_experts
 from livemoe.engine.async_llm import RequestStream
 from livemoe.engine.errors import EngineError
 from livemoe.engine.outputs import RequestMetrics
@@ -44,6 +45,7 @@ class Choice:
         self.logprobs: list[dict] = []
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.routed_experts = None
 
 
 class Run:
@@ -137,7 +139,7 @@ class Run:
             if d.logprobs is not None:
                 c.logprobs.append(self._logprobs(k * self.n + d.index, d))
             if d.finish_reason is not None:
-                c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
+                c.finish_reason, c.stop_reason, c.routed_experts = d.finish_reason, d.stop_reason, d.routed_experts
         out = []
         for i, c in enumerate(choices):
             text = "".join(c.text)
@@ -161,6 +163,8 @@ class Run:
             choice["stop_reason"] = c.stop_reason
             if self.body.return_token_ids:
                 choice["token_ids"] = c.token_ids
+            if self.params.return_routed_experts:
+                choice["routed_experts"] = _routed(c.routed_experts)
             out.append(choice)
         answer = {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
                   "created": self.created, "model": self.server.model_name, "choices": out, "usage": self._usage()}
@@ -222,6 +226,8 @@ class Run:
                     choice["stop_reason"] = d.stop_reason
                 if self.body.return_token_ids:
                     choice["token_ids"] = d.token_ids
+                if self.params.return_routed_experts and d.finish_reason is not None:
+                    choice["routed_experts"] = _routed(d.routed_experts)
                 yield self._event([choice])
             if self.body.include_usage:
                 yield self._event([], self._usage())
@@ -305,3 +311,8 @@ def _merge_logprobs(parts: list[dict], chat: bool) -> dict:
         return {"content": [c for p in parts for c in p["content"]]}
     keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
     return {key: [x for p in parts for x in p[key]] for key in keys}
+
+
+def _routed(ids) -> dict | None:
+    """A finished choice's routed experts as JSON (None where the engine ended it without them, an abort)."""
+    return None if ids is None else routed_experts.encode(ids)

@@ -13,6 +13,7 @@ frees its KV blocks.
 `OutputDeltas` is the converter alone; `AsyncLLM` uses it on the outputs of its engine loop.
 """
 from dataclasses import dataclass
+from typing import Any
 
 from livemoe.engine.errors import RequestFailedError
 from livemoe.engine.outputs import RequestMetrics, RequestOutput
@@ -32,6 +33,7 @@ class StreamDelta:
     num_prompt_tokens: int = 0
     metrics: RequestMetrics | None = None  # on the request's last delta (every completion finished)
     prompt_logprobs: list[dict[int, float] | None] | None = None  # once, as in RequestOutput, when asked
+    routed_experts: Any = None  # return_routed_experts: on the completion's last delta (CompletionOutput's)
 
     @property
     def finished(self) -> bool:
@@ -70,7 +72,7 @@ class OutputDeltas:
                 self.done.add(c.index)
             lps = c.logprobs[start:start + len(new_ids)] if c.logprobs is not None else None
             deltas.append(StreamDelta(out.request_id, c.index, new_ids, text, lps, c.finish_reason, c.stop_reason,
-                                      len(out.prompt_token_ids)))
+                                      len(out.prompt_token_ids), routed_experts=c.routed_experts))
         if out.finished and deltas:
             deltas[-1].metrics = out.metrics
         if out.prompt_logprobs is not None and deltas and not self.prompt_logprobs_sent:
@@ -90,14 +92,14 @@ def merge_deltas(deltas: list[StreamDelta]) -> list[StreamDelta]:
         if m is None:
             merged[d.index] = StreamDelta(d.request_id, d.index, list(d.token_ids), d.text,
                                           None if d.logprobs is None else list(d.logprobs), d.finish_reason,
-                                          d.stop_reason, d.num_prompt_tokens)
+                                          d.stop_reason, d.num_prompt_tokens, routed_experts=d.routed_experts)
             continue
         assert m.finish_reason is None, "a delta after its completion's last one"
         m.token_ids += d.token_ids
         m.text += d.text
         if d.logprobs is not None:
             m.logprobs += d.logprobs
-        m.finish_reason, m.stop_reason = d.finish_reason, d.stop_reason
+        m.finish_reason, m.stop_reason, m.routed_experts = d.finish_reason, d.stop_reason, d.routed_experts
     out = list(merged.values())
     if out:
         out[-1].metrics = metrics

@@ -15,7 +15,7 @@ from livemoe.kernels.moe.align import moe_align
 from livemoe.kernels.moe.align_reference import moe_align_reference, num_align_blocks
 from livemoe.kernels.moe.configs import MoEConfig
 from livemoe.kernels.moe.reference import experts_reference, fused_moe_reference
-from livemoe.kernels.moe.routing import check_top_k, route
+from livemoe.kernels.moe.routing import check_top_k, route, select_experts
 from livemoe.kernels.moe.sorted_moe import cpu_inference
 
 BACKENDS = ("triton", "sorted", "reference")
@@ -64,19 +64,20 @@ def _check_backend(backend: str | None, device: torch.device) -> str:
 
 
 def fused_moe(hidden_states, w_gate_up, w_down, router_logits, top_k: int, renormalize: bool, *,
-              backend: str | None = None, config: MoEConfig | None = None):
+              topk_ids: torch.Tensor | None = None, backend: str | None = None, config: MoEConfig | None = None):
     """hidden_states [T, H], w_gate_up [E, 2I, H], w_down [E, H, I], router_logits [T, E] -> [T, H].
 
-    Differentiable in all four tensors (the router trains through the kept routing weights). `backend`
-    forces one implementation (tests); `config` forces the Triton block sizes (tests, tuning).
+    Differentiable in all four tensors (the router trains through the kept routing weights). topk_ids [T, k]:
+    replay these experts (routing.route). `backend` forces one implementation (tests); `config` forces the
+    Triton block sizes (tests, tuning).
     """
     hidden_states, w_gate_up, w_down = _autocast_inputs(hidden_states, w_gate_up, w_down)
     check_inputs(hidden_states, w_gate_up, w_down, router_logits)
     backend = _check_backend(backend, hidden_states.device)
-    if backend == "sorted" and cpu_inference(hidden_states, w_gate_up, w_down, router_logits):
+    if backend == "sorted" and topk_ids is None and cpu_inference(hidden_states, w_gate_up, w_down, router_logits):
         check_top_k(top_k, router_logits.shape[1])  # the ValueError route() raises
         return torch.ops.livemoe.moe_forward(hidden_states, w_gate_up, w_down, router_logits, top_k, renormalize)
-    topk_weights, topk_ids = route(router_logits, top_k, renormalize)
+    topk_weights, topk_ids = route(router_logits, top_k, renormalize, topk_ids)
     return fused_experts(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, backend=backend, config=config)
 
 
@@ -99,5 +100,5 @@ def fused_experts(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, *, b
     return experts_triton(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, config)
 
 
-__all__ = ["fused_moe", "fused_experts", "route", "moe_align", "moe_align_reference", "num_align_blocks",
+__all__ = ["fused_moe", "fused_experts", "route", "select_experts", "moe_align", "moe_align_reference", "num_align_blocks",
            "experts_reference", "fused_moe_reference", "MoEConfig", "BACKENDS"]

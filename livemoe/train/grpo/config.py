@@ -5,9 +5,12 @@ flat flags they have always had (--beta, --epsilon, --w_correct, ...), with thei
 import os
 from dataclasses import dataclass, field
 
+from livemoe.engine.decoder.spec.config import SpeculativeConfig
+from livemoe.engine.errors import EngineConfigError
 from livemoe.train.advantages import SCALE_REWARDS
 from livemoe.train.config import ConfigError, RunConfig, check_at_least, check_choice, flag, nested
 from livemoe.train.losses import PolicyLossConfig
+from livemoe.train.mismatch import RolloutCorrectionConfig
 from livemoe.train.rewards import RewardConfig, load_reward_fns
 
 
@@ -35,6 +38,13 @@ class GRPOConfig(RunConfig):
                                                           "starting checkpoint per prompt; 0 = its greedy response"})
     rollout_kv_bytes: int = field(default=256 * 2**20, metadata={"help": "decoder KV-cache budget (CPU)"})
     rollout_max_num_seqs: int = field(default=512, metadata={"help": "sequences the rollout decoder runs at once"})
+    rollout_dtype: str = field(default="auto", metadata={"help": "the rollout decoder's dtype: auto (the trainer's "
+                                                                 "compute dtype) | bfloat16 | float32 (another one "
+                                                                 "decodes a copy refreshed after each step)"})
+    rollout_speculative_config: str = field(default="", metadata={
+        "help": "speculative decoding of the in-process rollouts, the engine's speculative_config as JSON, e.g. "
+                "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"disable_by_batch_size\": 64}' (a "
+                "seeded ngram rollout gets the tokens it gets without); empty = off"})
     rollout_url: str = field(default="", metadata={"help": "rollout servers (livemoe serve), comma-separated; "
                                                            "empty = the in-process decoder (livemoe/train/remote_rollout.py)"})
     weight_sync: str = field(default="distributed", metadata={"help": "with --rollout_url: how new weights reach "
@@ -57,7 +67,19 @@ class GRPOConfig(RunConfig):
     advantage_eps: float = field(default=1e-4, metadata={"help": "added to the reward std when advantages are normalised"})
     drop_zero_variance: bool = field(default=False, metadata={"help": "leave groups with equal rewards out of the loss"})
     mask_truncated: bool = field(default=False, metadata={"help": "leave completions cut at max_new_tokens out of the loss"})
-    old_logprobs: str = field(default="decoder", metadata={"help": "decoder (the sampled tokens' raw logprobs) | trainer"})
+    # trainer (since issue 32): the policy ratio is against the trainer's own log-probs at the start of the step
+    # (its first pass's forward, no extra one); the rollout's mismatch goes to the rollout correction below
+    old_logprobs: str = field(default="trainer", metadata={"help": "trainer (its log-probs at the start of the step) "
+                                                                   "| decoder (the sampled tokens' raw logprobs)"})
+    routing_replay: str = field(default="none", metadata={"help": "none | R3: the policy's and reference's forward "
+                                                                  "run the rollout's routed experts (MoE)"})
+    # TIS at verl's recommended token truncation 2.0 (livemoe/train/mismatch.py; docs/training.md says why)
+    rollout_correction: RolloutCorrectionConfig = nested(
+        RolloutCorrectionConfig,
+        rollout_is=flag("rollout importance weights: token | sequence | none", to="level"),
+        rollout_is_threshold=flag("cap C of the rollout importance weights", to="threshold"),
+        rollout_is_mode=flag("weights above C: truncate (to C) | mask (to 0)", to="mode"),
+        rollout_rs=flag("reject sequences whose geometric-mean ratio is outside [1/B, B]; 0 = off", to="rs_bound"))
     # the rewards (the seed's Table 2: RewardConfig's defaults)
     reward: RewardConfig = nested(
         RewardConfig,
@@ -90,7 +112,23 @@ class GRPOConfig(RunConfig):
             raise ConfigError(f"--top_p must be in (0, 1], got {self.top_p}")
         check_choice("scale_rewards", self.scale_rewards, SCALE_REWARDS)
         check_choice("old_logprobs", self.old_logprobs, ("decoder", "trainer"))
+        check_choice("routing_replay", self.routing_replay, ("none", "R3"))
+        check_choice("rollout_dtype", self.rollout_dtype, ("auto", "bfloat16", "float32"))
+        if self.rollout_url and self.rollout_dtype != "auto":
+            raise ConfigError("--rollout_dtype with --rollout_url: the servers decode in their own --dtype; set it there")
+        if self.rollout_correction.enabled and self.old_logprobs == "decoder":
+            raise ConfigError("--rollout_is / --rollout_rs weigh the trainer's old log-probs against the rollout's; "
+                              "with --old_logprobs decoder the policy ratio is against the rollout's already: use "
+                              "--old_logprobs trainer, or --rollout_is none --rollout_rs 0")
         check_choice("weight_sync", self.weight_sync, ("distributed", "disk"))
+        if self.rollout_speculative_config:
+            if self.rollout_url:
+                raise ConfigError("--rollout_speculative_config is for the in-process decoder; with --rollout_url "
+                                  "start the servers with --speculative-config")
+            try:
+                SpeculativeConfig.parse(self.rollout_speculative_config)
+            except EngineConfigError as e:
+                raise ConfigError(f"--rollout_speculative_config: {e}") from None
         if self.rollout_url and self.multi_turn:
             raise ConfigError("--multi_turn runs its rollouts in-process; leave out --rollout_url")
         if not 0 <= self.turn_weight <= 1:

@@ -24,6 +24,7 @@ from livemoe.train.grpo.config import GRPOConfig
 from livemoe.train.grpo.start import load_records, resolve_start
 from livemoe.train.judges import make_judge
 from livemoe.train.losses import policy_loss
+from livemoe.train.mismatch import MismatchMeter, rollout_correction
 from livemoe.train.nonfinite import NonFiniteGuard
 from livemoe.train.precision import MasterWeights
 from livemoe.train.rewards import CompositeReward
@@ -41,6 +42,9 @@ def _turn_record(record: dict, turn: int, responses: list) -> dict:
         {"question": q, "response": split_thought(r)[1]} for q, r in zip(qs[:turn], responses[:turn])]
     return {**record, "id": f"{record['id']}#{turn}", "question": f["question"], "history": history,
             "meta": f.get("meta", record.get("meta", {})), "reference": f.get("reference")}
+
+
+PER_TOKEN = ("input_ids", "attention_mask", "routed_experts", "routed_mask")  # [N, T]; the others are [N, T - 1]
 
 
 # ------------------------------------------------------------------------------------------ trainer
@@ -77,11 +81,13 @@ class GRPOTrainer:
         self.model = load_model(model_path, dtype=torch.float32, device=self.device)
         self.model.gradient_checkpointing = cfg.gradient_checkpointing
         self.master = self.infer = None
+        rollout_dtype = self.dtype if cfg.rollout_dtype == "auto" else getattr(torch, cfg.rollout_dtype)
         if self.dist.mesh.distributed:
             self.model = self.dist.parallelize(self.model, self.dtype == torch.bfloat16)
-            self.infer = self.dist.inference_copy(self.model, self.dtype)
         elif self.dtype != torch.float32:
             self.master = MasterWeights(self.model, self.dtype)
+        if self.dist.mesh.distributed or rollout_dtype != self.dtype:  # refreshed after each optimizer step
+            self.infer = self.dist.inference_copy(self.model, rollout_dtype)
         self.tokenizer = load_tokenizer(model_path) or load_tokenizer(self.start_model)
         if self.tokenizer is None:
             raise ConfigError(f"{self.start_model}: the checkpoint has no tokenizer (the prompts are text)")
@@ -95,6 +101,10 @@ class GRPOTrainer:
         self.reward = CompositeReward(self.judge, cfg.reward)
         # dr_grpo's constant is the rollouts' length limit
         self.loss_cfg = dataclasses.replace(cfg.loss, max_completion_length=cfg.max_new_tokens)
+        # the decoder's routed experts come back with every MoE rollout: the routing-disagreement metric and R3 read them
+        routed = self.model.num_moe_layers > 0
+        if cfg.routing_replay == "R3" and not routed:
+            raise ConfigError("--routing_replay R3: the model is dense (no MoE layer has routing to replay)")
         if cfg.rollout_url:  # servers decode; the weights are pushed to them after each step
             from livemoe.train.remote_rollout import RemoteRollouts
 
@@ -102,10 +112,11 @@ class GRPOTrainer:
             self.rollouts = RemoteRollouts(cfg.rollout_url.split(","), self.tokenizer, self.model,
                                            num_generations=cfg.num_generations, max_new_tokens=cfg.max_new_tokens,
                                            seed=cfg.seed, weight_sync=cfg.weight_sync, temperature=s["temperature"],
-                                           top_p=s["top_p"], top_k=s["top_k"])
+                                           top_p=s["top_p"], top_k=s["top_k"], return_routed_experts=routed)
         else:
             self.rollouts = Rollouts(self.infer or self.model, self.tokenizer, num_generations=cfg.num_generations,
-                                     max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, **self._sampling())
+                                     max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, return_routed_experts=routed,
+                                     **self._sampling())
         n = len(self.train_records)
         self.total_steps = cfg.max_steps or math.ceil(cfg.epochs * n / cfg.batch_size)
         # what the optimizer updates and clipping reads: the fp32 masters under bf16
@@ -181,7 +192,8 @@ class GRPOTrainer:
     def _sampling(self) -> dict:
         cfg = self.cfg
         return dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                    kv_cache_bytes=cfg.rollout_kv_bytes, max_num_seqs=cfg.rollout_max_num_seqs)
+                    kv_cache_bytes=cfg.rollout_kv_bytes, max_num_seqs=cfg.rollout_max_num_seqs,
+                    speculative_config=cfg.rollout_speculative_config or None)
 
     def _multi_turn_rollouts(self, indices: list, step: int, greedy: bool = False, rollouts=None,
                              keys: list | None = None) -> list:
@@ -271,8 +283,9 @@ class GRPOTrainer:
 
     # -- the update ---------------------------------------------------------------------------------
     def _logprobs(self, model, mb, entropy: bool = False):
+        replay = mb.get("routed_experts") if self.cfg.routing_replay == "R3" else None  # the empty micro-batch: none
         hidden, router_logits = model.forward_hidden(mb["input_ids"], attention_mask=mb["attention_mask"],
-                                                     return_router_logits=True)
+                                                     return_router_logits=True, routed_experts=replay)
         out = fused_linear_logprobs(hidden[:, :-1], model.lm_head_weight, mb["targets"], self.rollouts.temperature,
                                     mask=mb["completion_mask"] > 0, return_entropy=entropy)
         return out, router_logits
@@ -283,7 +296,8 @@ class GRPOTrainer:
         for s in range(0, n, size):
             mb = {k: v[s:s + size].to(self.device) for k, v in batch.items()}
             width = int(mb["attention_mask"].sum(1).max())  # trim the right padding of this micro-batch
-            mb = {k: v[:, :width] if k in ("input_ids", "attention_mask") else v[:, :width - 1] for k, v in mb.items()}
+            mb = {k: v[:, :width] if k in PER_TOKEN else v[:, :width - 1] for k, v in mb.items()}
+            mb["rollout_logprobs"] = mb["old_logprobs"]  # the decoder's; old_logprobs may become the trainer's
             out.append(mb)
         return out
 
@@ -293,8 +307,8 @@ class GRPOTrainer:
         ids = torch.full((1, 2), self.pad_id, dtype=torch.long, device=self.device)
         zeros = torch.zeros((1, 1), device=self.device)
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "targets": ids[:, 1:].clone(),
-                "completion_mask": zeros, "old_logprobs": zeros.clone(), "advantages": zeros.clone(),
-                "router_mask": torch.zeros_like(ids)}
+                "completion_mask": zeros, "old_logprobs": zeros.clone(), "rollout_logprobs": zeros.clone(),
+                "advantages": zeros.clone(), "router_mask": torch.zeros_like(ids)}
 
     def _loss_share(self, mb, rows: float, num_micro: int) -> float:
         """Under torchrun, the factor that makes a micro-batch's loss (gradient_accumulation_steps 1) its share
@@ -321,35 +335,44 @@ class GRPOTrainer:
         n_items = d.sum(sum(mb["completion_mask"].sum() for mb in micro))
         rows = d.sum_floats(sum(mb["input_ids"].shape[0] for mb in micro[:real]))[0]
         loss_cfg = dataclasses.replace(self.loss_cfg, gradient_accumulation_steps=1 if d.mesh.distributed else len(micro))
+        replay = cfg.routing_replay == "R3"
+        if replay and batch is not None and "routed_experts" not in batch:
+            raise RuntimeError("--routing_replay R3: the rollouts came back without routed experts")
         with torch.no_grad():
             for mb in micro:
                 if self.ref_model is not None:
                     mb["ref_logprobs"] = self._logprobs(self.ref_model, mb)[0]
-                if cfg.old_logprobs == "trainer":
-                    mb["old_logprobs"] = self._logprobs(model, mb)[0]
         model.train()
         zero = lambda: torch.zeros((), device=self.device)  # noqa: E731
-        acc = {"loss": zero(), "aux_loss": zero(), "diff_sum": zero(), "diff_count": zero()}
-        diff_max, grad_norms, lrs = zero(), [], []
+        acc = {"loss": zero(), "aux_loss": zero()}
+        mismatch = MismatchMeter(zero)
+        grad_norms, lrs = [], []
         for it in range(cfg.num_iterations):
             self.optimizer.zero_grad(set_to_none=True)
             step_loss = zero()
             for j, mb in enumerate(micro):
                 (lp, ent), router_logits = self._logprobs(model, mb, entropy=True)
                 mask = mb["completion_mask"]
-                if it == 0:
-                    diff = (lp.detach() - mb["old_logprobs"]).abs() * mask
-                    acc["diff_sum"] += diff.sum()
-                    acc["diff_count"] += mask.sum()
-                    diff_max = torch.maximum(diff_max, diff.max())
+                if it == 0:  # the trainer's log-probs at the start of the step: measured, and old for every pass
+                    mismatch.add(lp, mb, router_logits, model.config.num_experts_per_tok)
+                    if cfg.old_logprobs == "trainer":
+                        mb["old_logprobs"] = lp.detach()
+                    if cfg.rollout_correction.enabled:
+                        mb["is_weights"], sums = rollout_correction(lp, mb["rollout_logprobs"], mask,
+                                                                    cfg.rollout_correction)
+                        mismatch.add_sums(sums)
                 loss, lm = policy_loss(lp, mb["old_logprobs"], mb["advantages"], mask,
                                        ref_logprobs=mb.get("ref_logprobs"), entropy=ent, num_items_in_batch=n_items,
-                                       config=loss_cfg)
+                                       is_weights=mb.get("is_weights"), config=loss_cfg)
                 loss = loss * self._loss_share(mb, rows, len(micro))
                 aux = zero()
                 if router_logits and cfg.lambda_aux > 0:
-                    aux = model.load_balancing_loss(router_logits, mb.get("router_mask", mb["attention_mask"]),
-                                                    group=d.group) / len(micro)
+                    # R3: the experts counted are the replayed ones, on the tokens the decoder routed
+                    router_mask = mb["routed_mask"] if replay and "routed_experts" in mb else \
+                        mb.get("router_mask", mb["attention_mask"])
+                    aux = model.load_balancing_loss(router_logits, router_mask, group=d.group,
+                                                    routed_experts=mb.get("routed_experts") if replay else None)
+                    aux = aux / len(micro)
                     loss = loss + cfg.lambda_aux * aux
                 loss.backward()
                 step_loss += loss.detach()
@@ -373,13 +396,12 @@ class GRPOTrainer:
         totals = dict(zip(keys, d.sum(torch.stack([acc[k].float() for k in keys])).tolist()))
         real_micro = d.sum_floats(real)[0] * cfg.num_iterations
         sums = {k: totals[k] / max(real_micro, 1) for k in keys
-                if k not in ("loss", "aux_loss", "diff_sum", "diff_count", "log_ratio/clamped")}
+                if k not in ("loss", "aux_loss", "log_ratio/clamped")}
         sums["log_ratio/clamped"] = totals["log_ratio/clamped"]  # a count over the step's passes
         sums["loss"] = totals["loss"] / cfg.num_iterations
         sums["aux_loss"] = totals["aux_loss"] / cfg.num_iterations
         sums["grad_norm"] = float(torch.stack(grad_norms).float().mean())
-        sums["logprob_diff/mean"] = totals["diff_sum"] / max(totals["diff_count"], 1.0)
-        sums["logprob_diff/max"] = max(d.all_gather_objects(float(diff_max)))
+        sums.update(mismatch.metrics(d))
         sums["time/update_s"] = time.perf_counter() - t0
         sums["lr"] = sum(lrs) / len(lrs)  # what the step's passes used (not the next step's, as the scheduler now has)
         sums["nonfinite_steps"] = self.guard.skipped

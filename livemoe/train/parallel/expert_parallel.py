@@ -39,9 +39,11 @@ class ExpertParallel:
     def local_experts(self) -> slice:
         return slice(self.rank * self.num_local_experts, (self.rank + 1) * self.num_local_experts)
 
-    def fused_moe(self, hidden_states, w_gate_up, w_down, router_logits, top_k: int, renormalize: bool):
+    def fused_moe(self, hidden_states, w_gate_up, w_down, router_logits, top_k: int, renormalize: bool,
+                  topk_ids: torch.Tensor | None = None):
         """livemoe.kernels.moe.fused_moe's signature over this rank's experts (what SparseMoeBlock calls)."""
-        return ep_fused_moe(hidden_states, w_gate_up, w_down, router_logits, top_k, renormalize, self)
+        return ep_fused_moe(hidden_states, w_gate_up, w_down, router_logits, top_k, renormalize, self,
+                            topk_ids=topk_ids)
 
 
 def _keep_in_graph(rows: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
@@ -52,9 +54,11 @@ def _keep_in_graph(rows: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
 
 
 def ep_fused_moe(hidden_states, w_gate_up, w_down, router_logits, top_k: int, renormalize: bool,
-                 ep: ExpertParallel, *, backend: str | None = None) -> torch.Tensor:
+                 ep: ExpertParallel, *, topk_ids: torch.Tensor | None = None,
+                 backend: str | None = None) -> torch.Tensor:
     """fused_moe with the experts spread over an EP group. hidden_states [T, H] and router_logits [T, E] are
-    this rank's tokens; w_gate_up [E/N, 2I, H] and w_down [E/N, H, I] its local experts. Returns [T, H]."""
+    this rank's tokens; w_gate_up [E/N, 2I, H] and w_down [E/N, H, I] its local experts; topk_ids [T, k]:
+    replayed experts (routing replay: the exchange follows them). Returns [T, H]."""
     num_tokens, hidden = hidden_states.shape
     n, e_local = ep.size, ep.num_local_experts
     if router_logits.shape != (num_tokens, ep.num_experts):
@@ -63,7 +67,7 @@ def ep_fused_moe(hidden_states, w_gate_up, w_down, router_logits, top_k: int, re
     if w_gate_up.shape[0] != e_local or w_down.shape[0] != e_local:
         raise ValueError(f"this EP rank holds {e_local} experts, got w_gate_up {tuple(w_gate_up.shape)} and "
                          f"w_down {tuple(w_down.shape)}")
-    topk_weights, topk_ids = route(router_logits, top_k, renormalize)
+    topk_weights, topk_ids = route(router_logits, top_k, renormalize, topk_ids)
     flat_ids = topk_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)  # pairs grouped by expert, so by owning rank
     tokens_per_expert = torch.bincount(flat_ids, minlength=ep.num_experts)
