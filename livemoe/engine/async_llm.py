@@ -156,6 +156,10 @@ class AsyncLLM:
         return self.client.block_size
 
     @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.client.eos_token_ids
+
+    @property
     def data_parallel_size(self) -> int:
         return self.client.num_replicas
 
@@ -201,9 +205,10 @@ class AsyncLLM:
     # -- requests -----------------------------------------------------------------------------------
 
     async def add_request(self, prompt, params: SamplingParams | None = None,
-                          request_id: str | None = None) -> RequestStream:
+                          request_id: str | None = None, pin_key: str | None = None) -> RequestStream:
         """Queues a request; returns its stream once the engine accepted it (a bad request raises
-        RequestError here, before anything is streamed)."""
+        RequestError here, before anything is streamed). pin_key: a live session's (livemoe.engine.live): its
+        requests go to one engine core, which keeps their KV blocks pinned between them until unpin(pin_key)."""
         self.client.check_alive()
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
@@ -214,7 +219,7 @@ class AsyncLLM:
         request_id = f"async-{next(self._ids)}" if request_id is None else str(request_id)
         text, prompt_ids = tokenize_prompt(self.tokenizer, prompt)  # only ids go to the core
         stream = RequestStream(self.client, self.tokenizer, request_id, params, loop)
-        accepted = self.client.add(request_id, text, prompt_ids, params, stream)
+        accepted = self.client.add(request_id, text, prompt_ids, params, stream, pin_key)
         try:
             await asyncio.wrap_future(accepted)
         except asyncio.CancelledError:
@@ -225,9 +230,10 @@ class AsyncLLM:
             raise
         return stream
 
-    async def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None):
+    async def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                       pin_key: str | None = None):
         """An async generator of StreamDeltas; leaving it early aborts the request."""
-        stream = await self.add_request(prompt, params, request_id)
+        stream = await self.add_request(prompt, params, request_id, pin_key)
         try:
             async for delta in stream:
                 yield delta
@@ -236,6 +242,10 @@ class AsyncLLM:
 
     async def abort(self, request_id: str) -> None:
         self.client.abort(str(request_id))
+
+    def unpin(self, pin_key: str) -> None:
+        """Gives back the KV blocks kept for pin_key (add_request) at the engine's next turn; safe from any thread."""
+        self.client.unpin(pin_key)
 
     # -- weights and memory -------------------------------------------------------------------------
 

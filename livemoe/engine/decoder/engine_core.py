@@ -470,6 +470,7 @@ class EngineCore:
             num_waiting=len(sched.waiting) if sched else 0,
             kv_blocks_total=bm.num_blocks if bm else 0,
             kv_blocks_used=bm.num_used_blocks if bm else 0,
+            kv_blocks_pinned=bm.num_pinned_blocks if bm else 0,  # kept for live sessions between their steps
             prefix_cache_queries=bm.stats.queries if bm else 0,
             prefix_cache_hits=bm.stats.hits if bm else 0,
             prefix_cache_hit_rate=bm.stats.hit_rate if bm else 0.0,

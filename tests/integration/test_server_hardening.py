@@ -1,0 +1,120 @@
+"""Hostile and careless requests against the server as users start it: `python -m livemoe.engine.server`, the
+engine core in its own process (the default). Live sessions over the process core, a large live step that
+must not stall /health, the cap on open sessions, JSON nested too deep, lone surrogates, a 500 that must
+not break the connection it came on, the grammar-compile budget, admin routes off by default, two Host
+headers."""
+import http.client
+import json
+import re
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from fixtures import http_json, require_server_extras
+from tiny_tokenizer import make_text_checkpoint
+
+require_server_extras()
+
+SYSTEM = "live assistant. link 3: pork zongzi. price: 39 yuan."
+OPTIONS = ["--num-kv-blocks", "128", "--block-size", "16", "--threads", "1", "--device", "cpu", "--dtype",
+           "float32"]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_text_checkpoint(tmp_path_factory.mktemp("hardening") / "ckpt", moe=True,
+                                max_position_embeddings=1024)[0]
+
+
+@pytest.fixture(scope="module")
+def server(ckpt):
+    """The server as the CLI starts it (engine core in a process), with a small cap on live sessions."""
+    from livemoe.engine.server import ServerProcess
+
+    with ServerProcess(ckpt, "tiny", [*OPTIONS, "--max-live-sessions", "3"]) as s:
+        yield s
+
+
+def metric(server, name: str) -> float:
+    text = urllib.request.urlopen(server.url + "/metrics", timeout=10).read().decode()
+    return sum(float(v) for v in re.findall(rf"^{name}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
+
+
+def wait_for(condition, within_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+# -- live sessions on the engine-core process (issue 35, item 2) ---------------------------------------------------
+
+
+def test_live_session_on_the_process_core(server):
+    """Create, three steps (each but the first served from the pinned context), delete: the pins are given back."""
+    base = server.url + "/v1/live/sessions"
+    status, s = http_json(base, {"system": SYSTEM, "max_message_chars": 24, "temperature": 1.0, "seed": 3})
+    assert status == 200 and s["object"] == "live.session", s
+    decisions = []
+    for events in ([{"type": "join", "user": "amy"}], "comment @amy: how much is link 3?", []):
+        status, d = http_json(f"{base}/{s['id']}/step", {"events": events})
+        assert status == 200, d
+        decisions.append(d)
+    for d in decisions[1:]:
+        m = d["metrics"]
+        assert m["cached_prompt_tokens"] > 0.6 * m["prompt_tokens"], m
+    assert metric(server, "livemoe_kv_blocks_pinned") > 0
+    assert http_json(f"{base}/{s['id']}", method="DELETE") == (200, {"id": s["id"], "deleted": True})
+    assert wait_for(lambda: metric(server, "livemoe_kv_blocks_pinned") == 0)
+
+
+def test_live_session_limits_at_create(server):
+    """A max_context too small for one step is refused at create; past --max-live-sessions, a 429."""
+    base = server.url + "/v1/live/sessions"
+    status, err = http_json(base, {"system": SYSTEM, "max_context": 8})
+    assert status == 400 and "max_context 8 is too small" in err["error"]["message"], err
+    ids = []
+    for _ in range(3):
+        status, s = http_json(base, {"system": SYSTEM, "max_message_chars": 24})
+        assert status == 200, s
+        ids.append(s["id"])
+    try:
+        status, err = http_json(base, {"system": SYSTEM})
+        assert status == 429 and "--max-live-sessions 3" in err["error"]["message"], err
+    finally:
+        for i in ids:
+            http_json(f"{base}/{i}", method="DELETE")
+    assert http_json(base, {"system": SYSTEM})[0] == 200  # room again
+
+
+def test_health_answers_during_a_large_live_step(server):
+    """A live step of ~2 MB of events is tokenized off the event loop: /health answers meanwhile."""
+    base = server.url + "/v1/live/sessions"
+    status, s = http_json(base, {"system": SYSTEM, "max_message_chars": 24})
+    assert status == 200, s
+    events = [{"type": "comment", "user": f"u{i}", "text": "how much is link 3 " * 20} for i in range(5000)]
+    result = {}
+
+    def big_step():
+        result["answer"] = http_json(f"{base}/{s['id']}/step", {"events": events}, timeout=300)
+
+    t = threading.Thread(target=big_step)
+    t.start()
+    try:
+        time.sleep(0.3)
+        worst = 0.0
+        while t.is_alive():
+            t0 = time.monotonic()
+            assert http_json(server.url + "/health", timeout=30)[0] == 200
+            worst = max(worst, time.monotonic() - t0)
+            time.sleep(0.05)
+    finally:
+        t.join(300)
+    status, err = result["answer"]
+    assert status == 400, err  # it cannot fit the context
+    assert worst < 2.0, f"/health took {worst:.2f} s during the large step"
+    http_json(f"{base}/{s['id']}", method="DELETE")
