@@ -175,7 +175,8 @@ class AsyncLLM:
     def stats(self) -> dict:
         """LLM.stats() as of the engine's last turn (a snapshot: safe from any thread); with several
         replicas, their sum (rates averaged, last_logits_finite only if on every one)."""
-        return merge_stats(self.client.stats())
+        stats = self.client.stats()
+        return merge_stats([s for s in stats if s] or stats)  # (a replica restarting has no stats yet)
 
     def replica_stats(self) -> list[dict]:
         return self.client.stats()
@@ -194,7 +195,7 @@ class AsyncLLM:
 
     def max_sequence_tokens(self) -> int:
         """Tokens one sequence may hold: the context, or the smallest replica's whole KV cache if less."""
-        blocks = min(s["kv_blocks_total"] for s in self.replica_stats())
+        blocks = min(self._serving_stats("kv_blocks_total"), default=0) or self.max_model_len // self.block_size
         return min(self.max_model_len, blocks * self.block_size)
 
     def compile_grammar(self, spec, field: str = "structured"):
@@ -282,7 +283,14 @@ class AsyncLLM:
 
     @property
     def sleep_level(self) -> int:
-        return max(s.get("sleep_level", 0) for s in self.replica_stats())
+        return max(self._serving_stats("sleep_level"), default=0)
+
+    def _serving_stats(self, key: str) -> list:
+        """key's value on each replica that serves (a dead or restarting one is skipped: its stats are stale or
+        missing), or on every replica that has it when none serves."""
+        stats, errors = self.replica_stats(), self.replica_errors()
+        serving = [s[key] for s, e in zip(stats, errors) if e is None and key in s]
+        return serving or [s[key] for s in stats if key in s]
 
     async def _call_all(self, method: str, *args, **kwargs) -> list:
         in_flight = kwargs.get("in_flight")

@@ -118,3 +118,26 @@ def test_health_answers_during_a_large_live_step(server):
     assert status == 400, err  # it cannot fit the context
     assert worst < 2.0, f"/health took {worst:.2f} s during the large step"
     http_json(f"{base}/{s['id']}", method="DELETE")
+
+
+# -- data parallel: a dead replica is skipped at once (item 3) ------------------------------------------------------
+
+
+def test_requests_go_to_the_live_replica_when_one_core_dies(ckpt):
+    """--data-parallel-size 2 as the CLI starts it: core 1 is killed; every request after that goes to core 0 at
+    once (no 5xx, no wait), while core 1 is restarted (the default with several replicas)."""
+    import os
+    import signal
+
+    from livemoe.engine.server import ServerProcess
+
+    with ServerProcess(ckpt, "tiny", [*OPTIONS, "--data-parallel-size", "2"]) as s:
+        keep, pid = http_json(s.url + "/get_server_info")[1]["core_pids"]
+        os.kill(pid, signal.SIGKILL)
+        answers = [http_json(s.url + "/v1/completions", {"model": "tiny", "prompt": f"hi {i}", "max_tokens": 4})
+                   for i in range(10)]
+        assert [a[0] for a in answers] == [200] * 10, answers
+        assert s.proc.poll() is None
+        assert wait_for(lambda: http_json(s.url + "/health")[0] == 200, within_s=120)  # restarted
+        info = http_json(s.url + "/get_server_info")[1]
+        assert info["core_pids"][0] == keep and info["core_pids"][1] != pid

@@ -147,8 +147,13 @@ class MPClient(EngineCoreClient):
             r = self.pinned.get(pin_key, -1) if pin_key is not None else -1
             if r < 0 or not alive[r]:
                 r = self.router.pick(prompt_ids, alive)
-                if pin_key is not None:
-                    self.pinned[pin_key] = r
+            while not self.replicas[r].process.is_alive():  # died since the reader last looked (it reports it)
+                alive[r] = False
+                if not any(alive):
+                    raise EngineDeadError(f"every engine core has stopped (engine core {r} just died)")
+                r = self.router.pick(prompt_ids, alive)
+            if pin_key is not None:
+                self.pinned[pin_key] = r
             output = RequestOutput(request_id, prompt_text, prompt_ids, [CompletionOutput(i, "", [], None, None, None)
                                                                         for i in range(params.n)], False)
             self.tracked[request_id] = Tracked(r, stream, params, output, accepted)

@@ -107,7 +107,8 @@ def add_admin_routes(app: FastAPI, engine) -> None:
         errors = engine.replica_errors()
         stats = engine.stats()
         return {"data_parallel_size": engine.data_parallel_size, "max_model_len": engine.max_model_len,
-                "tensor_parallel_size": stats["tensor_parallel_size"], "expert_parallel": stats["expert_parallel"],
+                "tensor_parallel_size": stats.get("tensor_parallel_size"),
+                "expert_parallel": stats.get("expert_parallel"),
                 "sleep_level": engine.sleep_level, "served_per_replica": engine.served_per_replica(),
                 "dead_replicas": {str(i): str(e) for i, e in enumerate(errors) if e is not None},
                 "core_pids": engine.core_pids()}
