@@ -141,3 +141,74 @@ def test_requests_go_to_the_live_replica_when_one_core_dies(ckpt):
         assert wait_for(lambda: http_json(s.url + "/health")[0] == 200, within_s=120)  # restarted
         info = http_json(s.url + "/get_server_info")[1]
         assert info["core_pids"][0] == keep and info["core_pids"][1] != pid
+
+
+# -- JSON nested too deep, lone surrogates, a 500 on a keep-alive connection (items 5 and 7) -----------------------
+
+
+def raw_post(server, path: str, body: bytes, conn: http.client.HTTPConnection | None = None) -> tuple:
+    """(status, content type, body) of one POST on `conn` (a fresh connection by default)."""
+    conn = conn or http.client.HTTPConnection(server.host, server.port, timeout=60)
+    conn.request("POST", path, body, {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    return r.status, r.getheader("content-type"), r.read()
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/live/sessions"])
+def test_json_nested_too_deep_is_a_400(server, path):
+    deep = b'{"model": "tiny", "messages": ' + b"[" * 1000 + b"]" * 1000 + b"}"
+    status, kind, body = raw_post(server, path, deep)
+    assert status == 400 and kind == "application/json", (status, body[:200])
+    assert "nested more than 128 levels" in json.loads(body)["error"]["message"]
+    # 100 deep (within the limit) goes on to the route's own checks
+    status, _, body = raw_post(server, path, b'{"model": "tiny", "prompt": ' + b"[" * 100 + b"]" * 100 + b"}")
+    assert status == 400 and "nested" not in json.loads(body)["error"]["message"]
+
+
+def test_lone_surrogates_are_a_400(server):
+    base = server.url + "/v1/live/sessions"
+    status, s = http_json(base, {"system": SYSTEM, "max_message_chars": 24})
+    assert status == 200, s
+    for path, body in [(f"/v1/live/sessions/{s['id']}/step",
+                        {"events": [{"type": "comment", "user": "amy", "text": "hi \ud800"}]}),
+                       ("/v1/live/sessions", {"system": "you \udfff"}),
+                       ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "\ud83d"}]}),
+                       ("/v1/completions", {"model": "tiny", "prompt": "a\udc00b"})]:
+        status, kind, answer = raw_post(server, path, json.dumps(body).encode())
+        assert status == 400 and "lone surrogate" in json.loads(answer)["error"]["message"], (path, answer)
+    # a valid pair, escaped as Python's json.dumps writes it, is text like any other
+    status, _, answer = raw_post(server, f"/v1/live/sessions/{s['id']}/step", json.dumps({"events": "hi 🙂"}).encode())
+    assert status == 200, answer
+    http_json(f"{base}/{s['id']}", method="DELETE")
+
+
+def test_a_500_leaves_the_keep_alive_connection_usable(ckpt, monkeypatch):
+    """A route that fails (an internal error, injected) answers a JSON 500, and the client's next request on the
+    same connection is answered: on a FastAPI route (live sessions) and on a hot route."""
+    import torch
+
+    from livemoe.engine.async_llm import AsyncLLM
+    from livemoe.engine.server import BackgroundServer
+
+    engine = AsyncLLM(ckpt, engine_core="process", dtype=torch.float32, device="cpu", threads=1, block_size=16,
+                      num_kv_blocks=64, use_tqdm=False)
+    try:
+        with BackgroundServer(engine, "tiny") as server:
+            api = server.app.state.server
+
+            def broken(*a, **k):
+                raise RuntimeError("injected fault")
+
+            conn = http.client.HTTPConnection(server.host, server.port, timeout=60)
+            ok = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2}).encode()
+            for path, name, body in [("/v1/live/sessions", "check_text_fits", json.dumps({"system": SYSTEM})),
+                                     ("/v1/completions", "check_available", ok)]:
+                with monkeypatch.context() as m:
+                    m.setattr(api, name, broken)
+                    status, kind, answer = raw_post(server, path, body.encode() if isinstance(body, str) else body,
+                                                    conn)
+                assert status == 500 and "injected fault" in json.loads(answer)["error"]["message"], answer
+                status, _, answer = raw_post(server, "/v1/completions", ok, conn)  # the same connection
+                assert status == 200, answer
+    finally:
+        engine.shutdown()

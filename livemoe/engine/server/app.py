@@ -144,7 +144,24 @@ class GuardedApp(FastAPI):
     front = None  # set by build_app
 
     async def __call__(self, scope, receive, send) -> None:
-        await self.front(scope, receive, send)
+        if scope["type"] != "http":
+            return await self.front(scope, receive, send)
+        started = False
+
+        async def tracked(message) -> None:
+            nonlocal started
+            started = True
+            await send(message)
+
+        try:
+            await self.front(scope, receive, tracked)
+        except Exception as exc:  # noqa: BLE001 (answered here, not raised to uvicorn)
+            # Starlette's error middleware re-raises after sending its 500; raised to uvicorn, an exception closes
+            # the connection that answer went out on, unannounced, and the client's next request on it fails
+            if started:
+                log.debug("after its answer, %s raised %r", scope.get("path"), exc)
+                return
+            await error_response(exc, scope.get("path", ""))(scope, receive, send)
 
     async def fastapi_call(self, scope, receive, send) -> None:
         await super().__call__(scope, receive, send)

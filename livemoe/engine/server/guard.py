@@ -4,10 +4,14 @@
 - API key: on /v1 routes and the weight/sleep routes (admin.py) when one is set, `Authorization: Bearer KEY`, else 401;
 - body: a declared Content-Length over max_body_bytes gets a 413 before a byte is read; a body read in
   full must stay under it (413 as soon as it passes) and arrive within body_timeout_s (else 408), so a
-  huge or trickled body cannot hold memory or a connection. The app then reads the buffered body.
+  huge or trickled body cannot hold memory or a connection. The app then reads the buffered body;
+- JSON: a body nested deeper than MAX_JSON_DEPTH, or whose text holds a lone surrogate (a `\ud800` escape), gets a
+  400 naming it, on every route (the parser and everything after it would fail on it, some with a 500).
 """
 import asyncio
 import hmac
+import json
+import re
 
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
@@ -15,6 +19,9 @@ from starlette.responses import JSONResponse
 from livemoe.engine.server.admin import ADMIN_PATHS
 from livemoe.engine.server.config import ServerConfig
 from livemoe.engine.server.protocol import error_body
+from livemoe.engine.text.json_limits import depth_message, lone_surrogate, too_deep
+
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # only such bodies are parsed here, to look for a lone one
 
 
 class BodyTooLarge(Exception):
@@ -42,6 +49,7 @@ class RequestGuard:
             else:
                 if body is None:
                     return  # the client left while sending
+                refusal = _bad_json(body)
                 receive = replay(body, receive)
         if refusal is not None:
             status, content = refusal
@@ -68,6 +76,21 @@ class RequestGuard:
             if int(length) > self.config.max_body_bytes:
                 return _too_large(self.config.max_body_bytes)
         return None
+
+
+def _bad_json(body: bytes) -> tuple[int, dict] | None:
+    """A 400 for a JSON body nested too deep or holding a lone surrogate; None otherwise (a body that is not
+    JSON is the route's to refuse)."""
+    if too_deep(body) is not None:
+        return 400, error_body(depth_message())
+    if SURROGATE_ESCAPE.search(body):
+        try:
+            why = lone_surrogate(json.loads(body))
+        except ValueError:
+            return None
+        if why is not None:
+            return 400, error_body(why)
+    return None
 
 
 def _too_large(limit: int) -> tuple[int, dict]:
