@@ -124,10 +124,10 @@ def test_a_line_nested_too_deep_or_with_a_lone_surrogate_is_named(tmp_path):
     RecursionError traceback or a later tokenizer failure; with skip_bad_lines they are skipped."""
     from livemoe.train.live.data import load_sessions
 
-    good = json.dumps({"question": "q", "answer": "a"})
-    deep = '{"question": "q", "answer": "a", "meta": {"x": ' + "[" * 5000 + "]" * 5000 + "}}"
+    good = json.dumps({"documents": ["link 1: red scarf."], "question": "color?"})
+    deep = '{"documents": ["d"], "question": "q", "meta": {"x": ' + "[" * 5000 + "]" * 5000 + "}}"
     path = tmp_path / "d.jsonl"
-    path.write_text("\n".join([good, deep, json.dumps({"question": "q \ud800", "answer": "a"})]) + "\n")
+    path.write_text("\n".join([good, deep, json.dumps({"documents": ["d"], "question": "q \ud800"})]) + "\n")
     with pytest.raises(DataError, match=r"d\.jsonl:2: JSON nested more than 128 levels"):
         load_jsonl(str(path))
     records, stats = load_jsonl(str(path), skip_bad_lines=True)
