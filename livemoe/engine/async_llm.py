@@ -20,6 +20,7 @@ Weights and memory, on every replica (rollout servers for RL): `update_weights`,
 (awaitables; see LLM.update_weights for `in_flight`).
 """
 import asyncio
+import concurrent.futures
 import logging
 from collections import deque
 from itertools import count
@@ -30,7 +31,7 @@ from livemoe.engine.core.mp_client import MPClient
 from livemoe.engine.decoder.config import EngineConfig
 from livemoe.engine.decoder.engine_core import IN_FLIGHT_MODES
 from livemoe.engine.decoder.input_processor import tokenize_prompt
-from livemoe.engine.errors import RequestError
+from livemoe.engine.errors import GrammarCompileTimeout, RequestError
 from livemoe.engine.llm import LLM
 from livemoe.engine.model.loader import load_tokenizer
 from livemoe.engine.outputs import RequestOutput
@@ -115,6 +116,9 @@ class AsyncLLM:
         if engine_core not in ENGINE_CORES:
             raise ValueError(f"engine_core must be one of {ENGINE_CORES}, got {engine_core!r}")
         self._ids = count()
+        # compiles with a time budget wait here (a compile past it runs on: its thread stays taken until it ends)
+        self._compile_pool = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="livemoe-grammar")
+        self._slow_compiles: set[str] = set()  # specs whose compile ran past a budget and has not ended yet
         self.client: EngineCoreClient
         if engine_core == "thread":
             if data_parallel_size != 1 or devices is not None or on_core_death is not None:
@@ -198,10 +202,27 @@ class AsyncLLM:
         blocks = min(self._serving_stats("kv_blocks_total"), default=0) or self.max_model_len // self.block_size
         return min(self.max_model_len, blocks * self.block_size)
 
-    def compile_grammar(self, spec, field: str = "structured"):
+    def compile_grammar(self, spec, field: str = "structured", timeout_s: float | None = None):
         """Compiles (and caches) an output constraint where the engine runs; a bad spec raises RequestError.
-        Blocking: call it off the event loop."""
-        self.client.compile_grammar(spec, field)
+        Blocking: call it off the event loop. timeout_s: a budget; past it GrammarCompileTimeout (a RequestError).
+        A compile cannot be stopped: it runs on where the engine is (xgrammar releases the interpreter lock, so
+        the steps go on) and is cached when done; until then the same spec is refused at once."""
+        if timeout_s is None:
+            self.client.compile_grammar(spec, field)
+            return
+        key = spec.key
+        if key in self._slow_compiles:
+            raise GrammarCompileTimeout(f"{field}: compiling this constraint takes over {timeout_s:g} s (a compile of "
+                                        "it is still running); simplify it")
+        done = self._compile_pool.submit(self.client.compile_grammar, spec, field)
+        try:
+            done.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            self._slow_compiles.add(key)
+            done.add_done_callback(lambda _: self._slow_compiles.discard(key))
+            raise GrammarCompileTimeout(f"{field}: compiling this constraint took over {timeout_s:g} s; simplify it "
+                                        "(long repetition counts such as {1,5000} and huge enums cost the most)"
+                                        ) from None
 
     # -- requests -----------------------------------------------------------------------------------
 
@@ -301,6 +322,7 @@ class AsyncLLM:
     def shutdown(self, timeout: float | None = 10.0) -> None:
         """Stops the engine; requests in flight end with EngineDeadError."""
         self.client.shutdown(10.0 if timeout is None else timeout)
+        self._compile_pool.shutdown(wait=False, cancel_futures=True)
 
     async def __aenter__(self):
         return self

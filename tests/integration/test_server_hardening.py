@@ -212,3 +212,26 @@ def test_a_500_leaves_the_keep_alive_connection_usable(ckpt, monkeypatch):
                 assert status == 200, answer
     finally:
         engine.shutdown()
+
+
+# -- the grammar-compile budget (item 6) -----------------------------------------------------------------------------
+
+
+def test_grammar_compile_over_the_budget_is_a_400(ckpt):
+    """--max-grammar-compile-s 0.2: a pattern whose compile takes seconds is a 400 naming the flag, at once again
+    while that compile runs on; a small schema still compiles and serves meanwhile."""
+    from livemoe.engine.server import ServerProcess
+
+    slow = {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "^(a|b|c){1,3000}$"}}}}}
+    fast = {"type": "json_schema", "json_schema": {"name": "y", "schema": {
+        "type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}}}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+    with ServerProcess(ckpt, "tiny", [*OPTIONS, "--max-grammar-compile-s", "0.2"]) as s:
+        for _ in range(2):
+            t0 = time.monotonic()
+            status, err = http_json(s.url + "/v1/chat/completions", {**body, "response_format": slow})
+            assert status == 400 and "--max-grammar-compile-s 0.2" in err["error"]["message"], err
+            assert time.monotonic() - t0 < 5.0
+        status, out = http_json(s.url + "/v1/chat/completions", {**body, "response_format": fast})
+        assert status == 200, out

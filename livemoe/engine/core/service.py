@@ -29,7 +29,8 @@ from livemoe.engine.outputs import RequestOutput
 
 log = logging.getLogger("livemoe.engine.core")
 
-CALLS_ON_WORKER = {"compile_grammar"}  # no engine state touched: off the step loop
+CALLS_ON_WORKER = {"compile_grammar"}
+COMPILE_THREADS = 4  # no engine state touched: off the step loop
 
 
 @dataclass
@@ -59,7 +60,8 @@ class CoreService:
         self.events = Events()
         self.held: list = []  # commands waiting behind a weight update that lets requests finish
         self.waiting_call: m.Call | None = None  # that update
-        self.worker = ThreadPoolExecutor(1, thread_name_prefix="livemoe-core-worker")
+        # a few threads: one slow grammar compile (it cannot be stopped) does not hold up the others
+        self.worker = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="livemoe-core-worker")
         self.worker_done: queue.SimpleQueue = queue.SimpleQueue()  # (call id, ok, result) from the worker
         self.worker_busy = 0
         self.receiver = None  # the weight-update group's receiver (init_weights_update_group)

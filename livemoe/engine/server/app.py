@@ -43,7 +43,7 @@ from starlette.responses import StreamingResponse
 
 from livemoe.engine.async_llm import AsyncLLM, RequestStream
 from livemoe.engine.decoder.input_processor import tokenize_prompt
-from livemoe.engine.errors import EngineDeadError, EngineSleepingError, RequestError
+from livemoe.engine.errors import EngineDeadError, EngineSleepingError, GrammarCompileTimeout, RequestError
 from livemoe.engine.sampling.params import SamplingParams
 from livemoe.engine.server.admin import add_admin_routes
 from livemoe.engine.server.config import ServerConfig
@@ -324,7 +324,11 @@ class OpenAIServer:
         looks it up); a bad schema, regex or grammar is a 400 naming the field."""
         found = body.constraint()
         if found is not None:
-            await self.off_loop(lambda: self.engine.compile_grammar(*found))
+            budget = self.config.max_grammar_compile_s
+            try:
+                await self.off_loop(lambda: self.engine.compile_grammar(*found, timeout_s=budget))
+            except GrammarCompileTimeout as e:
+                raise RequestError(f"{e} (this server's budget: --max-grammar-compile-s {budget:g})") from None
 
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)

@@ -25,6 +25,7 @@ class ServerConfig:
     # page cannot reach the server through DNS rebinding), any name otherwise
     allowed_hosts: str | None = None
     enable_docs: bool = False  # serve /openapi.json and /docs
+    max_grammar_compile_s: float = 10.0  # a response_format / guided_* / tool grammar compiling longer: a 400
     max_live_sessions: int = 256  # live sessions open at once (each pins KV blocks); a 429 past it
 
     def __post_init__(self):
