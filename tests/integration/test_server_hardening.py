@@ -235,3 +235,32 @@ def test_grammar_compile_over_the_budget_is_a_400(ckpt):
             assert time.monotonic() - t0 < 5.0
         status, out = http_json(s.url + "/v1/chat/completions", {**body, "response_format": fast})
         assert status == 200, out
+
+
+# -- admin routes off by default; two Host headers (item 8, item 11) ------------------------------------------------
+
+
+def test_admin_routes_are_off_by_default(server, ckpt):
+    for path, body in [("/update_weights_from_disk", {"model_path": ckpt}), ("/sleep", {"level": 1}),
+                       ("/wake_up", {}), ("/update_weights_from_distributed", {"names": ["a"], "dtypes": ["float32"],
+                                                                              "shapes": [[1]]}),
+                       ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1,
+                                                       "rank_offset": 1, "world_size": 2})]:
+        status, err = http_json(server.url + path, body)
+        assert status == 403 and "--enable-admin-routes" in err["error"]["message"], (path, err)
+    assert http_json(server.url + "/is_sleeping") == (200, {"is_sleeping": False, "level": 0})  # read-only: open
+    assert http_json(server.url + "/health")[0] == 200
+
+
+def test_admin_routes_with_the_flag_or_a_key(ckpt):
+    """--enable-admin-routes opens them; --api-key opens them behind the key."""
+    from livemoe.engine.server import ServerProcess
+
+    with ServerProcess(ckpt, "tiny", [*OPTIONS, "--enable-admin-routes"]) as s:
+        assert http_json(s.url + "/sleep", {"level": 1})[0] == 200
+        assert http_json(s.url + "/wake_up", {})[0] == 200
+    with ServerProcess(ckpt, "tiny", OPTIONS, env={"LIVEMOE_API_KEY": "k3y"}) as s:
+        assert http_json(s.url + "/sleep", {"level": 1})[0] == 401
+        key = {"Authorization": "Bearer k3y"}
+        assert http_json(s.url + "/sleep", {"level": 1}, headers=key)[0] == 200
+        assert http_json(s.url + "/wake_up", {}, headers=key)[0] == 200

@@ -26,6 +26,9 @@ class ServerConfig:
     allowed_hosts: str | None = None
     enable_docs: bool = False  # serve /openapi.json and /docs
     max_grammar_compile_s: float = 10.0  # a response_format / guided_* / tool grammar compiling longer: a 400
+    # the routes that change the server (weight updates, sleep / wake_up, the weight-update group: admin.py):
+    # off unless enabled here or an api_key is set (they then need the key)
+    enable_admin_routes: bool = False
     max_live_sessions: int = 256  # live sessions open at once (each pins KV blocks); a 429 past it
 
     def __post_init__(self):
@@ -36,6 +39,10 @@ class ServerConfig:
                 raise ValueError(f"ServerConfig: {f.name} must be a positive {f.type.__name__}, got {value!r}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("ServerConfig: api_key must not be empty")
+
+    @property
+    def admin_routes(self) -> bool:
+        return self.enable_admin_routes or self.api_key is not None
 
     def host_names(self, bind_host: str) -> set[str] | None:
         """The Host header names accepted by a server bound to `bind_host` (None: any)."""

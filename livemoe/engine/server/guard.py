@@ -2,6 +2,7 @@
 
 - Host header: one of the accepted names (ServerConfig.host_names), else 400;
 - API key: on /v1 routes and the weight/sleep routes (admin.py) when one is set, `Authorization: Bearer KEY`, else 401;
+- admin routes that change the server (weights, sleep, wake_up): 403 unless `--enable-admin-routes` or a key;
 - body: a declared Content-Length over max_body_bytes gets a 413 before a byte is read; a body read in
   full must stay under it (413 as soon as it passes) and arrive within body_timeout_s (else 408), so a
   huge or trickled body cannot hold memory or a connection. The app then reads the buffered body;
@@ -16,7 +17,7 @@ import re
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 
-from livemoe.engine.server.admin import ADMIN_PATHS
+from livemoe.engine.server.admin import ADMIN_PATHS, ADMIN_WRITE_PATHS
 from livemoe.engine.server.config import ServerConfig
 from livemoe.engine.server.protocol import error_body
 from livemoe.engine.text.json_limits import depth_message, lone_surrogate, too_deep
@@ -69,6 +70,10 @@ class RequestGuard:
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key):
                 return 401, error_body("missing or wrong API key (send `Authorization: Bearer KEY`)",
                                        code="invalid_api_key")
+        if path in ADMIN_WRITE_PATHS and not self.config.admin_routes:
+            return 403, error_body(f"{path} is an admin route, off on this server: start it with "
+                                   "--enable-admin-routes (or --api-key KEY, which enables them behind the key)",
+                                   kind="permission_error", code="admin_routes_disabled")
         length = headers.get("content-length")
         if length is not None:
             if not length.isdigit():
