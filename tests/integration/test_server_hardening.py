@@ -258,7 +258,11 @@ def test_admin_routes_with_the_flag_or_a_key(ckpt):
 
     with ServerProcess(ckpt, "tiny", [*OPTIONS, "--enable-admin-routes"]) as s:
         assert http_json(s.url + "/sleep", {"level": 1})[0] == 200
+        # an update while asleep is refused, not applied silently on wake (item 11)
+        status, err = http_json(s.url + "/update_weights_from_disk", {"model_path": ckpt})
+        assert status == 409 and "asleep" in err["error"]["message"] and "wake" in err["error"]["message"], err
         assert http_json(s.url + "/wake_up", {})[0] == 200
+        assert http_json(s.url + "/update_weights_from_disk", {"model_path": ckpt})[0] == 200
     with ServerProcess(ckpt, "tiny", OPTIONS, env={"LIVEMOE_API_KEY": "k3y"}) as s:
         assert http_json(s.url + "/sleep", {"level": 1})[0] == 401
         key = {"Authorization": "Bearer k3y"}
