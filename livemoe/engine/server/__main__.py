@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from livemoe.engine.async_llm import AsyncLLM
     from livemoe.engine.server import build_app
+    from livemoe.engine.server.sockets import header_timeout_protocol
 
     options = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
     options.setdefault("use_tqdm", False)
@@ -118,7 +119,8 @@ def main(argv: list[str] | None = None) -> None:
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     try:
         app = build_app(engine, name, server_config, bind_host=args.host, reasoning_parser=args.reasoning_parser)
-        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower()))
+        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                                               http=header_timeout_protocol(server_config.header_timeout_s)))
         if died.is_set():
             server.should_exit = True
         # uvicorn stops on SIGTERM, then raises it again: as SystemExit here, so the engine cores are

@@ -20,6 +20,7 @@ class ServerConfig:
     max_stop: int = 16  # stop strings in one request (each is searched at every step)
     max_body_bytes: int = 4 * 2**20  # a larger body gets a 413 before it is read
     body_timeout_s: float = 30.0  # a body not received in full by then gets a 408
+    header_timeout_s: float = 10.0  # a connection without a request's headers by then is closed (sockets.py)
     api_key: str | None = None  # when set, every /v1 route needs `Authorization: Bearer KEY` (else 401)
     # Host header names accepted (comma-separated); None: loopback names when bound to loopback (so a web
     # page cannot reach the server through DNS rebinding), any name otherwise

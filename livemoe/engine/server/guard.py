@@ -1,6 +1,6 @@
 """The checks every HTTP request passes before the app sees it (an ASGI middleware), in this order:
 
-- Host header: one of the accepted names (ServerConfig.host_names), else 400;
+- Host header: exactly one, one of the accepted names (ServerConfig.host_names), else 400;
 - API key: on /v1 routes and the weight/sleep routes (admin.py) when one is set, `Authorization: Bearer KEY`, else 401;
 - admin routes that change the server (weights, sleep, wake_up): 403 unless `--enable-admin-routes` or a key;
 - body: a declared Content-Length over max_body_bytes gets a 413 before a byte is read; a body read in
@@ -60,6 +60,8 @@ class RequestGuard:
         await self.app(scope, receive, send)
 
     def _refusal(self, scope, headers: Headers) -> tuple[int, dict] | None:
+        if len(headers.getlist("host")) > 1:  # RFC 9112 3.2: a request with more than one Host is a 400
+            return 400, error_body(f"the request has {len(headers.getlist('host'))} Host headers; send one")
         if self.host_names is not None and _host_name(headers.get("host", "")) not in self.host_names:
             return 400, error_body(f"Host header {headers.get('host', '')!r} is not one this server answers to "
                                    f"({sorted(self.host_names)}; see --allowed-hosts)")
