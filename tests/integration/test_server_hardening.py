@@ -8,6 +8,7 @@ import json
 import re
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -317,3 +318,23 @@ def test_idle_and_slow_header_sockets_are_dropped_and_service_goes_on(ckpt):
             r = conn.getresponse()
             assert r.status == 200 and r.read()
             time.sleep(0.5)
+
+
+# -- an early 413 that the client reads (item 10) --------------------------------------------------------------------
+
+
+def test_a_client_that_sends_its_whole_body_first_reads_the_413(server):
+    """urllib (as httpx and the openai package) sends a whole body before reading, without `Expect: 100-continue`:
+    8 MB over the 4 MiB default gets the 413 (the rest is read and dropped first), not a broken pipe; the
+    connection stays usable."""
+    body = json.dumps({"model": "tiny", "prompt": "x" * 8_000_000}).encode()
+    req = urllib.request.Request(server.url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=60)
+    assert err.value.code == 413 and "--max-body-bytes" in json.loads(err.value.read())["error"]["message"]
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=60)
+    status, _, _ = raw_post(server, "/v1/completions", body, conn)
+    assert status == 413
+    status, _, answer = raw_post(server, "/v1/completions", json.dumps({"model": "tiny", "prompt": "hi",
+                                                                       "max_tokens": 2}).encode(), conn)
+    assert status == 200, answer

@@ -3,7 +3,8 @@
 - Host header: exactly one, one of the accepted names (ServerConfig.host_names), else 400;
 - API key: on /v1 routes and the weight/sleep routes (admin.py) when one is set, `Authorization: Bearer KEY`, else 401;
 - admin routes that change the server (weights, sleep, wake_up): 403 unless `--enable-admin-routes` or a key;
-- body: a declared Content-Length over max_body_bytes gets a 413 before a byte is read; a body read in
+- body: a declared Content-Length over max_body_bytes gets a 413 before a byte is kept (the rest is read and
+  dropped before the answer, up to DRAIN_MAX_BYTES, so that clients that send it all first read the 413); a body read in
   full must stay under it (413 as soon as it passes) and arrive within body_timeout_s (else 408), so a
   huge or trickled body cannot hold memory or a connection. The app then reads the buffered body;
 - JSON: a body nested deeper than MAX_JSON_DEPTH, or whose text holds a lone surrogate (a `\ud800` escape), gets a
@@ -39,7 +40,8 @@ class RequestGuard:
             return await self.app(scope, receive, send)
         headers = Headers(scope=scope)
         refusal = self._refusal(scope, headers)
-        if refusal is None and scope["method"] in ("POST", "PUT", "PATCH"):
+        body_read = scope["method"] not in ("POST", "PUT", "PATCH")
+        if refusal is None and not body_read:
             try:
                 async with asyncio.timeout(self.config.body_timeout_s):  # (wait_for would start a task per request)
                     body = await read_body(receive, self.config.max_body_bytes)
@@ -47,13 +49,20 @@ class RequestGuard:
                 refusal = _too_large(self.config.max_body_bytes)
             except TimeoutError:
                 refusal = 408, error_body(f"the request body did not arrive within {self.config.body_timeout_s:g} s")
+                body_read = True  # (a client this slow is not waited for again)
             else:
                 if body is None:
                     return  # the client left while sending
+                body_read = True
                 refusal = _bad_json(body)
                 receive = replay(body, receive)
         if refusal is not None:
             status, content = refusal
+            # answered before the body was read (413, 401, ...): the rest is read and dropped first, so a client
+            # that sends its whole body before reading (urllib, httpx: no `Expect: 100-continue`) reads the answer
+            # rather than a broken pipe; bounded in bytes and time (past them the connection closes as before)
+            if not body_read and headers.get("expect", "").lower() != "100-continue":
+                await drain(receive, DRAIN_MAX_BYTES, self.config.body_timeout_s)
             response = JSONResponse(content, status_code=status,
                                     headers={"WWW-Authenticate": "Bearer"} if status == 401 else None)
             return await response(scope, receive, send)
@@ -124,6 +133,25 @@ async def read_body(receive, limit: int | None = None) -> bytes | None:
             raise BodyTooLarge
         if not message.get("more_body", False):
             return bytes(body)
+
+
+DRAIN_MAX_BYTES = 64 * 2**20  # at most this much of a refused body is read (and dropped)
+
+
+async def drain(receive, max_bytes: int, timeout_s: float) -> None:
+    """Reads and drops the rest of a request's body, up to max_bytes and timeout_s."""
+    seen = 0
+    try:
+        async with asyncio.timeout(timeout_s):
+            while seen <= max_bytes:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return
+                seen += len(message.get("body", b""))
+                if not message.get("more_body", False):
+                    return
+    except TimeoutError:
+        return
 
 
 def replay(body: bytes, receive):
