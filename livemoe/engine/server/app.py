@@ -51,6 +51,7 @@ from livemoe.engine.server.guard import RequestGuard
 from livemoe.engine.server.hot_routes import HotRoutes
 from livemoe.engine.server.live import live_router
 from livemoe.engine.server.metrics import ServerMetrics
+from livemoe.engine.server.openapi import document_errors
 from livemoe.engine.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from livemoe.engine.server.responses import Run
 from livemoe.engine.text.prompts import chat_prompt_ids
@@ -129,6 +130,7 @@ def build_app(engine: AsyncLLM, model_name: str, config: ServerConfig | None = N
 
     app.include_router(live_router(server))
     add_admin_routes(app, engine)
+    document_errors(app)
     inner = app.fastapi_call
     if hot_routes:
         inner = HotRoutes(inner, server, on_error=error_response)
