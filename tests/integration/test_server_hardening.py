@@ -183,9 +183,9 @@ def test_lone_surrogates_are_a_400(server):
     http_json(f"{base}/{s['id']}", method="DELETE")
 
 
-def test_a_500_leaves_the_keep_alive_connection_usable(ckpt, monkeypatch):
-    """A route that fails (an internal error, injected) answers a JSON 500, and the client's next request on the
-    same connection is answered: on a FastAPI route (live sessions) and on a hot route."""
+@pytest.fixture(scope="module")
+def in_process(ckpt):
+    """The app over a process-core AsyncLLM, served on a thread of this process (so a test can reach into it)."""
     import torch
 
     from livemoe.engine.async_llm import AsyncLLM
@@ -195,24 +195,58 @@ def test_a_500_leaves_the_keep_alive_connection_usable(ckpt, monkeypatch):
                       num_kv_blocks=64, use_tqdm=False)
     try:
         with BackgroundServer(engine, "tiny") as server:
-            api = server.app.state.server
-
-            def broken(*a, **k):
-                raise RuntimeError("injected fault")
-
-            conn = http.client.HTTPConnection(server.host, server.port, timeout=60)
-            ok = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2}).encode()
-            for path, name, body in [("/v1/live/sessions", "check_text_fits", json.dumps({"system": SYSTEM})),
-                                     ("/v1/completions", "check_available", ok)]:
-                with monkeypatch.context() as m:
-                    m.setattr(api, name, broken)
-                    status, kind, answer = raw_post(server, path, body.encode() if isinstance(body, str) else body,
-                                                    conn)
-                assert status == 500 and "injected fault" in json.loads(answer)["error"]["message"], answer
-                status, _, answer = raw_post(server, "/v1/completions", ok, conn)  # the same connection
-                assert status == 200, answer
+            yield server
     finally:
         engine.shutdown()
+
+
+def test_a_500_leaves_the_keep_alive_connection_usable(in_process, monkeypatch):
+    """A route that fails (an internal error, injected) answers a JSON 500, and the client's next request on the
+    same connection is answered: on a FastAPI route (live sessions) and on a hot route."""
+    server = in_process
+    api = server.app.state.server
+
+    def broken(*a, **k):
+        raise RuntimeError("injected fault")
+
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=60)
+    ok = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2}).encode()
+    for path, name, body in [("/v1/live/sessions", "check_text_fits", json.dumps({"system": SYSTEM}).encode()),
+                             ("/v1/completions", "check_available", ok)]:
+        with monkeypatch.context() as m:
+            m.setattr(api, name, broken)
+            status, kind, answer = raw_post(server, path, body, conn)
+        assert status == 500 and "injected fault" in json.loads(answer)["error"]["message"], answer
+        status, _, answer = raw_post(server, "/v1/completions", ok, conn)  # the same connection
+        assert status == 200, answer
+
+
+def test_live_events_are_tokenized_off_the_event_loop(in_process, monkeypatch):
+    """A live step whose tokenizing takes 2 s (a large interval; slowed here) leaves /health answering at once."""
+    server = in_process
+    base = server.url + "/v1/live/sessions"
+    status, s = http_json(base, {"system": SYSTEM, "max_message_chars": 24})
+    assert status == 200, s
+    tok = server.app.state.server.tokenizer
+    real = tok.encode
+
+    def slow_encode(*a, **kw):
+        time.sleep(2.0)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(tok, "encode", slow_encode)
+    result = {}
+    step = threading.Thread(target=lambda: result.update(r=http_json(f"{base}/{s['id']}/step", {"events": "hi"})))
+    step.start()
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    assert http_json(server.url + "/health", timeout=10)[0] == 200
+    took = time.monotonic() - t0
+    step.join(60)
+    monkeypatch.undo()
+    assert result["r"][0] == 200, result
+    assert took < 1.0, f"/health took {took:.2f} s during the step's tokenizing"
+    http_json(f"{base}/{s['id']}", method="DELETE")
 
 
 # -- the grammar-compile budget (item 6) -----------------------------------------------------------------------------
@@ -272,12 +306,13 @@ def test_admin_routes_with_the_flag_or_a_key(ckpt):
 
 
 def test_two_host_headers_are_a_400(server):
-    import socket
-
-    with socket.create_connection((server.host, server.port), timeout=30) as sock:
-        sock.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\nHost: evil.example\r\n\r\n")
-        answer = sock.recv(65536).decode()
-    assert answer.startswith("HTTP/1.1 400") and "Host headers" in answer, answer[:300]
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
+    conn.putrequest("GET", "/health", skip_host=True)
+    conn.putheader("Host", "localhost")
+    conn.putheader("Host", "evil.example")
+    conn.endheaders()
+    r = conn.getresponse()
+    assert r.status == 400 and "2 Host headers" in json.loads(r.read())["error"]["message"]
 
 
 # -- idle and slow-header sockets (item 11) --------------------------------------------------------------------------
