@@ -43,6 +43,15 @@ def metric(server, name: str) -> float:
     return sum(float(v) for v in re.findall(rf"^{name}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
 
 
+def exited(pid: int) -> bool:
+    """Whether process pid (another's child) has exited: gone, or a zombie its parent has not reaped yet."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
 def wait_for(condition, within_s: float = 20.0) -> bool:
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
@@ -136,13 +145,23 @@ def test_requests_go_to_the_live_replica_when_one_core_dies(ckpt):
     with ServerProcess(ckpt, "tiny", [*OPTIONS, "--data-parallel-size", "2"]) as s:
         keep, pid = http_json(s.url + "/get_server_info")[1]["core_pids"]
         os.kill(pid, signal.SIGKILL)
+        assert wait_for(lambda: exited(pid), within_s=5)  # the kernel has ended it (the server has not looked yet)
         answers = [http_json(s.url + "/v1/completions", {"model": "tiny", "prompt": f"hi {i}", "max_tokens": 4})
                    for i in range(10)]
         assert [a[0] for a in answers] == [200] * 10, answers
         assert s.proc.poll() is None
-        assert wait_for(lambda: http_json(s.url + "/health")[0] == 200, within_s=120)  # restarted
+        assert wait_for(lambda: http_json(s.url + "/get_server_info")[1]["core_pids"][1] != pid
+                        and http_json(s.url + "/health")[0] == 200, within_s=120)  # restarted
         info = http_json(s.url + "/get_server_info")[1]
-        assert info["core_pids"][0] == keep and info["core_pids"][1] != pid
+        assert info["core_pids"][0] == keep
+        for core in info["core_pids"]:  # both: requests fail (503, at once) only now, until a core is back
+            os.kill(core, signal.SIGKILL)
+        assert wait_for(lambda: http_json(s.url + "/health")[0] == 503, within_s=10)
+        t0 = time.monotonic()
+        status, err = http_json(s.url + "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 4})
+        assert status == 503 and time.monotonic() - t0 < 5 and "stopped" in err["error"]["message"], err
+        assert wait_for(lambda: http_json(s.url + "/health")[0] == 200, within_s=120)  # both restarted
+        assert http_json(s.url + "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 4})[0] == 200
 
 
 # -- JSON nested too deep, lone surrogates, a 500 on a keep-alive connection (items 5 and 7) -----------------------
