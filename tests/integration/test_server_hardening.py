@@ -385,7 +385,8 @@ def test_a_client_that_sends_its_whole_body_first_reads_the_413(server):
     8 MB over the 4 MiB default gets the 413 (the rest is read and dropped first), not a broken pipe; the
     connection stays usable."""
     body = json.dumps({"model": "tiny", "prompt": "x" * 8_000_000}).encode()
-    req = urllib.request.Request(server.url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(server.url + "/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(req, timeout=60)
     assert err.value.code == 413 and "--max-body-bytes" in json.loads(err.value.read())["error"]["message"]

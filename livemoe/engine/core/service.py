@@ -29,8 +29,8 @@ from livemoe.engine.outputs import RequestOutput
 
 log = logging.getLogger("livemoe.engine.core")
 
-CALLS_ON_WORKER = {"compile_grammar"}
-COMPILE_THREADS = 4  # no engine state touched: off the step loop
+CALLS_ON_WORKER = {"compile_grammar"}  # no engine state touched: off the step loop
+COMPILE_THREADS = 4
 
 
 @dataclass

@@ -8,9 +8,11 @@
 
 An unknown id is a 404; bad events or fields a 400 naming them; a `max_context` too small for one step a 400
 at create; more than `--max-live-sessions` open a 429. Events are tokenized off the event loop (a text longer
-than the context can hold is refused from its length first), so a large step does not stall other requests. One step of a session runs at a time
-(a second one waits for the first). Sessions idle for longer than `idle_timeout_s` are closed at the
-next call to any of these endpoints, and their pinned KV blocks go back to the engine at its next step.
+than the context can hold is refused from its length first), so a large step does not stall other requests.
+Sessions work on either engine core (livemoe.engine.live.session: the core keeps their blocks pinned). One step
+of a session runs at a time (a second one waits for the first). Sessions idle for longer than `idle_timeout_s`
+are closed at the next call to any of these endpoints, and their pinned KV blocks go back to the engine at its
+next step.
 /metrics gains livemoe_live_sessions (open), livemoe_live_decisions{kind} and the decision latency.
 """
 import asyncio
