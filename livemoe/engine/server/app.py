@@ -146,40 +146,40 @@ class GuardedApp(FastAPI):
     front = None  # set by build_app
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.front(scope, receive, send)
-        started = False
-
-        async def tracked(message) -> None:
-            nonlocal started
-            started = True
-            await send(message)
-
         try:
-            await self.front(scope, receive, tracked)
+            await self.front(scope, receive, send)
         except Exception as exc:  # noqa: BLE001 (answered here, not raised to uvicorn)
             # Starlette's error middleware re-raises after sending its 500; raised to uvicorn, an exception closes
-            # the connection that answer went out on, unannounced, and the client's next request on it fails
-            if started:
-                log.debug("after its answer, %s raised %r", scope.get("path"), exc)
-                return
-            await error_response(exc, scope.get("path", ""))(scope, receive, send)
+            # the connection that answer went out on, unannounced, and the client's next request on it fails.
+            # (No wrapper around send to know whether an answer started: the server refuses a second start.)
+            if scope["type"] != "http":
+                raise
+            path = scope.get("path", "")
+            response = error_response(exc, path, quiet=True)
+            try:
+                await response(scope, receive, send)
+            except RuntimeError:  # an answer had started (or was sent, and logged) already: nothing more to say
+                log.debug("after its answer, %s raised %r", path, exc)
+            else:
+                if response.status_code == 500:
+                    log.error("internal error on %s", path, exc_info=exc)
 
     async def fastapi_call(self, scope, receive, send) -> None:
         await super().__call__(scope, receive, send)
 
 
-def error_response(exc: Exception, path: str) -> JSONResponse:
+def error_response(exc: Exception, path: str, quiet: bool = False) -> JSONResponse:
     """The answer to a request that raised: 400 for a bad request (404 for an unknown model), 503 while the
-    engine sleeps or is dead, else 500 (logged). The FastAPI routes and the hot routes (hot_routes.py)
-    both answer with it."""
+    engine sleeps or is dead, else 500 (logged unless quiet). The FastAPI routes and the hot routes
+    (hot_routes.py) both answer with it."""
     if isinstance(exc, ModelNotFound):  # as OpenAI and vLLM answer
         return JSONResponse(error_body(str(exc), "model_not_found"), status_code=404)
     if isinstance(exc, RequestError):
         return JSONResponse(error_body(str(exc)), status_code=400)
     if isinstance(exc, (EngineSleepingError, EngineDeadError)):
         return JSONResponse(error_body(str(exc), kind="service_unavailable"), status_code=503)
-    log.error("internal error on %s", path, exc_info=exc)
+    if not quiet:
+        log.error("internal error on %s", path, exc_info=exc)
     return JSONResponse(error_body(f"internal error: {exc!r}", kind="internal_error"), status_code=500)
 
 
