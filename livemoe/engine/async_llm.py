@@ -20,6 +20,7 @@ Weights and memory, on every replica (rollout servers for RL): `update_weights`,
 (awaitables; see LLM.update_weights for `in_flight`).
 """
 import asyncio
+import concurrent.futures
 import logging
 from collections import deque
 from itertools import count
@@ -30,7 +31,7 @@ from livemoe.engine.core.mp_client import MPClient
 from livemoe.engine.decoder.config import EngineConfig
 from livemoe.engine.decoder.engine_core import IN_FLIGHT_MODES
 from livemoe.engine.decoder.input_processor import tokenize_prompt
-from livemoe.engine.errors import RequestError
+from livemoe.engine.errors import GrammarCompileTimeout, RequestError
 from livemoe.engine.llm import LLM
 from livemoe.engine.model.loader import load_tokenizer
 from livemoe.engine.outputs import RequestOutput
@@ -115,6 +116,9 @@ class AsyncLLM:
         if engine_core not in ENGINE_CORES:
             raise ValueError(f"engine_core must be one of {ENGINE_CORES}, got {engine_core!r}")
         self._ids = count()
+        # compiles with a time budget wait here (a compile past it runs on: its thread stays taken until it ends)
+        self._compile_pool = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="livemoe-grammar")
+        self._slow_compiles: set[str] = set()  # specs whose compile ran past a budget and has not ended yet
         self.client: EngineCoreClient
         if engine_core == "thread":
             if data_parallel_size != 1 or devices is not None or on_core_death is not None:
@@ -156,6 +160,10 @@ class AsyncLLM:
         return self.client.block_size
 
     @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.client.eos_token_ids
+
+    @property
     def data_parallel_size(self) -> int:
         return self.client.num_replicas
 
@@ -171,7 +179,8 @@ class AsyncLLM:
     def stats(self) -> dict:
         """LLM.stats() as of the engine's last turn (a snapshot: safe from any thread); with several
         replicas, their sum (rates averaged, last_logits_finite only if on every one)."""
-        return merge_stats(self.client.stats())
+        stats = self.client.stats()
+        return merge_stats([s for s in stats if s] or stats)  # (a replica restarting has no stats yet)
 
     def replica_stats(self) -> list[dict]:
         return self.client.stats()
@@ -190,20 +199,38 @@ class AsyncLLM:
 
     def max_sequence_tokens(self) -> int:
         """Tokens one sequence may hold: the context, or the smallest replica's whole KV cache if less."""
-        blocks = min(s["kv_blocks_total"] for s in self.replica_stats())
+        blocks = min(self._serving_stats("kv_blocks_total"), default=0) or self.max_model_len // self.block_size
         return min(self.max_model_len, blocks * self.block_size)
 
-    def compile_grammar(self, spec, field: str = "structured"):
+    def compile_grammar(self, spec, field: str = "structured", timeout_s: float | None = None):
         """Compiles (and caches) an output constraint where the engine runs; a bad spec raises RequestError.
-        Blocking: call it off the event loop."""
-        self.client.compile_grammar(spec, field)
+        Blocking: call it off the event loop. timeout_s: a budget; past it GrammarCompileTimeout (a RequestError).
+        A compile cannot be stopped: it runs on where the engine is (xgrammar releases the interpreter lock, so
+        the steps go on) and is cached when done; until then the same spec is refused at once."""
+        if timeout_s is None:
+            self.client.compile_grammar(spec, field)
+            return
+        key = spec.key
+        if key in self._slow_compiles:
+            raise GrammarCompileTimeout(f"{field}: compiling this constraint takes over {timeout_s:g} s (a compile of "
+                                        "it is still running); simplify it")
+        done = self._compile_pool.submit(self.client.compile_grammar, spec, field)
+        try:
+            done.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            self._slow_compiles.add(key)
+            done.add_done_callback(lambda _: self._slow_compiles.discard(key))
+            raise GrammarCompileTimeout(f"{field}: compiling this constraint took over {timeout_s:g} s; simplify it "
+                                        "(long repetition counts such as {1,5000} and huge enums cost the most)"
+                                        ) from None
 
     # -- requests -----------------------------------------------------------------------------------
 
     async def add_request(self, prompt, params: SamplingParams | None = None,
-                          request_id: str | None = None) -> RequestStream:
+                          request_id: str | None = None, pin_key: str | None = None) -> RequestStream:
         """Queues a request; returns its stream once the engine accepted it (a bad request raises
-        RequestError here, before anything is streamed)."""
+        RequestError here, before anything is streamed). pin_key: a live session's (livemoe.engine.live): its
+        requests go to one engine core, which keeps their KV blocks pinned between them until unpin(pin_key)."""
         self.client.check_alive()
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
@@ -214,7 +241,7 @@ class AsyncLLM:
         request_id = f"async-{next(self._ids)}" if request_id is None else str(request_id)
         text, prompt_ids = tokenize_prompt(self.tokenizer, prompt)  # only ids go to the core
         stream = RequestStream(self.client, self.tokenizer, request_id, params, loop)
-        accepted = self.client.add(request_id, text, prompt_ids, params, stream)
+        accepted = self.client.add(request_id, text, prompt_ids, params, stream, pin_key)
         try:
             await asyncio.wrap_future(accepted)
         except asyncio.CancelledError:
@@ -225,9 +252,10 @@ class AsyncLLM:
             raise
         return stream
 
-    async def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None):
+    async def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                       pin_key: str | None = None):
         """An async generator of StreamDeltas; leaving it early aborts the request."""
-        stream = await self.add_request(prompt, params, request_id)
+        stream = await self.add_request(prompt, params, request_id, pin_key)
         try:
             async for delta in stream:
                 yield delta
@@ -236,6 +264,10 @@ class AsyncLLM:
 
     async def abort(self, request_id: str) -> None:
         self.client.abort(str(request_id))
+
+    def unpin(self, pin_key: str) -> None:
+        """Gives back the KV blocks kept for pin_key (add_request) at the engine's next turn; safe from any thread."""
+        self.client.unpin(pin_key)
 
     # -- weights and memory -------------------------------------------------------------------------
 
@@ -272,7 +304,14 @@ class AsyncLLM:
 
     @property
     def sleep_level(self) -> int:
-        return max(s.get("sleep_level", 0) for s in self.replica_stats())
+        return max(self._serving_stats("sleep_level"), default=0)
+
+    def _serving_stats(self, key: str) -> list:
+        """key's value on each replica that serves (a dead or restarting one is skipped: its stats are stale or
+        missing), or on every replica that has it when none serves."""
+        stats, errors = self.replica_stats(), self.replica_errors()
+        serving = [s[key] for s, e in zip(stats, errors) if e is None and key in s]
+        return serving or [s[key] for s in stats if key in s]
 
     async def _call_all(self, method: str, *args, **kwargs) -> list:
         in_flight = kwargs.get("in_flight")
@@ -283,6 +322,7 @@ class AsyncLLM:
     def shutdown(self, timeout: float | None = 10.0) -> None:
         """Stops the engine; requests in flight end with EngineDeadError."""
         self.client.shutdown(10.0 if timeout is None else timeout)
+        self._compile_pool.shutdown(wait=False, cancel_futures=True)
 
     async def __aenter__(self):
         return self

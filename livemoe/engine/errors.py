@@ -6,6 +6,10 @@ class RequestError(ValueError):
     """A request the engine cannot serve as asked (bad prompt or sampling params); the message names it."""
 
 
+class GrammarCompileTimeout(RequestError):
+    """An output constraint whose compile ran past the caller's time budget (AsyncLLM.compile_grammar)."""
+
+
 class CheckpointError(ValueError):
     """A checkpoint or config that cannot be loaded as asked; the message names the file, tensor or field."""
 

@@ -79,6 +79,10 @@ class LLM:
         return self.core.max_model_len
 
     @property
+    def eos_token_ids(self) -> set[int]:
+        return self.core.eos_token_ids
+
+    @property
     def sleep_level(self) -> int:
         """0 awake; 1 the KV cache is freed; 2 also the weights moved to the host (sleep())."""
         return self.core.sleep_level

@@ -27,6 +27,7 @@ sha256 over xxhash or crc32: it is the standard (the hub's LFS ids use it) and, 
 instructions of current CPUs, measured 1.7 GiB/s here, close to crc32's 4 GiB/s and well above the
 rate a checkpoint is written; blake2b was slower (0.9 GiB/s).
 """
+import errno
 import hashlib
 import json
 import os
@@ -181,13 +182,44 @@ def save_checkpoint(root: str, step: int, model, optimizer=None, scheduler=None,
     Raises CheckpointError, writing and removing nothing, when the weights or optimizer state hold NaN/Inf."""
     _refuse_nonfinite(first_nonfinite(list(model.named_parameters()) + list(_optimizer_tensors(optimizer))), step, root)
     final, tmp = begin_save(root, step)
-    (save_model or _default_save_model)(model, os.path.join(tmp, "model"))
-    if tokenizer is not None:
-        tokenizer.save_pretrained(os.path.join(tmp, "model"))
-    if optimizer is not None:
-        torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
-    write_state_files(tmp, step, scheduler, trainer_state)
-    return finish_save(root, step, tmp, final, file_digests(tmp, list_files(tmp)), keep_last)
+    try:
+        (save_model or _default_save_model)(model, os.path.join(tmp, "model"))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(os.path.join(tmp, "model"))
+        if optimizer is not None:
+            torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+        write_state_files(tmp, step, scheduler, trainer_state)
+        return finish_save(root, step, tmp, final, file_digests(tmp, list_files(tmp)), keep_last)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)  # (the earlier checkpoints were not touched)
+        if is_disk_full(e):
+            raise CheckpointError(disk_full_message(root, step)) from None
+        raise
+
+
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# how torch.save (its zip writer), safetensors and others word an ENOSPC they wrap in their own exception
+DISK_FULL_TEXTS = ("No space left on device", "file write failed", "StorageFull", "os error 28", "Disk quota exceeded")
+
+
+def is_disk_full(e: BaseException) -> bool:
+    """Whether a write failed for want of space: OSError(ENOSPC / EDQUOT), or a library's error wrapping one."""
+    while e is not None:
+        if isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS:
+            return True
+        if isinstance(e, (RuntimeError, OSError, ValueError)) and any(t in str(e) for t in DISK_FULL_TEXTS):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def disk_full_message(root: str, step: int) -> str:
+    try:
+        free = f"{shutil.disk_usage(root).free / 2**20:.1f} MiB free"
+    except OSError:
+        free = "free space unknown"
+    return (f"not saving checkpoint step {step}: no space left on device under {os.path.abspath(root)} ({free}); "
+            "the earlier checkpoints there are kept and the partial one was removed")
 
 
 def check_checkpoint(path: str, checksums: bool = True) -> str | None:
@@ -341,10 +373,14 @@ def save_sharded_checkpoint(root: str, step: int, model, optimizer, scheduler, t
     restore = comm.checkpoint_view(state)
     try:
         dcp.save(state, checkpoint_id=os.path.join(tmp, DCP_DIR))
+        if comm.is_main:
+            write_state_files(tmp, step, scheduler, {**(trainer_state or {}), "world_size": comm.world_size})
+    except Exception as e:  # (the temp dir is removed by the next run: other ranks may still be writing into it)
+        if is_disk_full(e):
+            raise CheckpointError(disk_full_message(root, step)) from None
+        raise
     finally:
         restore()
-    if comm.is_main:
-        write_state_files(tmp, step, scheduler, {**(trainer_state or {}), "world_size": comm.world_size})
     comm.barrier()  # every shard and state file is written
     names = comm.from_main(lambda: list_files(tmp))
     digests = {}

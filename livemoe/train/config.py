@@ -380,12 +380,20 @@ def format_config(cfg) -> str:
 
 
 def save_config(cfg, output_dir: str) -> str:
-    """Writes the resolved config as config.yaml (the same keys --config reads back)."""
+    """Writes the resolved config as config.yaml (the same keys --config reads back). The run's parallel layout
+    (parallel.json, which the trainer's set-up writes first: world size, expert and data parallel degrees) heads
+    it as comments: recorded with the options, and not one of them (a resumed run takes its own from torchrun)."""
     import yaml
 
     os.makedirs(output_dir, exist_ok=True)
     path = os.path.join(output_dir, "config.yaml")
+    layout = os.path.join(output_dir, "parallel.json")
     with open(path + ".tmp", "w") as f:
+        if os.path.isfile(layout):
+            with open(layout) as g:
+                mesh = json.load(g)
+            f.write("# parallel layout of this run (parallel.json; set by torchrun, not an option):\n")
+            f.write("".join(f"#   {k}: {v}\n" for k, v in mesh.items()))
         yaml.safe_dump(json.loads(json.dumps(config_dict(cfg))), f, sort_keys=False)
     os.replace(path + ".tmp", path)
     return path

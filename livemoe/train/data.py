@@ -12,6 +12,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from livemoe.engine.text.json_limits import depth_message, lone_surrogate, too_deep
 from livemoe.train.synthetic import make_rooms
 
 SYSTEM_PROMPT = "you are a live stream host. answer the viewer from the product list."
@@ -129,7 +130,12 @@ def load_jsonl(path: str, skip_bad_lines: bool = False) -> tuple:
                 line = raw.decode("utf-8")
                 if not line.strip():
                     continue
-                rec = normalize_record(json.loads(line), index=len(records))
+                if too_deep(line) is not None:
+                    raise ValueError(depth_message())
+                obj = json.loads(line)
+                if (why := lone_surrogate(obj)) is not None:
+                    raise ValueError(why)
+                rec = normalize_record(obj, index=len(records))
             except UnicodeDecodeError as e:
                 reason = f"not UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line)"
             except json.JSONDecodeError as e:

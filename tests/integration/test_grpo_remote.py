@@ -9,7 +9,7 @@ from fixtures import require_server_extras
 require_server_extras()
 
 from livemoe.engine.async_llm import AsyncLLM  # noqa: E402
-from livemoe.engine.server import BackgroundServer  # noqa: E402
+from livemoe.engine.server import BackgroundServer, ServerConfig  # noqa: E402
 from test_grpo import args, varied_reward  # noqa: E402,F401  (the autouse reward fixture, too)
 from test_rollout import make_student  # noqa: E402
 from livemoe.train.config import ConfigError, parse_config  # noqa: E402
@@ -33,7 +33,7 @@ def student(tmp_path_factory):
 def server(student):
     engine = AsyncLLM(student, engine_core="process", dtype=torch.float32, device="cpu", use_tqdm=False, threads=1,
                       num_kv_blocks=512, block_size=16)
-    srv = BackgroundServer(engine, "student").start()
+    srv = BackgroundServer(engine, "student", config=ServerConfig(enable_admin_routes=True)).start()
     yield engine, srv
     srv.stop()
     engine.shutdown()

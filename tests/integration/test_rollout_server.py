@@ -32,7 +32,7 @@ from livemoe.engine.core.weight_sync import join_servers, push_weights_to_server
 from livemoe.engine.llm import LLM  # noqa: E402
 from livemoe.engine.model.loader import load_model  # noqa: E402
 from livemoe.engine.sampling.params import SamplingParams  # noqa: E402
-from livemoe.engine.server import BackgroundServer  # noqa: E402
+from livemoe.engine.server import BackgroundServer, ServerConfig  # noqa: E402
 
 MODEL = "tiny"
 OPTIONS = dict(dtype=torch.float32, device="cpu", block_size=16, num_kv_blocks=128, max_model_len=256,
@@ -64,7 +64,7 @@ def answers(ckpts):
 @pytest.fixture(scope="module")
 def served(ckpts):
     engine = AsyncLLM(ckpts[0], engine_core="process", data_parallel_size=2, **OPTIONS)
-    server = BackgroundServer(engine, MODEL).start()
+    server = BackgroundServer(engine, MODEL, config=ServerConfig(enable_admin_routes=True)).start()
     yield engine, server
     server.stop()
     pids = engine.core_pids()

@@ -236,3 +236,33 @@ def test_checkpoint_files_get_the_umask_permissions(tmp_path):
     assert {"model", "model/model.safetensors", "rng.pt", "manifest.json"} <= set(modes)
     assert os.stat(path).st_mode & 0o777 == 0o755
     assert modes == {p: 0o755 if os.path.isdir(os.path.join(path, p)) else 0o644 for p in modes}
+
+
+@pytest.mark.parametrize("fault", [OSError(28, "No space left on device"),
+                                   RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 64 vs 0"
+                                                ": PytorchStreamWriter failed writing file data/0: file write failed")])
+def test_disk_full_is_one_line_the_previous_checkpoint_survives(tmp_path, monkeypatch, fault):
+    """ENOSPC (raw, or wrapped by torch's zip writer) while saving: one CheckpointError line naming the path and
+    the free space; the previous checkpoint stays complete and the temp dir is removed."""
+    import livemoe.train.checkpoint as ckpt
+
+    m, opt, sched = make()
+    first = save_checkpoint(str(tmp_path), 1, m, opt, sched)
+    real = torch.save
+
+    def full(obj, f, *a, **k):
+        if str(f).endswith("optimizer.pt"):
+            raise fault
+        return real(obj, f, *a, **k)
+
+    monkeypatch.setattr(ckpt.torch, "save", full)
+    with pytest.raises(CheckpointError) as e:
+        save_checkpoint(str(tmp_path), 2, m, opt, sched)
+    msg = str(e.value)
+    assert "\n" not in msg and "no space left on device" in msg and str(tmp_path) in msg and "MiB free" in msg
+    assert list_checkpoints(str(tmp_path)) == [first] and is_complete(first)
+    assert sorted(os.listdir(tmp_path)) == ["step-00000001"]  # no temp dir left
+    monkeypatch.setattr(ckpt.torch, "save", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("other")))
+    with pytest.raises(RuntimeError, match="other"):  # any other failure is raised as it is, the temp dir removed
+        save_checkpoint(str(tmp_path), 2, m, opt, sched)
+    assert sorted(os.listdir(tmp_path)) == ["step-00000001"]

@@ -185,6 +185,22 @@ def test_grpo_flags_fill_its_loss_and_reward_configs_and_save_flat(tmp_path):
     assert "epsilon_high" in format_config(cfg) and "loss " not in format_config(cfg)
 
 
+def test_config_yaml_records_the_parallel_layout(tmp_path):
+    """config.yaml of a torchrun run heads with the mesh (parallel.json: world size, EP and DP degrees) as comments,
+    and still reads back as the same options."""
+    import json
+
+    from livemoe.train.grpo.config import GRPOConfig
+
+    cfg = parse_config(GRPOConfig, ["--output_dir", str(tmp_path / "o"), "--beta", "0.02"])
+    (tmp_path / "o").mkdir()
+    mesh = {"world_size": 4, "expert_parallel": 2, "data_parallel": 4, "expert_data_parallel": 2}
+    (tmp_path / "o" / "parallel.json").write_text(json.dumps(mesh))
+    text = open(save_config(cfg, cfg.output_dir)).read()
+    assert "#   world_size: 4\n#   expert_parallel: 2\n" in text
+    assert parse_config(GRPOConfig, ["--config", str(tmp_path / "o" / "config.yaml")]) == cfg
+
+
 def test_live_flags_fill_its_stages_configs():
     """--sft_lr fills cfg.msft.lr, --gspo_balance cfg.gspo.balance, --lambda_aux both stages'; a stage's bad value
     is named by its flag."""

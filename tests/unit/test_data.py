@@ -117,3 +117,26 @@ def test_a_line_that_is_not_utf8_is_named_and_skippable(tmp_path):
         load_jsonl(str(p))
     records, stats = load_jsonl(str(p), skip_bad_lines=True)
     assert len(records) == 2 and [s[0] for s in stats.skipped] == [2]
+
+
+def test_a_line_nested_too_deep_or_with_a_lone_surrogate_is_named(tmp_path):
+    """Nesting past MAX_JSON_DEPTH and lone surrogates are refused per line (file and line named), not as a
+    RecursionError traceback or a later tokenizer failure; with skip_bad_lines they are skipped."""
+    from livemoe.train.live.data import load_sessions
+
+    good = json.dumps({"documents": ["link 1: red scarf."], "question": "color?"})
+    deep = '{"documents": ["d"], "question": "q", "meta": {"x": ' + "[" * 5000 + "]" * 5000 + "}}"
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join([good, deep, json.dumps({"documents": ["d"], "question": "q \ud800"})]) + "\n")
+    with pytest.raises(DataError, match=r"d\.jsonl:2: JSON nested more than 128 levels"):
+        load_jsonl(str(path))
+    records, stats = load_jsonl(str(path), skip_bad_lines=True)
+    assert len(records) == 1 and [n for n, _ in stats.skipped] == [2, 3]
+    assert "lone surrogate" in stats.skipped[1][1]
+    live = tmp_path / "s.jsonl"
+    live.write_text('{"id": "a", "system": "s", "intervals": ' + "[" * 5000 + "]" * 5000 + "}\n")
+    with pytest.raises(DataError, match=r"s\.jsonl:1: JSON nested more than 128 levels"):
+        load_sessions(str(live))
+    live.write_text(json.dumps({"id": "a", "system": "s \udfff", "intervals": []}) + "\n")
+    with pytest.raises(DataError, match=r"s\.jsonl:1: text is not valid Unicode"):
+        load_sessions(str(live))

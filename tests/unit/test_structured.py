@@ -160,6 +160,34 @@ def test_tool_call_grammar(llm):
         jsonschema.validate(call["arguments"], fn["parameters"])
 
 
+NODE = {"$defs": {"node": {"type": "object", "properties": {"v": {"type": "integer", "minimum": 0, "maximum": 9},
+                                                          "next": {"$ref": "#/$defs/node"}},
+                          "required": ["v"], "additionalProperties": False}}, "$ref": "#/$defs/node"}
+TREE = {"type": "object", "properties": {"kids": {"type": "array", "maxItems": 2, "items": {"$ref": "#"}}},
+        "additionalProperties": False}
+
+
+def test_recursive_defs_are_accepted_in_tool_parameters_as_in_response_format(llm):
+    """A schema with recursive $defs (or a `#` self-reference) compiles as response_format, so it must as a tool's
+    parameters too: the call schema moves each function's definitions to its root (it was refused: `Cannot find
+    field '$defs'`), and the calls made validate against the function's own schema."""
+    llm.compile_grammar(StructuredOutput(json=NODE))
+    fns = [{"name": "walk", "parameters": NODE}, {"name": "grow", "parameters": TREE}]
+    outs = llm.generate(["r0", "r1", "r2"], [SamplingParams(temperature=1.0, seed=i, max_tokens=120,
+                                                            structured=StructuredOutput(tool_call=fns))
+                                             for i in range(3)])
+    parsed = 0
+    for o in outs:
+        m = re.fullmatch(r"<tool_call>\n(.*)\n</tool_call>", o.text, re.S)
+        if m is None:  # cut by max_tokens (a recursion may run long): still a prefix of a call
+            assert o.finish_reason == "length", o.text
+            continue
+        call = json.loads(m.group(1))
+        jsonschema.validate(call["arguments"], {"walk": NODE, "grow": TREE}[call["name"]])
+        parsed += 1
+    assert parsed >= 1
+
+
 # -- penalties, logit_bias, min_tokens against a plain reference ------------------------------------
 
 

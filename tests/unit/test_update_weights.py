@@ -98,6 +98,10 @@ def test_sleep_and_wake_up(ckpts):
         assert llm.sleep_level == level and llm.core.runner.kv_cache is None
         with pytest.raises(RuntimeError, match="asleep already"):
             llm.sleep(1)
+        with pytest.raises(RuntimeError, match="asleep .* wake it up first"):  # not kept for the wake-up
+            llm.update_weights_from_disk(a)
+        with pytest.raises(RuntimeError, match="asleep .* wake it up first"):
+            llm.update_weights(list(llm.model.named_parameters())[:1])
         llm.wake_up()
         assert llm.sleep_level == 0
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == answers["a"]

@@ -19,6 +19,7 @@ class EngineCoreClient(ABC):
     tokenizer: Any = None  # the checkpoint's tokenizer (None: it has none)
     max_model_len: int
     block_size: int
+    eos_token_ids: frozenset[int] = frozenset()  # the tokens that end a completion
     llm: LLM | None = None  # the engine's LLM when it runs in this process (InprocClient), else None
 
     @property
@@ -32,9 +33,14 @@ class EngineCoreClient(ABC):
 
     @abstractmethod
     def add(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
-            stream) -> concurrent.futures.Future:
+            stream, pin_key: str | None = None) -> concurrent.futures.Future:
         """Sends a tokenized request; the future settles when the core accepted it (the stream then gets its
-        outputs) or refused it (RequestError, EngineSleepingError, EngineDeadError: the caller raises it)."""
+        outputs) or refused it (RequestError, EngineSleepingError, EngineDeadError: the caller raises it).
+        pin_key: a live session's; its requests go to one core, which keeps their blocks pinned (unpin)."""
+
+    @abstractmethod
+    def unpin(self, pin_key: str) -> None:
+        """Gives back the blocks kept for pin_key (at the core's next turn); safe from any thread."""
 
     @abstractmethod
     def abort(self, request_id: str) -> None:

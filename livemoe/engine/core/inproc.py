@@ -37,6 +37,7 @@ class InprocClient(EngineCoreClient):
         """owns_llm: the client closes the LLM (its tensor-parallel workers) when its loop stops."""
         self.llm, self.owns_llm = llm, owns_llm
         self.tokenizer, self.max_model_len, self.block_size = llm.tokenizer, llm.max_model_len, llm.config.block_size
+        self.eos_token_ids = frozenset(llm.core.eos_token_ids)
         self.service = CoreService(llm)
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.adding: dict[str, tuple] = {}  # request id -> (stream, accepted future): the engine thread's
@@ -58,16 +59,19 @@ class InprocClient(EngineCoreClient):
         if self.dead is not None:
             raise EngineDeadError(f"the engine loop has stopped: {self.dead}")
 
-    def add(self, request_id, prompt, prompt_ids, params, stream) -> concurrent.futures.Future:
+    def add(self, request_id, prompt, prompt_ids, params, stream, pin_key=None) -> concurrent.futures.Future:
         accepted: concurrent.futures.Future = concurrent.futures.Future()
         self.check_alive()
-        self.commands.put((m.AddRequest(request_id, prompt_ids, params, prompt), stream, accepted))
+        self.commands.put((m.AddRequest(request_id, prompt_ids, params, prompt, pin_key), stream, accepted))
         if not self.thread.is_alive():  # stopped meanwhile: nobody will apply the command
             settle(accepted, EngineDeadError(f"the engine loop has stopped: {self.dead}"))
         return accepted
 
     def abort(self, request_id: str) -> None:
         self.commands.put(m.Abort([request_id]))
+
+    def unpin(self, pin_key: str) -> None:
+        self.call("unpin", pin_key)
 
     def call(self, method: str, *args, replicas: list[int] | None = None, **kwargs) -> list[concurrent.futures.Future]:
         if method in PROCESS_ONLY:

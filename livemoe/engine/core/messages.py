@@ -29,6 +29,9 @@ class AddRequest(Message):
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt: str | None = None  # the text it was tokenized from (the in-thread core's outputs carry it)
+    # a live session's key: when the request finishes, its KV blocks stay pinned for the session's next step
+    # (CoreService keeps one pin per key, released by the call `unpin`)
+    pin_key: str | None = None
 
 
 class Abort(Message):
@@ -58,6 +61,7 @@ class Ready(Message):
     block_size: int
     pid: int
     stats: dict[str, Any]
+    eos_token_ids: list[int] = []
 
 
 class FailedToStart(Message):

@@ -69,6 +69,7 @@ class MPClient(EngineCoreClient):
         self.stopping = False
         self.restarts: queue.SimpleQueue = queue.SimpleQueue()  # replicas the reader thread is to restart
         self.generations = [0] * num_replicas
+        self.pinned: dict[str, int] = {}  # pin key -> the replica that keeps its blocks
         try:
             for i in range(num_replicas):
                 self.replicas.append(self._spawn(i))
@@ -80,6 +81,7 @@ class MPClient(EngineCoreClient):
         info = self.replicas[0].info
         assert info is not None  # _wait_ready raised otherwise
         self.max_model_len, self.block_size = info.max_model_len, info.block_size
+        self.eos_token_ids = frozenset(info.eos_token_ids)
         self.router = Router(num_replicas, self.block_size)
         self.reader = threading.Thread(target=self._read, name="livemoe-core-reader", daemon=True)
         self.reader.start()
@@ -126,8 +128,10 @@ class MPClient(EngineCoreClient):
         if self.stopping or not any(self.alive):
             raise EngineDeadError(f"every engine core has stopped: {self.replicas[0].error}")
 
-    def add(self, request_id: str, prompt_text, prompt_ids: list[int], params, stream) -> concurrent.futures.Future:
-        """Sends a request to a replica; the future settles when the core accepted or refused it."""
+    def add(self, request_id: str, prompt_text, prompt_ids: list[int], params, stream,
+            pin_key: str | None = None) -> concurrent.futures.Future:
+        """Sends a request to a replica (a pin key's replica while it lives); the future settles when the core
+        accepted or refused it."""
         # the core validates against the vocabulary; what AddRequest's list[int] cannot carry (a bool or a float
         # would fail the core's decoding, a huge int the encoder) is refused here
         unsendable = [t for t in prompt_ids if type(t) is not int or not MSGPACK_INT_MIN <= t <= MSGPACK_INT_MAX]
@@ -140,13 +144,22 @@ class MPClient(EngineCoreClient):
             alive = self.alive
             if not any(alive) or self.stopping:
                 raise EngineDeadError(f"every engine core has stopped: {self.replicas[0].error}")
-            r = self.router.pick(prompt_ids, alive)
+            r = self.pinned.get(pin_key, -1) if pin_key is not None else -1
+            if r < 0 or not alive[r]:
+                r = self.router.pick(prompt_ids, alive)
+            while not self.replicas[r].process.is_alive():  # died since the reader last looked (it reports it)
+                alive[r] = False
+                if not any(alive):
+                    raise EngineDeadError(f"every engine core has stopped (engine core {r} just died)")
+                r = self.router.pick(prompt_ids, alive)
+            if pin_key is not None:
+                self.pinned[pin_key] = r
             output = RequestOutput(request_id, prompt_text, prompt_ids, [CompletionOutput(i, "", [], None, None, None)
                                                                         for i in range(params.n)], False)
             self.tracked[request_id] = Tracked(r, stream, params, output, accepted)
             self.router.add(request_id, r, prompt_ids, len(prompt_ids) + params.n * params.max_tokens)
             # sent under the lock, so an abort from another thread cannot overtake it
-            self.replicas[r].send(self.send_codec, m.AddRequest(request_id, prompt_ids, params))
+            self.replicas[r].send(self.send_codec, m.AddRequest(request_id, prompt_ids, params, None, pin_key))
         return accepted
 
     def abort(self, request_id: str) -> None:
@@ -158,6 +171,15 @@ class MPClient(EngineCoreClient):
                     self.replicas[t.replica].send(self.send_codec, m.Abort([request_id]))
                 except RuntimeError:  # EngineDeadError: a core that is gone has nothing to abort
                     pass
+
+    def unpin(self, pin_key: str) -> None:
+        with self.lock:
+            r = self.pinned.pop(pin_key, None)
+        if r is not None and self.replicas[r].alive:
+            try:
+                self.call("unpin", pin_key, replicas=[r])
+            except RuntimeError:  # EngineDeadError: gone meanwhile, and its pins with it
+                pass
 
     def call(self, method: str, *args, replicas: list[int] | None = None, **kwargs) -> list[concurrent.futures.Future]:
         """Calls CoreLoop.call_<method> on the replicas (all by default); one future per replica."""

@@ -49,7 +49,8 @@ def run_core(model_path: str, engine_kwargs: dict, in_addr: str, out_addr: str, 
         ctx.term()
         return
     service = CoreService(llm)
-    outbox.send(codec.encode(m.Ready(llm.max_model_len, llm.config.block_size, os.getpid(), service.stats())))
+    outbox.send(codec.encode(m.Ready(llm.max_model_len, llm.config.block_size, os.getpid(), service.stats(),
+                                         sorted(llm.core.eos_token_ids))))
     try:
         CoreLoop(service, inbox, outbox, codec, parent_pid).run()
     finally:

@@ -8,6 +8,10 @@ where what happened goes.
     take()                                    what happened since: accepted / rejected adds, outputs, failed requests,
                                               call results
 
+Pins (live sessions, livemoe.engine.live): an AddRequest with a `pin_key` keeps its KV blocks pinned once it
+finishes, one pin per key (the next request of that key takes them back from the prefix cache); the call `unpin`
+gives them back.
+
 Calls (`Call.method`, run as `call_<method>`): grammar compiles run on a worker thread (a slow compile does not
 stall the steps) and answer when done; weight updates, sleep and wake_up run between steps. A weight update with
 in_flight="finish" waits until the requests in flight end (the steps go on; commands after it wait behind it, so it
@@ -26,6 +30,7 @@ from livemoe.engine.outputs import RequestOutput
 log = logging.getLogger("livemoe.engine.core")
 
 CALLS_ON_WORKER = {"compile_grammar"}  # no engine state touched: off the step loop
+COMPILE_THREADS = 4
 
 
 @dataclass
@@ -40,16 +45,27 @@ class Events:
         return bool(self.accepted or self.rejected or self.outputs or self.failed or self.returns)
 
 
+class PinHolder:
+    """What the block manager keeps a pin key's blocks in (BlockManager.pin_on_finish)."""
+
+    __slots__ = ("pin",)
+
+    def __init__(self):
+        self.pin = None
+
+
 class CoreService:
     def __init__(self, llm):
         self.llm = llm
         self.events = Events()
         self.held: list = []  # commands waiting behind a weight update that lets requests finish
         self.waiting_call: m.Call | None = None  # that update
-        self.worker = ThreadPoolExecutor(1, thread_name_prefix="livemoe-core-worker")
+        # a few threads: one slow grammar compile (it cannot be stopped) does not hold up the others
+        self.worker = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="livemoe-core-worker")
         self.worker_done: queue.SimpleQueue = queue.SimpleQueue()  # (call id, ok, result) from the worker
         self.worker_busy = 0
         self.receiver = None  # the weight-update group's receiver (init_weights_update_group)
+        self.pins: dict[str, PinHolder] = {}  # pin key -> the blocks kept for it (AddRequest.pin_key)
 
     def busy(self) -> bool:
         """Whether the core has work without a new command: requests in flight, or calls to finish."""
@@ -77,8 +93,11 @@ class CoreService:
             elif isinstance(command, m.AddRequest):
                 self._add(command)
             elif isinstance(command, m.Abort):
+                bm = self.llm.core.block_manager
                 for rid in command.request_ids:
                     self.held = [c for c in self.held if not (isinstance(c, m.AddRequest) and c.request_id == rid)]
+                    if bm is not None:
+                        bm.cancel_pin_on_finish(rid)
                     self.llm.abort(rid)
             elif isinstance(command, m.Call):
                 self._call(command)
@@ -104,6 +123,9 @@ class CoreService:
             if self.llm.sleep_level:
                 raise EngineSleepingError("the engine is asleep (wake_up() first)")
             self.llm.core.add_request(add.request_id, add.prompt, add.prompt_token_ids, add.params)
+            if add.pin_key is not None:  # (the block manager exists: the add reserved the KV cache)
+                holder = self.pins.setdefault(add.pin_key, PinHolder())
+                self.llm.core.block_manager.pin_on_finish(add.request_id, holder)
         except Exception as e:  # noqa: BLE001 (RequestError for a bad request: the client raises it)
             self.events.rejected.append((add.request_id, e))
             return
@@ -164,6 +186,13 @@ class CoreService:
 
     def call_wake_up(self) -> None:
         self.llm.wake_up()
+
+    def call_unpin(self, key: str) -> None:
+        """Gives back the blocks kept for a pin key (a live session closed); a no-op for an unknown key."""
+        holder = self.pins.pop(key, None)
+        bm = self.llm.core.block_manager
+        if holder is not None and bm is not None:
+            bm.unpin(holder.pin)  # (a pin of a KV cache freed since, by sleep, is ignored)
 
     def call_reset_prefix_cache(self) -> None:
         self.llm.reset_prefix_cache()

@@ -447,6 +447,7 @@ class EngineCore:
         subset; checked whole before the first copy: CheckpointError and the old weights stay), then
         drops the cached prefixes. Returns the number of tensors copied."""
         self.refuse_tensor_parallel("update_weights")
+        self.refuse_asleep("update_weights")
         named_tensors = list(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
         self.settle_in_flight(in_flight, "the weights were updated")
         return self._weights_changed(copy_weights(self.model, named_tensors))
@@ -454,8 +455,16 @@ class EngineCore:
     def update_weights_from_disk(self, model_path: str, in_flight: str = "finish") -> int:
         """update_weights with every tensor of a checkpoint of the same architecture."""
         self.refuse_tensor_parallel("update_weights_from_disk")
+        self.refuse_asleep("update_weights_from_disk")
         self.settle_in_flight(in_flight, "the weights were updated")
         return self._weights_changed(copy_weights_from_disk(self.model, model_path))
+
+    def refuse_asleep(self, what: str) -> None:
+        """A weight update while asleep is refused (RuntimeError; the server's 409), not kept for the wake-up:
+        the caller learns that the weights it sent are not the ones serving."""
+        if self.sleep_level:
+            raise RuntimeError(f"{what}: the engine is asleep (level {self.sleep_level}); wake it up first "
+                               "(wake_up(), POST /wake_up), then update the weights")
 
     def _weights_changed(self, num_copied: int) -> int:
         self.reset_prefix_cache()
@@ -497,6 +506,7 @@ class EngineCore:
             num_waiting=len(sched.waiting) if sched else 0,
             kv_blocks_total=bm.num_blocks if bm else 0,
             kv_blocks_used=bm.num_used_blocks if bm else 0,
+            kv_blocks_pinned=bm.num_pinned_blocks if bm else 0,  # kept for live sessions between their steps
             prefix_cache_queries=bm.stats.queries if bm else 0,
             prefix_cache_hits=bm.stats.hits if bm else 0,
             prefix_cache_hit_rate=bm.stats.hit_rate if bm else 0.0,

@@ -19,10 +19,16 @@ what the system prompt leaves; past that the oldest are dropped and counted (`nu
 
 `step_sessions(llm, [(session, events), ...])` decides several sessions in one batch (with whatever
 else the engine is running); `LiveSession.step` is that with one.
+
+A session made on an AsyncLLM (the server's, whichever engine core: a thread or its own process) steps with
+`await session.astep(engine, events)`: its requests carry the session's id as their pin key, so the engine core
+that serves them keeps the blocks pinned (livemoe.engine.core.service), and `close()` gives them back there.
 """
+import asyncio
 import time
 from itertools import count
 
+from livemoe.engine.async_llm import AsyncLLM
 from livemoe.engine.errors import DecisionFormatError, RequestError
 from livemoe.engine.live.decision import (MAX_MESSAGE_CHARS, TASKS, Decision, decision_regex, max_decision_chars,
                                           parse_decision)
@@ -38,6 +44,7 @@ class LiveSession:
                  max_message_chars: int = MAX_MESSAGE_CHARS, max_context: int | None = None,
                  keep_intervals: int = 4, temperature: float = 0.0, seed: int | None = None,
                  session_id: str | None = None):
+        """llm: an LLM (step, or astep through an AsyncLLM over it), or an AsyncLLM (astep only; any engine core)."""
         if llm.tokenizer is None:
             raise RequestError("a live session needs a tokenizer, and this checkpoint has none")
         if not isinstance(system, str) or not system.strip():
@@ -59,8 +66,16 @@ class LiveSession:
                                      max_tokens=max_decision_chars(self.tasks, max_message_chars) + 1,
                                      **decision_constraint(self.tasks, max_message_chars))
         tok = llm.tokenizer
-        self.end_id = tok.eos_token_id if tok.eos_token_id is not None else min(llm.core.eos_token_ids)
+        self.eos_token_ids = frozenset(llm.eos_token_ids)
+        self.end_id = tok.eos_token_id if tok.eos_token_id is not None else min(self.eos_token_ids)
         self.system_ids = encode(tok, system_segment(system))
+        # the least a step needs: the system prompt, an interval with no events, a decision's budget
+        least = (len(self.system_ids) + len(encode(tok, interval_segment(render_events([], 0.0), False)))
+                 + self.params.max_tokens)
+        if least > self.max_context:
+            raise RequestError(f"max_context {self.max_context} is too small: a step needs at least {least} tokens "
+                               f"(the system prompt's {len(self.system_ids)}, an interval's header and a decision's "
+                               f"{self.params.max_tokens} with max_message_chars {max_message_chars})")
         self.ids: list = list(self.system_ids)  # the context as the model has it (what the next step extends)
         self.records: list = []  # per interval: (events text, decision token ids with the end token)
         self.notes: list = []  # MEM notes: the session's memory, kept through compactions
@@ -74,15 +89,32 @@ class LiveSession:
     def num_intervals(self) -> int:
         return len(self.records)
 
+    @property
+    def on_async_engine(self) -> bool:
+        """Made on an AsyncLLM: its blocks are pinned by the engine core (astep only)."""
+        return isinstance(self.llm, AsyncLLM)
+
     def step(self, events, t: float | None = None) -> Decision:
         """Decides one interval. t: its time in seconds (default: the session's clock, interval_s apart)."""
+        if self.on_async_engine:
+            raise RequestError("this session was made on an AsyncLLM: await session.astep(engine, events)")
         return step_sessions(self.llm, [(self, events, t)])[0]
 
     async def astep(self, engine, events, t: float | None = None) -> Decision:
-        """step() through an AsyncLLM (the server's engine, whose `llm` this session was made on). The
-        caller runs one step of a session at a time."""
-        assert engine.llm is self.llm, "the session belongs to another engine"
+        """step() through an AsyncLLM: the one this session was made on, or one over its LLM. The caller runs
+        one step of a session at a time."""
         t0 = time.perf_counter()
+        if self.on_async_engine:
+            assert engine is self.llm, "the session belongs to another engine"
+            # tokenizing a large interval takes seconds: off the event loop
+            text, prompt, compacted = await asyncio.to_thread(self._prepare, events, t)
+            ids, parts, metrics = [], [], None
+            async for delta in engine.generate(prompt, self.params, request_id=self._request_id(), pin_key=self.id):
+                ids += delta.token_ids
+                parts.append(delta.text)
+                metrics = delta.metrics or metrics
+            return self._finish(text, prompt, ids, "".join(parts), metrics, compacted, time.perf_counter() - t0)
+        assert engine.llm is self.llm, "the session belongs to another engine"
         text, prompt, compacted = self._prepare(events, t)
         rid = self._request_id()
         bm = self.llm.core.block_manager
@@ -101,6 +133,11 @@ class LiveSession:
     def close(self, from_other_thread: bool = False) -> None:
         """Gives the session's pinned blocks back to the engine (they stay cached until evicted).
         from_other_thread: the engine runs in another thread (AsyncLLM): they go back at its next step."""
+        if self.on_async_engine:
+            if not self.closed:
+                self.llm.unpin(self.id)
+            self.closed = True
+            return
         bm = self.llm.core.block_manager
         if bm is not None:
             (bm.unpin_later if from_other_thread else bm.unpin)(self.pin)
@@ -166,7 +203,7 @@ class LiveSession:
         """Takes the decision in: its tokens join the context, its MEM note the memory."""
         ids = list(token_ids)
         completion_tokens = len(ids)
-        if not ids or ids[-1] not in self.llm.core.eos_token_ids:
+        if not ids or ids[-1] not in self.eos_token_ids:
             ids.append(self.end_id)  # cut by max_tokens (the grammar leaves room, so only without one)
         try:
             d = parse_decision(out_text, self.tasks)

@@ -142,11 +142,62 @@ def _json_grammar(schema: str, strict: bool = True):
 
 
 def tool_call_schema(functions) -> dict:
-    """The JSON of one Hermes-style call to any of `functions`: {"name": <const>, "arguments": <params>}."""
-    options = [{"type": "object", "properties": {"name": {"const": f["name"]},
-                                                  "arguments": f.get("parameters") or {"type": "object"}},
-                "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
-    return options[0] if len(options) == 1 else {"anyOf": options}
+    """The JSON of one Hermes-style call to any of `functions`: {"name": <const>, "arguments": <params>}.
+    Each function's parameters are a schema of their own: their `$defs` (and `definitions`) and the refs to them
+    (recursive ones included, and `#` for the parameters themselves) are moved to the root under names of that
+    function, so a schema valid as response_format is valid as a tool's parameters too."""
+    defs: dict = {}
+    options = []
+    for i, f in enumerate(functions):
+        params = f.get("parameters") or {"type": "object"}
+        if isinstance(params, dict) and _has_refs(params):
+            params = _hoisted(params, f"f{i}_", defs)
+        options.append({"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": params},
+                        "required": ["name", "arguments"], "additionalProperties": False})
+    schema = options[0] if len(options) == 1 else {"anyOf": options}
+    return {**schema, "$defs": defs} if defs else schema
+
+
+def _has_refs(node) -> bool:
+    if isinstance(node, dict):
+        return "$ref" in node or "$defs" in node or "definitions" in node or any(map(_has_refs, node.values()))
+    return isinstance(node, list) and any(map(_has_refs, node))
+
+
+def _hoisted(params: dict, prefix: str, defs: dict) -> dict:
+    """params with its definitions moved into defs (names prefixed) and its local refs rewritten to match."""
+    def rewrite(node):
+        if isinstance(node, list):
+            return [rewrite(x) for x in node]
+        if not isinstance(node, dict):
+            return node
+        out = {}
+        for key, value in node.items():
+            if key == "$ref" and isinstance(value, str):
+                out[key] = _moved_ref(value, prefix)
+            elif key in ("$defs", "definitions") and node is params and isinstance(value, dict):
+                continue
+            else:
+                out[key] = rewrite(value)
+        return out
+
+    for key in ("$defs", "definitions"):
+        for name, sub in (params.get(key) or {}).items():
+            defs[f"{prefix}{key.strip('$')}_{name}"] = rewrite(sub)
+    body = rewrite(params)
+    defs[f"{prefix}root"] = body  # the target of `#` inside the parameters
+    return body
+
+
+def _moved_ref(ref: str, prefix: str) -> str:
+    if ref == "#":
+        return f"#/$defs/{prefix}root"
+    for key in ("$defs", "definitions"):
+        head = f"#/{key}/"
+        if ref.startswith(head):
+            name, _, rest = ref[len(head):].partition("/")
+            return f"#/$defs/{prefix}{key.strip('$')}_{name}" + (f"/{rest}" if rest else "")
+    return ref  # another ref (a URL, a JSON pointer into the parameters): as it was
 
 
 class GrammarCompiler:

@@ -9,9 +9,10 @@ shows in `ps`; the variable does not). `--dtype` and `--device` choose how the w
 
 The engine runs in its own process (`--engine-core process`, the default; livemoe/engine/core/), or
 `--data-parallel-size N` of them behind this one server (one GPU each, CUDA_VISIBLE_DEVICES split; on a
-CPU, N processes). A core that dies ends its requests with an error and turns /health to 503; then
-`--on-core-death exit` (the default) stops the server with exit code 1 (a supervisor restarts it), and
-`restart` starts a fresh core for that replica. `--engine-core thread` keeps the engine in the server's
+CPU, N processes). A core that dies ends its requests with an error and turns /health to 503; new requests go
+to the replicas alive at once (they fail only when none is). Then `--on-core-death exit` (the default with one
+replica) stops the server with exit code 1 (a supervisor restarts it), and `restart` (the default with several)
+starts a fresh core for that replica while the others serve. `--engine-core thread` keeps the engine in the server's
 process (one interpreter lock for both: slower under load).
 
 `--tensor-parallel-size N [--enable-expert-parallel]` splits the model over N processes, one per GPU: the
@@ -60,7 +61,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--data-parallel-size", type=int, default=1, help="engine cores (replicas) behind this server; "
                    "on GPUs one per device of CUDA_VISIBLE_DEVICES (default: 1)")
     p.add_argument("--on-core-death", default=None, choices=["exit", "restart"],
-                   help="when an engine core dies: stop the server with exit code 1 (default), or restart the core")
+                   help="when an engine core dies: stop the server with exit code 1, or restart the core while the "
+                   "other replicas serve (default: exit with one replica, restart with --data-parallel-size > 1)")
     _add_flags(p.add_argument_group("engine options (EngineConfig)"), EngineConfig)
     _add_flags(p.add_argument_group("server options (ServerConfig)"), ServerConfig)
     return p
@@ -89,6 +91,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from livemoe.engine.async_llm import AsyncLLM
     from livemoe.engine.server import build_app
+    from livemoe.engine.server.sockets import header_timeout_protocol
 
     options = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
     options.setdefault("use_tqdm", False)
@@ -98,8 +101,10 @@ def main(argv: list[str] | None = None) -> None:
     died = threading.Event()
     server = None
 
+    policy = args.on_core_death or ("restart" if args.data_parallel_size > 1 else "exit")
+
     def on_core_death(index: int, error: BaseException) -> None:  # on the engine client's reader thread
-        if args.on_core_death == "restart" and index >= 0:  # (-1: the client itself failed: no restart)
+        if policy == "restart" and index >= 0:  # (-1: the client itself failed: no restart)
             logging.getLogger("livemoe.engine.server").error("%s; restarting it", error)
             engine.restart_replica(index)
             return
@@ -124,7 +129,8 @@ def main(argv: list[str] | None = None) -> None:
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     try:
         app = build_app(engine, name, server_config, bind_host=args.host, reasoning_parser=args.reasoning_parser)
-        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower()))
+        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                                               http=header_timeout_protocol(server_config.header_timeout_s)))
         if died.is_set():
             server.should_exit = True
         # uvicorn stops on SIGTERM, then raises it again: as SystemExit here, so the engine cores are

@@ -14,7 +14,9 @@
 
 in_flight: "finish" (the default) lets the requests in flight end on the old weights first, while new
 ones wait; "abort" ends them with an error at once. Every body is strict (an unknown field is a 400).
-They sit behind the API key, as /v1 does.
+They sit behind the API key, as /v1 does. The routes that change the server (ADMIN_WRITE_PATHS: the weight
+updates, the group, sleep and wake_up) are off unless the server runs with `--enable-admin-routes` or
+`--api-key`: a 403 naming both (guard.py), as vLLM keeps its dev endpoints behind a flag.
 """
 import logging
 from typing import Literal
@@ -29,6 +31,8 @@ log = logging.getLogger("livemoe.engine.server")
 
 ADMIN_PATHS = ("/update_weights_from_disk", "/init_weights_update_group", "/update_weights_from_distributed",
                "/sleep", "/wake_up", "/is_sleeping", "/get_server_info")
+ADMIN_WRITE_PATHS = ("/update_weights_from_disk", "/init_weights_update_group", "/update_weights_from_distributed",
+                     "/sleep", "/wake_up")
 InFlight = Literal["finish", "abort"]
 
 
@@ -107,7 +111,8 @@ def add_admin_routes(app: FastAPI, engine) -> None:
         errors = engine.replica_errors()
         stats = engine.stats()
         return {"data_parallel_size": engine.data_parallel_size, "max_model_len": engine.max_model_len,
-                "tensor_parallel_size": stats["tensor_parallel_size"], "expert_parallel": stats["expert_parallel"],
+                "tensor_parallel_size": stats.get("tensor_parallel_size"),
+                "expert_parallel": stats.get("expert_parallel"),
                 "sleep_level": engine.sleep_level, "served_per_replica": engine.served_per_replica(),
                 "dead_replicas": {str(i): str(e) for i, e in enumerate(errors) if e is not None},
                 "core_pids": engine.core_pids()}

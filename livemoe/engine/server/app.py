@@ -44,7 +44,7 @@ from starlette.responses import StreamingResponse
 
 from livemoe.engine.async_llm import AsyncLLM, RequestStream
 from livemoe.engine.decoder.input_processor import tokenize_prompt
-from livemoe.engine.errors import EngineDeadError, EngineSleepingError, RequestError
+from livemoe.engine.errors import EngineDeadError, EngineSleepingError, GrammarCompileTimeout, RequestError
 from livemoe.engine.sampling.params import SamplingParams
 from livemoe.engine.server.admin import add_admin_routes
 from livemoe.engine.server.config import ServerConfig
@@ -52,6 +52,7 @@ from livemoe.engine.server.guard import RequestGuard
 from livemoe.engine.server.hot_routes import HotRoutes
 from livemoe.engine.server.live import live_router
 from livemoe.engine.server.metrics import ServerMetrics
+from livemoe.engine.server.openapi import document_errors
 from livemoe.engine.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from livemoe.engine.server.responses import Run
 from livemoe.engine.server.responses_api import ResponseShape, ResponsesRequest
@@ -137,6 +138,7 @@ def build_app(engine: AsyncLLM, model_name: str, config: ServerConfig | None = N
     app.include_router(live_router(server))
     app.include_router(tokenizer_router(server))
     add_admin_routes(app, engine)
+    document_errors(app)
     inner = app.fastapi_call
     if hot_routes:
         inner = HotRoutes(inner, server, on_error=error_response)
@@ -152,23 +154,40 @@ class GuardedApp(FastAPI):
     front = None  # set by build_app
 
     async def __call__(self, scope, receive, send) -> None:
-        await self.front(scope, receive, send)
+        try:
+            await self.front(scope, receive, send)
+        except Exception as exc:  # noqa: BLE001 (answered here, not raised to uvicorn)
+            # Starlette's error middleware re-raises after sending its 500; raised to uvicorn, an exception closes
+            # the connection that answer went out on, unannounced, and the client's next request on it fails.
+            # (No wrapper around send to know whether an answer started: the server refuses a second start.)
+            if scope["type"] != "http":
+                raise
+            path = scope.get("path", "")
+            response = error_response(exc, path, quiet=True)
+            try:
+                await response(scope, receive, send)
+            except RuntimeError:  # an answer had started (or was sent, and logged) already: nothing more to say
+                log.debug("after its answer, %s raised %r", path, exc)
+            else:
+                if response.status_code == 500:
+                    log.error("internal error on %s", path, exc_info=exc)
 
     async def fastapi_call(self, scope, receive, send) -> None:
         await super().__call__(scope, receive, send)
 
 
-def error_response(exc: Exception, path: str) -> JSONResponse:
+def error_response(exc: Exception, path: str, quiet: bool = False) -> JSONResponse:
     """The answer to a request that raised: 400 for a bad request (404 for an unknown model), 503 while the
-    engine sleeps or is dead, else 500 (logged). The FastAPI routes and the hot routes (hot_routes.py)
-    both answer with it."""
+    engine sleeps or is dead, else 500 (logged unless quiet). The FastAPI routes and the hot routes
+    (hot_routes.py) both answer with it."""
     if isinstance(exc, ModelNotFound):  # as OpenAI and vLLM answer
         return JSONResponse(error_body(str(exc), "model_not_found"), status_code=404)
     if isinstance(exc, RequestError):
         return JSONResponse(error_body(str(exc)), status_code=400)
     if isinstance(exc, (EngineSleepingError, EngineDeadError)):
         return JSONResponse(error_body(str(exc), kind="service_unavailable"), status_code=503)
-    log.error("internal error on %s", path, exc_info=exc)
+    if not quiet:
+        log.error("internal error on %s", path, exc_info=exc)
     return JSONResponse(error_body(f"internal error: {exc!r}", kind="internal_error"), status_code=500)
 
 
@@ -316,7 +335,11 @@ class OpenAIServer:
         looks it up); a bad schema, regex or grammar is a 400 naming the field."""
         found = body.constraint()
         if found is not None:
-            await self.off_loop(lambda: self.engine.compile_grammar(*found))
+            budget = self.config.max_grammar_compile_s
+            try:
+                await self.off_loop(lambda: self.engine.compile_grammar(*found, timeout_s=budget))
+            except GrammarCompileTimeout as e:
+                raise RequestError(f"{e} (this server's budget: --max-grammar-compile-s {budget:g})") from None
 
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)

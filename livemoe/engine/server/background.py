@@ -20,6 +20,7 @@ from livemoe.engine.async_llm import AsyncLLM
 from livemoe.engine.net import free_port
 from livemoe.engine.server.app import build_app
 from livemoe.engine.server.config import ServerConfig
+from livemoe.engine.server.sockets import header_timeout_protocol
 
 
 class BackgroundServer:
@@ -28,9 +29,11 @@ class BackgroundServer:
                  hot_routes: bool = True):
         self.engine, self.host = engine, host
         self.port = port or free_port(host)
+        config = ServerConfig() if config is None else config
         self.app = build_app(engine, model_name, config, bind_host=host, reasoning_parser=reasoning_parser,
                              hot_routes=hot_routes)
-        config = uvicorn.Config(self.app, host=host, port=self.port, log_level=log_level, lifespan="off")
+        config = uvicorn.Config(self.app, host=host, port=self.port, log_level=log_level, lifespan="off",
+                                http=header_timeout_protocol(config.header_timeout_s))
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="livemoe-http", daemon=True)
 

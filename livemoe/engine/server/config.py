@@ -20,11 +20,17 @@ class ServerConfig:
     max_stop: int = 16  # stop strings in one request (each is searched at every step)
     max_body_bytes: int = 4 * 2**20  # a larger body gets a 413 before it is read
     body_timeout_s: float = 30.0  # a body not received in full by then gets a 408
+    header_timeout_s: float = 10.0  # a connection without a request's headers by then is closed (sockets.py)
     api_key: str | None = None  # when set, every /v1 route needs `Authorization: Bearer KEY` (else 401)
     # Host header names accepted (comma-separated); None: loopback names when bound to loopback (so a web
     # page cannot reach the server through DNS rebinding), any name otherwise
     allowed_hosts: str | None = None
     enable_docs: bool = False  # serve /openapi.json and /docs
+    max_grammar_compile_s: float = 10.0  # a response_format / guided_* / tool grammar compiling longer: a 400
+    # the routes that change the server (weight updates, sleep / wake_up, the weight-update group: admin.py):
+    # off unless enabled here or an api_key is set (they then need the key)
+    enable_admin_routes: bool = False
+    max_live_sessions: int = 256  # live sessions open at once (each pins KV blocks); a 429 past it
 
     def __post_init__(self):
         for f in fields(self):
@@ -34,6 +40,10 @@ class ServerConfig:
                 raise ValueError(f"ServerConfig: {f.name} must be a positive {f.type.__name__}, got {value!r}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("ServerConfig: api_key must not be empty")
+
+    @property
+    def admin_routes(self) -> bool:
+        return self.enable_admin_routes or self.api_key is not None
 
     def host_names(self, bind_host: str) -> set[str] | None:
         """The Host header names accepted by a server bound to `bind_host` (None: any)."""

@@ -6,9 +6,13 @@
                                           -> {"kind", "recipient", "task", "message", "metrics"}
     DELETE /v1/live/sessions/{id}        -> {"id", "deleted": true}
 
-An unknown id is a 404; bad events or fields a 400 naming them. One step of a session runs at a time
-(a second one waits for the first). Sessions idle for longer than `idle_timeout_s` are closed at the
-next call to any of these endpoints, and their pinned KV blocks go back to the engine at its next step.
+An unknown id is a 404; bad events or fields a 400 naming them; a `max_context` too small for one step a 400
+at create; more than `--max-live-sessions` open a 429. Events are tokenized off the event loop (a text longer
+than the context can hold is refused from its length first), so a large step does not stall other requests.
+Sessions work on either engine core (livemoe.engine.live.session: the core keeps their blocks pinned). One step
+of a session runs at a time (a second one waits for the first). Sessions idle for longer than `idle_timeout_s`
+are closed at the next call to any of these endpoints, and their pinned KV blocks go back to the engine at its
+next step.
 /metrics gains livemoe_live_sessions (open), livemoe_live_decisions{kind} and the decision latency.
 """
 import asyncio
@@ -60,6 +64,7 @@ def live_router(server, idle_timeout_s: float | None = None) -> APIRouter:
     router = APIRouter(prefix="/v1/live/sessions")
     engine = server.engine
     open_sessions: dict[str, _Open] = {}
+    creating: set = set()  # creates under way (counted against the cap)
     registry = server.metrics.registry
     gauge = Gauge("livemoe_live_sessions", "Live sessions open", registry=registry)
     decisions = Counter("livemoe_live_decisions", "Live-session decisions by kind", ["kind"], registry=registry)
@@ -86,12 +91,32 @@ def live_router(server, idle_timeout_s: float | None = None) -> APIRouter:
                                      f"{idle_timeout_s:g} s idle)")
         return entry
 
+    def check_text_fits(events) -> None:
+        """A text that cannot fit the context is refused from its length, before seconds of tokenizing."""
+        if isinstance(events, str):
+            server.check_text_fits(len(events))
+        else:
+            server.check_text_fits(sum(len(v) for e in events if isinstance(e, dict) for v in e.values()
+                                       if isinstance(v, str)))
+
     @router.post("")
     async def create(body: SessionRequest):
         expire()
-        session = LiveSession(engine.llm, body.system, interval_s=body.interval_s,
-                              max_message_chars=body.max_message_chars, max_context=body.max_context,
-                              keep_intervals=body.keep_intervals, temperature=body.temperature, seed=body.seed)
+        limit = server.config.max_live_sessions
+        if len(open_sessions) + len(creating) >= limit:
+            raise HTTPException(429, f"{len(open_sessions)} live sessions are open, this server's limit "
+                                     f"(--max-live-sessions {limit}); delete one (DELETE /v1/live/sessions/ID) or "
+                                     f"wait for idle ones to expire ({idle_timeout_s:g} s)")
+        server.check_text_fits(len(body.system))
+        token = object()
+        creating.add(token)
+        try:  # the system prompt is tokenized off the event loop
+            session = await asyncio.to_thread(lambda: LiveSession(
+                engine, body.system, interval_s=body.interval_s, max_message_chars=body.max_message_chars,
+                max_context=body.max_context, keep_intervals=body.keep_intervals, temperature=body.temperature,
+                seed=body.seed))
+        finally:
+            creating.discard(token)
         open_sessions[session.id] = _Open(session)
         gauge.set(len(open_sessions))
         return {"id": session.id, "object": "live.session"}
@@ -103,6 +128,7 @@ def live_router(server, idle_timeout_s: float | None = None) -> APIRouter:
         async with entry.lock:
             if entry.session.closed:
                 raise HTTPException(404, f"live session {session_id!r} was closed")
+            check_text_fits(body.events)
             d = await entry.session.astep(engine, body.events, body.t)
         decisions.labels(d.kind).inc()
         latency.observe(d.metrics.latency_s)

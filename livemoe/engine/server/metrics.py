@@ -33,6 +33,7 @@ class EngineCollector:
         "num_waiting": ("livemoe_num_requests_waiting", "Sequences waiting to be scheduled"),
         "kv_blocks_used": ("livemoe_kv_blocks_used", "KV-cache blocks in use"),
         "kv_blocks_total": ("livemoe_kv_blocks_total", "KV-cache blocks allocated"),
+        "kv_blocks_pinned": ("livemoe_kv_blocks_pinned", "KV-cache blocks kept for live sessions between steps"),
         "prefix_cache_hit_rate": ("livemoe_prefix_cache_hit_rate", "Prompt tokens served by the prefix cache, "
                                   "over prompt tokens"),
         "tensor_parallel_size": ("livemoe_tensor_parallel_size", "Processes (GPUs) one model is split over"),

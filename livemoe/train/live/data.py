@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from livemoe.engine.errors import DecisionFormatError, RequestError
 from livemoe.engine.live.decision import TASKS, Decision
 from livemoe.engine.live.layout import encode, interval_segment, render_events, system_segment
+from livemoe.engine.text.json_limits import depth_message, lone_surrogate, too_deep
 from livemoe.train.data import DataError
 
 
@@ -74,10 +75,14 @@ def load_sessions(path: str) -> list:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
+            if too_deep(line) is not None:
+                raise DataError(f"{path}:{n}: {depth_message()}")
             try:
                 s = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+            if (why := lone_surrogate(s)) is not None:
+                raise DataError(f"{path}:{n}: {why}")
             sessions.append(check_session(s, f"{path}:{n}"))
     if not sessions:
         raise DataError(f"{path}: no sessions")
