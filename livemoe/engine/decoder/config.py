@@ -7,6 +7,7 @@ smallest any rank can hold), of its own heads.
 """
 from dataclasses import dataclass, fields
 
+from livemoe.engine.checks import check_positive_ints
 from livemoe.engine.decoder.spec.config import SpeculativeConfig
 from livemoe.engine.errors import EngineConfigError, RequestError
 
@@ -47,17 +48,11 @@ class EngineConfig:
         def fail(msg):
             raise EngineConfigError(f"EngineConfig: {msg}")
 
-        def positive_int(name):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                fail(f"{name} must be a positive integer, got {value!r}")
-
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes",
-                     "max_graph_batch_size", "max_running_seqs_per_request", "tensor_parallel_size"):
-            positive_int(name)
-        for name in ("max_model_len", "num_kv_blocks"):
-            if getattr(self, name) is not None:
-                positive_int(name)
+        check_positive_ints(self, ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes",
+                                   "max_graph_batch_size", "max_running_seqs_per_request", "tensor_parallel_size"),
+                            fail)
+        check_positive_ints(self, [n for n in ("max_model_len", "num_kv_blocks") if getattr(self, n) is not None],
+                            fail)
         if self.block_size & (self.block_size - 1):
             fail(f"block_size must be a power of two, got {self.block_size}")
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:

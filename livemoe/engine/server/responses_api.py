@@ -32,38 +32,36 @@ class ContentPart(StrictModel):
     logprobs: list | None = None
 
 
-class InputMessage(StrictModel):
-    type: Literal["message"] = "message"
-    role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[ContentPart]
+class _IdentifiedItem(StrictModel):
+    """The id and status every output item carries, accepted back when a client sends the items again."""
     id: str | None = None
     status: str | None = None
 
 
-class FunctionCallItem(StrictModel):
+class InputMessage(_IdentifiedItem):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[ContentPart]
+
+
+class FunctionCallItem(_IdentifiedItem):
     type: Literal["function_call"]
     call_id: str
     name: str
     arguments: str
-    id: str | None = None
-    status: str | None = None
 
 
-class FunctionCallOutputItem(StrictModel):
+class FunctionCallOutputItem(_IdentifiedItem):
     type: Literal["function_call_output"]
     call_id: str
     output: str
-    id: str | None = None
-    status: str | None = None
 
 
-class ReasoningItem(StrictModel):
+class ReasoningItem(_IdentifiedItem):
     type: Literal["reasoning"]
-    id: str | None = None
     summary: list = []
     content: list | None = None
     encrypted_content: str | None = None
-    status: str | None = None
 
 
 class FunctionTool(FunctionDef):

@@ -3,6 +3,7 @@
 import json
 from dataclasses import dataclass, fields
 
+from livemoe.engine.checks import check_positive_ints
 from livemoe.engine.errors import EngineConfigError
 
 METHODS = ("ngram", "draft_model")
@@ -25,15 +26,10 @@ class SpeculativeConfig:
         def fail(msg):
             raise EngineConfigError(f"speculative_config: {msg}")
 
-        def positive_int(name):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                fail(f"{name} must be a positive integer, got {value!r}")
-
         if self.method not in METHODS:
             fail(f"method must be one of {METHODS}, got {self.method!r}")
-        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
-            positive_int(name)
+        check_positive_ints(self, ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                                   "disable_by_batch_size"), fail)
         if self.prompt_lookup_min > self.prompt_lookup_max:
             fail(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
                  f"({self.prompt_lookup_max})")
