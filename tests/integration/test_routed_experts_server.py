@@ -18,6 +18,7 @@ from livemoe.engine import routed_experts  # noqa: E402
 from livemoe.engine.async_llm import AsyncLLM  # noqa: E402
 from livemoe.engine.model.loader import load_model, load_tokenizer  # noqa: E402
 from livemoe.engine.server import BackgroundServer  # noqa: E402
+from livemoe.engine.server.config import ServerConfig  # noqa: E402
 from tiny_tokenizer import make_text_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -29,7 +30,7 @@ def served(tmp_path_factory):
     path, _ = make_text_checkpoint(tmp_path_factory.mktemp("srv") / "ckpt", moe=True)
     engine = AsyncLLM(path, dtype=torch.float32, device="cpu", use_tqdm=False, engine_core="process", threads=1,
                       block_size=16, num_kv_blocks=64, max_model_len=128)
-    server = BackgroundServer(engine, "tiny").start()
+    server = BackgroundServer(engine, "tiny", config=ServerConfig(enable_admin_routes=True)).start()  # weight pushes
     yield path, server
     server.stop()
     engine.shutdown()
