@@ -1,7 +1,7 @@
 """Speculative decoding (ngram prompt lookup) against the same engine without it, in the same process, run
 alternately (full mode: median of 3 of each side; quick: one).
 
-Workloads, each at batch 1, 8 and 64 (the first b prompts):
+Workloads, each at batch 1 (16 requests one after the other), 8 and 64 (the first b prompts at once):
 - demo answers: the committed student (livemoe/train/assets/student) answering held-out rooms' product questions
   (the RFT demo's prompts: the room's product list, then the question), greedy, up to 64 tokens, ending at EOS.
   The student is the RFT demo's starting point, not an RFT-trained checkpoint (training one here would cost
@@ -24,11 +24,12 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
 
 
 def _generate(llm, prompts, params):
+    """Batch 1: the prompts one after the other (each alone in the engine); else all at once."""
     import time
 
     before = llm.stats()
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    outs = [o for p in prompts for o in llm.generate([p], params)] if BATCH_ONE[0] else llm.generate(prompts, params)
     dt = time.perf_counter() - t0
     after = llm.stats()
     tokens = sum(len(o.token_ids) for o in outs)
@@ -38,9 +39,13 @@ def _generate(llm, prompts, params):
                 else None)
 
 
+BATCH_ONE = [False]
+
+
 def _compare(case, base, spec, prompts, params, reps):
     for batch in (1, 8, 64):
-        ps = prompts[:batch]
+        ps = prompts[:16] if batch == 1 else prompts[:batch]  # batch 1: 16 requests in turn
+        BATCH_ONE[0] = batch == 1
         t_spec, (n_spec, ids_spec, accept), t_base, (n_base, ids_base, _) = median_pair(
             lambda: _generate(spec, ps, params), lambda: _generate(base, ps, params), reps)
         # greedy: the same tokens (speculation is exact), so the same count on both sides
@@ -50,7 +55,7 @@ def _compare(case, base, spec, prompts, params, reps):
                baseline=n_base / t_base, baseline_name="no speculation", higher_is_better=True,
                extra={"ms_per_token": 1e3 * t_spec / n_spec * batch, "baseline_ms_per_token":
                       1e3 * t_base / n_base * batch, "mean_acceptance_length": accept, "output_tokens": n_spec,
-                      "same_tokens": same})
+                      "same_tokens": same, "requests": len(ps)})
 
 
 def test_demo_answers(bench_mode, one_thread):
