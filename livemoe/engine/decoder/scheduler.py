@@ -65,11 +65,11 @@ class Scheduler:
             seq = running[i]
             n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             assert n > 0, seq
-            if seq.num_draft_tokens:  # speculative drafts are verified whole with their token: keep those that fit
-                seq.drop_drafts(keep=n - 1)
+            if seq.num_draft_tokens > n - 1:  # speculative drafts are verified whole with their token: keep those that fit
+                self._drop_drafts(seq, keep=n - 1)
             while not bm.try_append_slots(seq, n):
                 if seq.num_draft_tokens:  # drafts never cost a preemption
-                    seq.drop_drafts()
+                    self._drop_drafts(seq)
                     n = 1
                     continue
                 victim = running.pop()  # the newest; never one scheduled already (those are < i)
@@ -85,7 +85,8 @@ class Scheduler:
                 continue
             break
         for seq in running[i:]:  # not scheduled this step: drafts are only ever verified in the step that made them
-            seq.drop_drafts()
+            if seq.num_draft_tokens:
+                self._drop_drafts(seq)
         # admitting new work right after a preemption would only thrash
         # requests under their share first (in arrival order), then the queue's front
         fair = deque(self._under_share(running_of)) if running_of is not None and not preempted else deque()
@@ -136,6 +137,12 @@ class Scheduler:
             self._preempt(victim)
             running_of[rid] -= 1
         return running_of
+
+    def _drop_drafts(self, seq: Sequence, keep: int = 0) -> None:
+        """Drafts past `keep` leave the sequence, and the blocks taken for their slots (a draft model's proposal
+        takes them ahead) go back."""
+        seq.drop_drafts(keep)
+        self.block_manager.trim(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         seq.drop_drafts()  # it is recomputed from its committed tokens
