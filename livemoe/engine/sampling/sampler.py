@@ -69,12 +69,12 @@ class Sampler:
         every_row = len(sample_rows) == B  # a rollout batch: skip the row indexing
         tokens = None if every_row else d.processed.argmax(-1)
         if sample_rows:
-            noise = self.exponential_noise(len(sample_rows), V, logits.device, [generators[i] for i in sample_rows])
+            gens = [generators[i] for i in sample_rows]
             if every_row:
-                tokens = (d.filtered.softmax(-1) / noise).argmax(-1)
+                tokens = self.draw(d.filtered.softmax(-1), gens)
             else:
                 assert tokens is not None  # the greedy rows' argmax
-                tokens[sample_rows] = (d.filtered[sample_rows].softmax(-1) / noise).argmax(-1)
+                tokens[sample_rows] = self.draw(d.filtered[sample_rows].softmax(-1), gens)
         assert tokens is not None  # every row sampled, or the argmax
         return SampleResult(tokens.tolist(), self.logprobs(d, params, tokens))
 
@@ -114,6 +114,12 @@ class Sampler:
             if g is not None:
                 noise_rows[j].exponential_(generator=g)
         return noise
+
+    def draw(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+        """A token per row of probs [R, V] (unnormalised), by the exponential race argmax(p / E), E from each row's
+        generator (None: the shared one): the one sampling rule of the engine (decoding, verification, drafts)."""
+        R, V = probs.shape
+        return (probs / self.exponential_noise(R, V, probs.device, generators)).argmax(-1)
 
     def uniform(self, device, generator: torch.Generator | None) -> float:
         """One U[0, 1) draw from the row's generator (None: the shared one)."""

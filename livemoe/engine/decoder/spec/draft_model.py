@@ -96,9 +96,7 @@ class DraftModelProposer(Proposer):
             tokens = d.filtered.argmax(-1)
             if sampled:
                 q = d.filtered[sampled].softmax(-1)
-                noise = self.sampler.exponential_noise(len(sampled), q.shape[-1], q.device,
-                                                       [seqs[rows[j]].generator for j in sampled])
-                tokens[sampled] = (q / noise).argmax(-1)
+                tokens[sampled] = self.sampler.draw(q, [seqs[rows[j]].generator for j in sampled])
                 for j, row in zip(sampled, q):
                     probs[rows[j]].append(row)
             for j, i in enumerate(rows):

@@ -49,7 +49,7 @@ def verified_tokens(sampler: Sampler, seq: Sequence, logits: torch.Tensor, draft
             token = int(dist.processed[0].argmax())
             accepted = j < len(drafts) and token == drafts[j]
         elif q is None:  # a point-mass draft: draw the token decoding without speculation would, keep d if it is d
-            token = _draw(sampler, dist.filtered[0].softmax(-1), seq)
+            token = int(sampler.draw(dist.filtered.softmax(-1), [seq.generator])[0])
             accepted = j < len(drafts) and token == drafts[j]
         else:
             p = dist.filtered[0].softmax(-1)
@@ -61,17 +61,11 @@ def verified_tokens(sampler: Sampler, seq: Sequence, logits: torch.Tensor, draft
                 else:
                     residual = (p - q[j].to(p)).clamp_min(0.0)
                     if float(residual.sum()) > 0:
-                        token = _draw(sampler, residual, seq)  # never d: its residual is 0 when rejected
+                        token = int(sampler.draw(residual[None], [seq.generator])[0])  # never d: its residual is 0
                     else:  # p == q up to rounding: nothing to draw instead
                         token, accepted = d, True
             else:
-                token = _draw(sampler, p, seq)
+                token = int(sampler.draw(p[None], [seq.generator])[0])
         yield token, Sampler.logprobs(dist, [params], torch.tensor([token], device=device))[0], accepted
         if not accepted:
             return
-
-
-def _draw(sampler: Sampler, probs: torch.Tensor, seq: Sequence) -> int:
-    """One token from unnormalised probs [V] by the exponential race (the sampler's own rule)."""
-    noise = sampler.exponential_noise(1, probs.shape[-1], probs.device, [seq.generator])[0]
-    return int((probs / noise).argmax())
