@@ -116,12 +116,12 @@ class EngineCore:
         """Allocates the KV cache (the configured budget unless num_blocks is given)."""
         if self.runner.kv_cache is not None:
             return
-        draft = self.speculator.draft_model if self.speculator is not None else None
-        num_blocks = num_blocks or self.runner.budget_num_blocks(draft.block_bytes if draft is not None else 0)
+        spec = self.speculator
+        num_blocks = num_blocks or self.runner.budget_num_blocks(spec.extra_block_bytes if spec is not None else 0)
         self.runner.allocate_kv_cache(num_blocks)
         self.block_manager = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
-        if draft is not None:
-            draft.allocate(num_blocks, self.block_manager)
+        if spec is not None:
+            spec.allocate(num_blocks, self.block_manager)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                    self.config.max_running_seqs_per_request)
         self._weights_version = self._param_version()
@@ -135,9 +135,8 @@ class EngineCore:
         self.block_manager = self.scheduler = None
 
     def _free_draft_cache(self) -> None:
-        draft = self.speculator.draft_model if self.speculator is not None else None
-        if draft is not None:
-            draft.free()
+        if self.speculator is not None:
+            self.speculator.free()
 
     @contextlib.contextmanager
     def kv_cache_released(self):

@@ -40,10 +40,20 @@ class Speculator:
         check_compatible(model, tokenizer, draft, load_tokenizer(path), path)
         return cls(config, DraftModelProposer(draft, engine_config, max_model_len, sampler))
 
+    # a draft model's KV cache lives and dies with the target's (ngram has none)
+
     @property
-    def draft_model(self) -> DraftModelProposer | None:
-        """The draft_model proposer, whose KV cache lives and dies with the target's; None for ngram."""
-        return self.proposer if isinstance(self.proposer, DraftModelProposer) else None
+    def extra_block_bytes(self) -> int:
+        """What each KV block costs besides the target's K and V."""
+        return self.proposer.block_bytes if isinstance(self.proposer, DraftModelProposer) else 0
+
+    def allocate(self, num_blocks: int, block_manager) -> None:
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.allocate(num_blocks, block_manager)
+
+    def free(self) -> None:
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.free()
 
     def propose(self, running: list[Sequence], max_model_len: int) -> None:
         """Gives drafts to the running sequences about to decode (their last token the only uncomputed one), at
