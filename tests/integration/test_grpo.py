@@ -230,3 +230,17 @@ def test_routing_replay_of_multi_turn_trajectories(student, tmp_path):
                      "--max_steps", "1")) == 0
     row = read_metrics(str(out / "metrics.jsonl"))[0]
     assert row["tpr/max"] > 10 and row["grad_norm"] > 0 and row["mismatch/routing_disagreement"] == 0.0
+
+
+def test_speculative_rollouts_give_the_same_run(student, tmp_path):
+    """--rollout_speculative_config through the CLI's parsing: the seeded ngram rollouts are the plain ones, so the
+    rewards are too, and the decoder did draft."""
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "disable_by_batch_size": 64}'
+    plain, fast = tmp_path / "plain", tmp_path / "fast"
+    assert main(args(student, plain, "--max_steps", "2")) == 0
+    trainer = GRPOTrainer(parse_config(GRPOConfig, args(student, fast, "--max_steps", "2",
+                                                        "--rollout_speculative_config", spec)))
+    trainer.train()
+    assert trainer.rollouts.llm.stats()["spec_drafted_tokens"] > 0
+    ra, rb = read_metrics(str(plain / "metrics.jsonl")), read_metrics(str(fast / "metrics.jsonl"))
+    assert [r["reward/mean"] for r in rb] == [r["reward/mean"] for r in ra]
