@@ -179,6 +179,17 @@ def check_at_least(cfg, low, *names: str) -> None:
             raise ConfigError(f"--{name} must be >= {low}, got {getattr(cfg, name)}")
 
 
+def check_speculative_config(name: str, value: str) -> None:
+    """ConfigError naming --`name` when `value` is not an engine speculative_config (JSON, the engine's keys)."""
+    from livemoe.engine.decoder.spec.config import SpeculativeConfig
+    from livemoe.engine.errors import EngineConfigError
+
+    try:
+        SpeculativeConfig.parse(value)
+    except EngineConfigError as e:
+        raise ConfigError(f"--{name}: {e}") from None
+
+
 def check_choice(name, value, choices):
     if value not in choices:
         raise ConfigError(f"--{name} must be one of {', '.join(choices)}; got {value!r}")

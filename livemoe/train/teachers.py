@@ -14,10 +14,11 @@ from livemoe.train.synthetic.teacher import ScriptedTeacher, TeacherRates
 
 
 class EngineTeacher:
-    def __init__(self, path: str, max_new_tokens: int = 384, seed: int = 0, device=None, progress: bool = True):
+    def __init__(self, path: str, max_new_tokens: int = 384, seed: int = 0, device=None, progress: bool = True,
+                 speculative_config: str | None = None):
         from livemoe.engine.llm import LLM
 
-        self.llm = LLM(path, device=device, seed=seed, use_tqdm=progress)
+        self.llm = LLM(path, device=device, seed=seed, use_tqdm=progress, speculative_config=speculative_config)
         self.max_new_tokens, self.seed = max_new_tokens, seed
 
     def sample(self, records: list, k: int = 4, temperature: float = 0.7) -> list:
@@ -50,4 +51,5 @@ def make_teacher(cfg):
                                             concurrency=cfg.teacher_concurrency, retries=cfg.teacher_retries,
                                             timeout_s=cfg.teacher_timeout_s, max_tokens=cfg.teacher_max_new_tokens))
     return EngineTeacher(cfg.teacher, cfg.teacher_max_new_tokens, cfg.seed,
-                         device=None if cfg.device == "auto" else cfg.device, progress=cfg.progress)
+                         device=None if cfg.device == "auto" else cfg.device, progress=cfg.progress,
+                         speculative_config=cfg.teacher_speculative_config or None)

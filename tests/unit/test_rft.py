@@ -11,6 +11,7 @@ import torch
 
 from fixtures import assert_stopped_on_nonfinite
 from test_pretrain_student import pretrain_student  # scripts/pretrain_student.py: the student's shape
+from livemoe.train.config import ConfigError
 from livemoe.train.rft.config import RFTConfig
 from livemoe.train.data import build_prompt
 from livemoe.train.rft.__main__ import main
@@ -296,6 +297,28 @@ def test_engine_checkpoint_teacher_samples_k_per_input_with_the_decoder(student)
     assert len(a) == 2 and all(len(c) == 3 and all(isinstance(t, str) for t in c) for c in a)
     assert len({t for c in a for t in c}) > 1  # sampled, not greedy copies
     assert teacher.sample(rooms, k=3, temperature=0.7) == a  # seeded
+
+
+def test_engine_teacher_with_speculative_decoding_drafts_and_keeps_its_greedy_answers(student):
+    """--teacher_speculative_config: the teacher's decoder drafts (n-gram over the room's prompt), and greedy answers
+    equal the plain teacher's token for token (speculation is exact)."""
+    from livemoe.train.teachers import EngineTeacher
+
+    rooms = make_rooms(2, seed=3)
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "disable_by_batch_size": 64}'
+    plain = EngineTeacher(student, max_new_tokens=12, seed=1, progress=False)
+    fast = EngineTeacher(student, max_new_tokens=12, seed=1, progress=False, speculative_config=spec)
+    assert fast.sample(rooms, k=1, temperature=0.0) == plain.sample(rooms, k=1, temperature=0.0)
+    assert fast.llm.stats()["spec_drafted_tokens"] > 0
+
+
+def test_teacher_speculative_config_is_checked_and_needs_a_checkpoint_teacher(student):
+    spec = '{"method": "ngram", "num_speculative_tokens": 3}'
+    with pytest.raises(ConfigError, match="--teacher_speculative_config: speculative_config: unknown key"):
+        tiny_cfg(student, "o", teacher=student, teacher_speculative_config='{"method": "ngram", "k": 3}').validate()
+    with pytest.raises(ConfigError, match="for a checkpoint --teacher"):
+        tiny_cfg(student, "o", teacher_speculative_config=spec).validate()
+    tiny_cfg(student, "o", teacher=student, teacher_speculative_config=spec).validate()
 
 
 def test_gradient_checkpointing_gives_the_same_losses(student, tmp_path):

@@ -5,10 +5,9 @@ flat flags they have always had (--beta, --epsilon, --w_correct, ...), with thei
 import os
 from dataclasses import dataclass, field
 
-from livemoe.engine.decoder.spec.config import SpeculativeConfig
-from livemoe.engine.errors import EngineConfigError
 from livemoe.train.advantages import SCALE_REWARDS
-from livemoe.train.config import ConfigError, RunConfig, check_at_least, check_choice, flag, nested
+from livemoe.train.config import (ConfigError, RunConfig, check_at_least, check_choice, check_speculative_config, flag,
+                                  nested)
 from livemoe.train.losses import PolicyLossConfig
 from livemoe.train.mismatch import RolloutCorrectionConfig
 from livemoe.train.rewards import RewardConfig, load_reward_fns
@@ -125,10 +124,7 @@ class GRPOConfig(RunConfig):
             if self.rollout_url:
                 raise ConfigError("--rollout_speculative_config is for the in-process decoder; with --rollout_url "
                                   "start the servers with --speculative-config")
-            try:
-                SpeculativeConfig.parse(self.rollout_speculative_config)
-            except EngineConfigError as e:
-                raise ConfigError(f"--rollout_speculative_config: {e}") from None
+            check_speculative_config("rollout_speculative_config", self.rollout_speculative_config)
         if self.rollout_url and self.multi_turn:
             raise ConfigError("--multi_turn runs its rollouts in-process; leave out --rollout_url")
         if not 0 <= self.turn_weight <= 1:

@@ -3,7 +3,7 @@ the selection and the SFT."""
 import os
 from dataclasses import dataclass
 
-from livemoe.train.config import ConfigError, RunConfig, check_at_least, check_choice, opt
+from livemoe.train.config import ConfigError, RunConfig, check_at_least, check_choice, check_speculative_config, opt
 from livemoe.train.selection import POLICIES
 
 REHEARSAL_DEFAULT = 0.25  # issue 19: kept the pre-trained lookup through RFT (livemoe/train/assets/student/README.md round 5)
@@ -23,6 +23,9 @@ class RFTConfig(RunConfig):
     k: int = opt(4, "teacher samples per input, as in the seed")
     temperature: float = opt(0.7, "teacher sampling temperature, as in the seed")
     teacher_max_new_tokens: int = opt(384, "token limit of each teacher sample")
+    teacher_speculative_config: str = opt("", "a checkpoint --teacher: the engine's speculative_config as JSON, e.g. "
+                                              "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' (sampled "
+                                              "outputs follow the teacher's distribution exactly; empty = off)")
     teacher_concurrency: int = opt(8, "parallel requests to a --teacher URL")
     teacher_retries: int = opt(3, "retries of a failed request to a --teacher URL")
     teacher_timeout_s: float = opt(120.0, "seconds before a request to a --teacher URL times out")
@@ -73,3 +76,8 @@ class RFTConfig(RunConfig):
         if self.teacher not in ("scripted",) and not self.teacher.startswith(("http://", "https://")) \
                 and not os.path.isdir(self.teacher):
             raise ConfigError(f"--teacher {self.teacher!r}: expected scripted, an http(s) URL or a checkpoint directory")
+        if self.teacher_speculative_config:
+            if self.teacher == "scripted" or self.teacher.startswith(("http://", "https://")):
+                raise ConfigError("--teacher_speculative_config is for a checkpoint --teacher the engine decodes; "
+                                  "a URL's server takes its own --speculative-config")
+            check_speculative_config("teacher_speculative_config", self.teacher_speculative_config)
