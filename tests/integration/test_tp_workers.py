@@ -179,9 +179,24 @@ def test_tp2_with_ngram_speculation_equals_transformers(checkpoints, tp2):
         assert stats["spec_accepted_tokens"] > 0 and stats["num_preemptions"] > 0
     finally:
         llm.close()
-    with pytest.raises(EngineConfigError, match="'draft_model' is not supported with tensor_parallel_size=2"):
-        LLM(path, tensor_parallel_size=2, **OPTIONS,
-            speculative_config={"method": "draft_model", "num_speculative_tokens": 3, "model": path})
+
+
+def test_tp2_with_a_draft_model_on_rank_0_equals_transformers(checkpoints, tp2):
+    """A draft model runs whole on rank 0 beside the TP-2 target; the dense checkpoint drafting for the MoE one
+    (same tokenizer) is rejected often enough to roll back, and greedy tokens stay the target's."""
+    path, hf = checkpoints["moe"]
+    ps = prompts()
+    expected = [hf_greedy(hf, p) for p in ps]
+    tp2.close_all()
+    llm = LLM(path, tensor_parallel_size=2, num_kv_blocks=60, **OPTIONS,
+              speculative_config={"method": "draft_model", "num_speculative_tokens": 3,
+                                  "model": checkpoints["dense"][0], "disable_by_batch_size": 8})
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY)] == expected
+        stats = llm.stats()
+        assert stats["spec_drafted_tokens"] > stats["spec_accepted_tokens"]
+    finally:
+        llm.close()
 
 
 def test_kv_cache_release_sleep_refusals_and_close(checkpoints, tp2):

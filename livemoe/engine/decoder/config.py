@@ -69,10 +69,6 @@ class EngineConfig:
         if self.enable_expert_parallel and self.tensor_parallel_size == 1:
             fail("enable_expert_parallel needs tensor_parallel_size > 1 (it splits the experts over those ranks)")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
-        if self.speculative_config is not None and self.speculative_config.method == "draft_model" \
-                and self.tensor_parallel_size > 1:
-            fail(f"speculative_config method 'draft_model' is not supported with tensor_parallel_size="
-                 f"{self.tensor_parallel_size}; use 'ngram'")
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

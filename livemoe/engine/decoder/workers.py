@@ -330,10 +330,11 @@ class DriverRunner(ModelRunner):
         self.workers = workers
 
     def budget_num_blocks(self, extra_block_bytes: int = 0) -> int:
-        """The smallest over the ranks (on a GPU each profiles its own memory, collectives included)."""
-        assert not extra_block_bytes, "no draft model with tensor parallel (SpeculativeConfig refuses it)"
+        """The smallest over the ranks (on a GPU each profiles its own memory, collectives included). A draft
+        model runs whole on rank 0 (its few layers are cheaper than a collective per layer): only rank 0's blocks
+        carry its cache's extra bytes."""
         self.workers.profile()
-        mine = super().budget_num_blocks()
+        mine = super().budget_num_blocks(extra_block_bytes)
         return min([mine, *self.workers.kv_blocks()])
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
