@@ -21,11 +21,13 @@ GPU: a Qwen3-30B-A3B-shaped model with random bf16 weights made on the device; b
 contexts 1k and 4k (quick: batch 1 at 1k); ms per decode step against the memory-bound floor (the
 weights a step touches plus the KV it reads, at the measured copy bandwidth).
 """
+import os
 import time
 
 import pytest
 import torch
 
+from bench import llamacpp_peer
 from bench.common import median_pair, record
 
 SUITE = "decode"
@@ -189,3 +191,88 @@ def test_decode_gpu(benchmark, bench_mode):
         record(suite=SUITE, case=f"Qwen3-30B-A3B shape bf16, batch {batch}, context {context}", metric="ms/step",
                ours=tpot * 1e3, floor=floor * 1e3, model=model * 1e3,
                extra={"eager_fallbacks": llm.stats()["num_eager_fallbacks"], "copy_GBps": ceil["copy_GBps"]})
+
+
+# -- against llama.cpp ---------------------------------------------------------------------------------------------
+# The same checkpoints as GGUF (livemoe export-gguf), decoded greedily by llama.cpp in this process through
+# llama-cpp-python (bench/llamacpp_peer.py: one llama_decode per step for the whole batch, as llama-batched-bench).
+# Greedy tokens are compared before anything is timed. Decode tok/s = batch x (new - 1) tokens over the steps after
+# every sequence has its first token, on both sides; ratios are medians of alternated runs.
+PEER_MODELS = {"committed student": None, "small MoE": MODELS["small MoE"]}
+PEER_CASES_FULL = [(b, dtype, threads) for dtype in ("f32", "f16") for threads in (1, 2) for b in (1, 8, 64)]
+PEER_CASES_QUICK = [(1, "f32", 1)]
+
+
+def ours_greedy_decode(llm, prompts, new_tokens) -> tuple[list[list[int]], float]:
+    """(each prompt's greedy tokens, seconds of the steps after every sequence has its first token)."""
+    from livemoe.engine.sampling.params import SamplingParams
+
+    llm.reset_prefix_cache()
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    ids = [llm.add_request(p, params) for p in prompts]
+    tokens: dict[str, list[int]] = {}
+    while len(tokens) < len(ids) or any(not t for t in tokens.values()):
+        for o in llm.step():
+            tokens[o.request_id] = list(o.outputs[0].token_ids)
+    t0 = time.perf_counter()
+    while llm.has_unfinished_requests():
+        for o in llm.step():
+            tokens[o.request_id] = list(o.outputs[0].token_ids)
+    return [tokens[i] for i in ids], time.perf_counter() - t0
+
+
+def peer_checkpoint(model: str, tmp_path_factory) -> str:
+    from tiny_models import make_checkpoint
+
+    if PEER_MODELS[model] is None:
+        return os.path.join(os.path.dirname(__file__), "..", "livemoe", "train", "assets", "student")
+    path, _ = make_checkpoint(tmp_path_factory.mktemp("bench_peer") / "moe", moe=True, **PEER_MODELS[model])
+    return path
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU comparison with llama.cpp")
+@pytest.mark.skipif(llamacpp_peer.available() is not None, reason=str(llamacpp_peer.available()))
+@pytest.mark.parametrize("model", list(PEER_MODELS))
+def test_decode_vs_llama_cpp(benchmark, bench_mode, tmp_path_factory, model):
+    from livemoe.engine.llm import LLM
+    from livemoe.engine.model.gguf_export import export_gguf
+
+    path = peer_checkpoint(model, tmp_path_factory)
+    cases = PEER_CASES_FULL if bench_mode == "full" else PEER_CASES_QUICK
+    new, prompt_len = (64, 32) if bench_mode == "full" else (8, 16)
+    reps = 3 if bench_mode == "full" else 1
+    out_dir = tmp_path_factory.mktemp("gguf")
+    threads_before = torch.get_num_threads()
+    try:
+        for dtype in dict.fromkeys(d for _, d, _ in cases):
+            gguf = export_gguf(path, str(out_dir / f"{dtype}.gguf"), dtype)
+            llm = LLM(path, dtype=torch.float32 if dtype == "f32" else torch.float16, device="cpu",
+                      max_num_seqs=64, num_kv_blocks=64 * ((prompt_len + new) // 16 + 2), use_tqdm=False)
+            vocab = llm.model.config.vocab_size
+            for threads in dict.fromkeys(t for _, d, t in cases if d == dtype):
+                torch.set_num_threads(threads)
+                peer = llamacpp_peer.LlamaCppPeer(gguf, threads, n_seq=64, n_ctx_per_seq=prompt_len + new + 8,
+                                                  kv_f16=dtype == "f16")
+                try:
+                    for batch in [b for b, d, t in cases if d == dtype and t == threads]:
+                        prompts = random_prompts(batch, prompt_len, prompt_len, vocab, seed=batch)
+                        ours_tokens, _ = ours_greedy_decode(llm, prompts, new)  # also the warm-up
+                        peer_tokens, _ = peer.greedy(prompts, new)
+                        agree = sum(a == b for a, b in zip(ours_tokens, peer_tokens))
+                        if dtype == "f32":  # fp32 both sides: the same tokens (16-bit rounds activations differently)
+                            assert agree == batch, f"{model} f32 batch {batch}: greedy tokens differ from llama.cpp's"
+                        if (batch, dtype, threads) == cases[0]:
+                            benchmark.pedantic(lambda: ours_greedy_decode(llm, prompts, new), rounds=1, iterations=1)
+                        t_ours, _, t_peer, _ = median_pair(lambda: ours_greedy_decode(llm, prompts, new)[::-1],
+                                                           lambda: peer.greedy(prompts, new)[::-1], reps)
+                        tokens = batch * (new - 1)
+                        record(suite=SUITE, case=f"{model}, {dtype}, {threads} thread(s), batch {batch}",
+                               metric="decode tok/s", ours=tokens / t_ours, baseline=tokens / t_peer,
+                               baseline_name="llama.cpp (llama-cpp-python)", higher_is_better=True,
+                               extra={"ours_s": t_ours, "baseline_s": t_peer, "greedy_agree": f"{agree}/{batch}",
+                                      "new_tokens": new, "prompt_len": prompt_len})
+                finally:
+                    peer.close()
+            llm.close()
+    finally:
+        torch.set_num_threads(threads_before)

@@ -34,6 +34,11 @@ def pytest_configure(config):
     enable = config.getoption("benchmark_enable", default=None)
     if enable is not None and not enable and not config.getoption("benchmark_only", default=False):
         config.option.benchmark_disable = True
+    from bench.common import OUT_DIR
+    from bench.progress import SuiteProgress
+
+    mode = "full" if config.getoption("--benchmark") else "quick"
+    config.pluginmanager.register(SuiteProgress(mode, OUT_DIR), "bench_progress")
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,7 @@ COMMANDS = {
     "grpo": ("livemoe.train.grpo.__main__", "GRPO with the correctness / helpfulness / length reward (stage 2)"),
     "live": ("livemoe.train.live.__main__", "LiveAssistant: MA-MSFT then SM-GSPO on live sessions"),
     "flops": ("livemoe.engine.model.flops.__main__", "parameters and decode / prefill FLOPs of a checkpoint or preset"),
+    "export-gguf": ("livemoe.engine.model.gguf_export", "a checkpoint as a GGUF file for llama.cpp / Ollama"),
     "plan": ("livemoe.train.plan", "what one GPU holds when a model trains with FSDP2 + expert parallel"),
 }
 

@@ -9,13 +9,15 @@ collectives leave every rank with the same hidden states and full-vocab logits.
 import torch
 from torch import nn
 
+from livemoe.engine.model import fused_decode
 from livemoe.engine.model.attention import Attention
 from livemoe.engine.model.config import ModelConfig
 from livemoe.engine.model.context import StepContext
-from livemoe.engine.model.layers import MLP, RMSNorm, RotaryEmbedding, SparseMoeBlock, qk_norm_rotary
+from livemoe.engine.model.layers import MLP, Experts, RMSNorm, RotaryEmbedding, SparseMoeBlock, qk_norm_rotary
 from livemoe.engine.model.moe_loss import load_balancing_loss
 from livemoe.engine.model.tensor_parallel import (ParallelLMHead, TensorParallel, VocabParallelEmbedding, column_linear,
                                                   gather_logits, row_linear)
+from livemoe.kernels.linear import linear
 from livemoe.kernels.moe.routing import check_replay
 
 
@@ -66,6 +68,11 @@ class DecoderLayer(nn.Module):
         return x + out, router_logits
 
 
+# what livemoe.engine.model.fused_decode's C++ layer computes exactly: a layer made of only these, hook-free
+FUSABLE_MODULES = (nn.ModuleList, DecoderLayer, SelfAttention, Attention, RMSNorm, nn.Linear, MLP, SparseMoeBlock,
+                   Experts)
+
+
 class Qwen3Model(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
         super().__init__()
@@ -113,6 +120,9 @@ class Qwen3ForCausalLM(nn.Module):
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(positions, x.dtype)
+        if replay is None and not return_router_logits and fused_decode.serves(self, x, step, FUSABLE_MODULES):
+            assert step is not None  # serves() says so
+            return self.model.norm(fused_decode.run_layers(self, x, cos, sin, step))
         router_logits = []
         for layer in self.model.layers:
             ids = replay[len(router_logits)] if replay is not None and layer.mlp_is_moe else None
@@ -150,7 +160,7 @@ class Qwen3ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., V] (the full vocab on every rank under tensor parallel)."""
-        logits = torch.nn.functional.linear(hidden, self.lm_head_weight)
+        logits = linear(hidden, self.lm_head_weight)  # F.linear, or the C++ GEMV for 16-bit weights at decode sizes
         tp = self.tensor_parallel
         return logits if tp is None else gather_logits(logits, tp, self.config.vocab_size)
 

@@ -1,0 +1,91 @@
+"""The CPU step's one-C++-call-per-layer path (livemoe.engine.model.fused_decode) against the module path it stands
+in for: the same kernels in the same order, so greedy tokens and logprobs are equal (asserted equal, not close), on
+the committed student and two random MoEs and a dense model, over prefill chunks and batched decode steps."""
+import os
+
+import pytest
+import torch
+
+from livemoe.engine.llm import LLM
+from livemoe.engine.model import fused_decode
+from livemoe.engine.model.context import StepContext
+from livemoe.engine.model.qwen3 import FUSABLE_MODULES
+from livemoe.engine.sampling.params import SamplingParams
+from tiny_models import make_checkpoint
+
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.skipif(not fused_decode.BUILT, reason="the C++ extension (livemoe._C) is not built")]
+
+STUDENT = os.path.join(os.path.dirname(__file__), "..", "..", "livemoe", "train", "assets", "student")
+MODELS = {
+    "student": None,
+    "moe_a": dict(moe=True, seed=1),
+    "moe_b": dict(moe=True, seed=2, hidden_size=96, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=40,
+                  num_attention_heads=6, num_key_value_heads=3, head_dim=16, vocab_size=211),
+    "dense": dict(moe=False, seed=3),
+}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def checkpoint(request, tmp_path_factory):
+    spec = MODELS[request.param]
+    if spec is None:
+        return STUDENT
+    path, _ = make_checkpoint(tmp_path_factory.mktemp(request.param) / "m", **spec)
+    return path
+
+
+def run(llm, prompts, params):
+    outs = llm.generate(prompts, params)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+def test_fused_layers_equal_the_modules(checkpoint, monkeypatch):
+    # long enough prompts for chunked prefill (max_num_batched_tokens 32) mixed with decode steps
+    llm = LLM(checkpoint, dtype=torch.float32, device="cpu", max_num_batched_tokens=32, block_size=4,
+              use_tqdm=False)
+    vocab = llm.model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (1, 7, 19, 40)]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    calls = []
+    real = fused_decode.run_layers
+    monkeypatch.setattr(fused_decode, "run_layers", lambda *a: calls.append(1) or real(*a))
+    fused = run(llm, prompts, greedy)
+    assert calls, "the fused path did not run"
+    monkeypatch.setattr(fused_decode, "ENABLED", False)
+    calls.clear()
+    llm.reset_prefix_cache()
+    modules = run(llm, prompts, greedy)
+    assert not calls
+    assert [t for t, _ in fused] == [t for t, _ in modules]
+    assert [lp for _, lp in fused] == [lp for _, lp in modules]  # bitwise: the same kernels in the same order
+
+
+def test_fused_layers_not_taken_with_grad(checkpoint):
+    from livemoe.engine.model.loader import load_model
+
+    model = load_model(checkpoint, dtype=torch.float32, device="cpu")
+    x = torch.zeros(1, 2, model.config.hidden_size)
+    step = StepContext(kv_caches=[], slot_mapping=torch.zeros(0), context_lens=torch.zeros(0),
+                       block_tables=torch.zeros(0))
+    with torch.enable_grad():
+        assert not fused_decode.serves(model, x, step, FUSABLE_MODULES)  # the trainers' forward keeps its autograd
+    with torch.inference_mode():
+        assert fused_decode.serves(model, x, step, FUSABLE_MODULES)
+        handle = model.model.layers[-1].mlp.register_forward_hook(lambda *a: None)  # a caller watching a layer
+        assert not fused_decode.serves(model, x, step, FUSABLE_MODULES)
+        handle.remove()
+        model.model.layers[0].self_attn.q_proj = Wrapped(model.model.layers[0].self_attn.q_proj)  # a LoRA-like wrapper
+        assert not fused_decode.serves(model, x, step, FUSABLE_MODULES)
+        step.backend = "reference"
+        assert not fused_decode.serves(model, x, step, FUSABLE_MODULES)
+
+
+class Wrapped(torch.nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)

@@ -1,0 +1,47 @@
+"""torch.ops.livemoe.linear (csrc/linear.cpp, the skinny GEMM of skinny_gemm.h) against its fp32 formula: 16-bit
+weights read as stored, fp32 accumulation, one rounding of the output; fp32 too. Odd shapes (K's tail past a
+multiple of 8, N not a multiple of 8 or 64), 1-32 rows, leading dims, two threads."""
+import pytest
+import torch
+
+from livemoe.kernels import _ext
+from livemoe.kernels.linear import linear, linear_reference
+
+pytestmark = pytest.mark.skipif(not _ext.has_op("linear"), reason="the C++ extension (livemoe._C) is not built")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rows,K,N", [(1, 64, 707), (1, 13, 5), (3, 256, 130), (8, 100, 64), (32, 72, 257)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_linear_matches_fp32_formula(dtype, rows, K, N, threads):
+    g = torch.Generator().manual_seed(rows * 1000 + K + N)
+    x = torch.randn(rows, K, generator=g).to(dtype)
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(dtype)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = torch.ops.livemoe.linear(x, w)
+    finally:
+        torch.set_num_threads(before)
+    want = linear_reference(x, w)
+    assert got.dtype == dtype and got.shape == (rows, N)
+    # the same fp32 products summed in another order (~K ulp of fp32), then one rounding to the dtype: at most one
+    # unit of the 16-bit dtype's last place apart, and fp32 within a few ulp
+    tol = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=1e-3, atol=1e-3),
+           torch.bfloat16: dict(rtol=8e-3, atol=8e-3)}[dtype]
+    torch.testing.assert_close(got, want, **tol)
+
+
+def test_linear_dispatch():
+    w16 = torch.randn(20, 16).half()
+    x = torch.randn(2, 3, 16).half()
+    with torch.inference_mode():
+        out = linear(x, w16)  # leading dims kept
+    assert out.shape == (2, 3, 20)
+    torch.testing.assert_close(out, linear_reference(x, w16), rtol=1e-3, atol=1e-3)
+    wf = torch.randn(20, 16, requires_grad=True)
+    y = linear(torch.randn(2, 16), wf)  # autograd: F.linear
+    y.sum().backward()
+    assert wf.grad is not None
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        torch.ops.livemoe.linear(torch.randn(1, 16), w16)
