@@ -2,6 +2,7 @@
 parameter changes and the loss stays finite; the GSPO path; multi-turn trajectories; exact resume;
 clear errors for bad options."""
 import json
+import math
 import os
 import sys
 import types
@@ -244,3 +245,91 @@ def test_speculative_rollouts_give_the_same_run(student, tmp_path):
     assert trainer.rollouts.llm.stats()["spec_drafted_tokens"] > 0
     ra, rb = read_metrics(str(plain / "metrics.jsonl")), read_metrics(str(fast / "metrics.jsonl"))
     assert [r["reward/mean"] for r in rb] == [r["reward/mean"] for r in ra]
+
+
+def _step_loss_and_grads(trainer, batch, start):
+    """update_phase's loss and the gradients it steps with, from the weights `start`."""
+    trainer.model.load_state_dict(start)
+    seen = {}
+    clip = trainer.dist.clip_grad_norm_
+
+    def capture(params, max_norm):
+        seen.update({n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None})
+        return clip(params, max_norm)
+
+    trainer.dist.clip_grad_norm_ = capture
+    try:
+        m = trainer.update_phase({k: v.clone() for k, v in batch.items()})
+    finally:
+        trainer.dist.clip_grad_norm_ = clip
+    return m["loss"], seen
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_token_balanced_micro_batches_give_the_whole_batch_loss_and_gradients(student, tmp_path, loss_type):
+    """--max_tokens_per_micro_batch packs rows into unequal micro-batches; each is weighted by its share, so the
+    step's loss and gradients are those of the whole batch in one micro-batch (fp32: equal up to summation
+    order and padding widths: 1e-5 relative, and 1e-5 of each tensor's largest gradient). The load-balancing term is a per-micro-batch mean (not linear in the
+    tokens), so it is off here."""
+    trainer = GRPOTrainer(parse_config(GRPOConfig, args(student, tmp_path / "p", "--lambda_aux", "0",
+                                                        "--loss_type", loss_type, "--batch_size", "3")))
+    trainer.compute_reference_lengths()
+    batch, _ = trainer.rollout_phase(0)
+    start = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    n = batch["input_ids"].shape[0]
+    trainer.cfg.micro_batch_size = n
+    whole_loss, whole = _step_loss_and_grads(trainer, batch, start)
+    lengths = batch["attention_mask"].sum(1)
+    trainer.cfg.max_tokens_per_micro_batch = int(lengths.max()) * 5  # 12 rows: 5 + 5 + 2 at least
+    micro = trainer._micro_batches(batch)
+    sizes = sorted(mb["input_ids"].shape[0] for mb in micro)
+    assert len(micro) > 1 and sum(sizes) == n and sizes[0] < sizes[-1], sizes  # unequal micro-batches
+    assert all(mb["input_ids"].numel() <= trainer.cfg.max_tokens_per_micro_batch for mb in micro)
+    packed_loss, packed = _step_loss_and_grads(trainer, batch, start)
+    assert packed_loss == pytest.approx(whole_loss, rel=1e-5, abs=1e-7)
+    assert whole.keys() == packed.keys() and whole
+    for k in whole:
+        scale = float(whole[k].abs().max())  # fp32 sums in another order: 1e-5 of the tensor's largest entry
+        torch.testing.assert_close(packed[k], whole[k], rtol=1e-5, atol=1e-5 * scale + 1e-9, msg=k)
+
+
+@pytest.fixture
+def spread_on_some_rooms(monkeypatch):
+    """A reward that varies between samples for about half the rooms and is constant for the others."""
+    mod = types.ModuleType("grpo_spread_rewards")
+    mod.some = lambda record, completion, info: ((sum(map(ord, completion)) % 7) / 6.0
+                                                 if sum(map(ord, record["id"])) % 2 else 0.5)
+    mod.never = lambda record, completion, info: 0.5
+    monkeypatch.setitem(sys.modules, "grpo_spread_rewards", mod)
+
+
+def test_dynamic_sampling_refills_the_batch_with_groups_that_have_a_reward_spread(student, tmp_path,
+                                                                                   spread_on_some_rooms):
+    flags = ("--train_rooms", "16", "--batch_size", "4", "--w_correct", "0", "--w_helpful", "0", "--w_length", "0",
+             "--reward_fns", "grpo_spread_rewards:some")
+    trainer = GRPOTrainer(parse_config(GRPOConfig, args(student, tmp_path / "ds", *flags, "--dynamic_sampling", "true",
+                                                        "--dynamic_sampling_rounds", "6")))
+    trainer.compute_reference_lengths()
+    assert len(trainer.ref_lengths) == 16  # refills may draw any prompt
+    plain = GRPOTrainer(parse_config(GRPOConfig, args(student, tmp_path / "plain", *flags)))
+    plain.ref_lengths = trainer.ref_lengths
+    for step in range(3):
+        out = trainer.sample_groups(step)
+        dropped = sum(1 for g in out["sampled"] if len(set(g["rewards"])) == 1)
+        assert len(out["kept"]) == 4 and all(len(set(g["rewards"])) > 1 for g in out["kept"])
+        assert out["rounds"] == math.ceil((len(out["sampled"])) / 4) and len(out["sampled"]) >= 4 + dropped
+        # round 0 is the batch a run without dynamic sampling rolls out, the same draws
+        first = plain.sample_groups(step)["sampled"]
+        assert [g["rewards"] for g in out["sampled"][:4]] == [g["rewards"] for g in first]
+        batch, m = trainer.make_batch(out)
+        assert batch["input_ids"].shape[0] == 4 * 4
+        assert m["dynamic_sampling/rounds"] == out["rounds"] and m["dynamic_sampling/kept_groups"] == 4
+        assert m["dynamic_sampling/dropped_groups"] == dropped == m["zero_variance_groups"]
+    assert any(len(trainer.sample_groups(s)["sampled"]) > 4 for s in range(3))  # some step did refill
+    # the cap: no group ever has a spread -> every round is used, nothing is trained
+    out = tmp_path / "cap"
+    assert main(args(student, out, *flags[:-1], "grpo_spread_rewards:never", "--dynamic_sampling", "true",
+                     "--dynamic_sampling_rounds", "3", "--max_steps", "1")) == 0
+    row = read_metrics(str(out / "metrics.jsonl"))[0]
+    assert row["dynamic_sampling/rounds"] == 3 and row["dynamic_sampling/dropped_groups"] == 12
+    assert row["dynamic_sampling/kept_groups"] == 0 and row["skipped_update"] == 1

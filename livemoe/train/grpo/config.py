@@ -63,9 +63,18 @@ class GRPOConfig(RunConfig):
         importance_sampling_level=flag("token | sequence (GSPO)"))
     num_iterations: int = field(default=1, metadata={"help": "μ: optimiser passes per rollout batch"})
     micro_batch_size: int = field(default=32, metadata={"help": "completions per forward/backward"})
+    max_tokens_per_micro_batch: int = field(default=0, metadata={
+        "help": "token-balanced micro-batches: rows packed so that rows x longest row stays within this many tokens "
+                "(livemoe/train/packing.py), instead of --micro_batch_size rows; the loss is the same; 0 = off"})
     scale_rewards: str = field(default="group", metadata={"help": "group | batch | none"})
     advantage_eps: float = field(default=1e-4, metadata={"help": "added to the reward std when advantages are normalised"})
     drop_zero_variance: bool = field(default=False, metadata={"help": "leave groups with equal rewards out of the loss"})
+    dynamic_sampling: bool = field(default=False, metadata={
+        "help": "DAPO's dynamic sampling: groups with equal rewards are dropped and more prompts are rolled out "
+                "(--batch_size groups a round) until --batch_size groups with a reward spread are kept, at most "
+                "--dynamic_sampling_rounds rounds"})
+    dynamic_sampling_rounds: int = field(default=4, metadata={"help": "cap on the generation rounds of one step "
+                                                                      "with --dynamic_sampling"})
     mask_truncated: bool = field(default=False, metadata={"help": "leave completions cut at max_new_tokens out of the loss"})
     # trainer (since issue 32): the policy ratio is against the trainer's own log-probs at the start of the step
     # (its first pass's forward, no extra one); the rollout's mismatch goes to the rollout correction below
@@ -103,7 +112,8 @@ class GRPOConfig(RunConfig):
         super().validate()
         check_at_least(self, 1, "num_generations", "max_new_tokens", "num_iterations", "micro_batch_size",
                        "rollout_max_num_seqs", "rollout_kv_bytes")
-        check_at_least(self, 0, "ref_samples")
+        check_at_least(self, 0, "ref_samples", "max_tokens_per_micro_batch")
+        check_at_least(self, 1, "dynamic_sampling_rounds")
         if self.num_generations < 2:
             raise ConfigError("--num_generations must be >= 2: GRPO compares rollouts of one prompt")
         if self.temperature <= 0:
