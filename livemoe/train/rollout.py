@@ -36,6 +36,7 @@ class Completion:
     turn_texts: list = field(default_factory=list)
     # the decoder's routed experts (numpy [prompt + generated - 1, MoE layers, k]) when the rollouts ask for them
     routed_experts: Any = None
+    versions: list = field(default_factory=list)  # async GRPO: per token of token_ids, the policy version that drew it
 
     @property
     def truncated(self) -> bool:

@@ -333,3 +333,64 @@ def test_dynamic_sampling_refills_the_batch_with_groups_that_have_a_reward_sprea
     row = read_metrics(str(out / "metrics.jsonl"))[0]
     assert row["dynamic_sampling/rounds"] == 3 and row["dynamic_sampling/dropped_groups"] == 12
     assert row["dynamic_sampling/kept_groups"] == 0 and row["skipped_update"] == 1
+
+
+def test_async_rollouts_with_staleness_zero_are_the_synchronous_run_and_one_lags_a_version(student, tmp_path):
+    sync, asyn = tmp_path / "sync", tmp_path / "async0"
+    assert main(args(student, sync, "--max_steps", "3")) == 0
+    assert main(args(student, asyn, "--max_steps", "3", "--async_rollouts", "true", "--max_staleness", "0")) == 0
+    a, b = state(str(sync / "final")), state(str(asyn / "final"))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)  # same rollouts, same updates: bit-exact
+    ra, rb = read_metrics(str(sync / "metrics.jsonl")), read_metrics(str(asyn / "metrics.jsonl"))
+    for key in ("reward/mean", "loss", "grad_norm", "tpr/mean"):
+        assert [r[key] for r in ra] == [r[key] for r in rb], key
+    assert [r["async/version"] for r in rb] == [0, 1, 2] and all(r["async/staleness"] == 0 for r in rb)
+    stale = tmp_path / "async1"
+    assert main(args(student, stale, "--max_steps", "3", "--async_rollouts", "true", "--max_staleness", "1")) == 0
+    rc = read_metrics(str(stale / "metrics.jsonl"))
+    assert [r["async/version"] for r in rc] == [0, 0, 1] and [r["async/staleness_max"] for r in rc] == [0, 1, 1]
+    assert rc[0]["reward/mean"] == ra[0]["reward/mean"] and rc[1]["reward/mean"] != ra[1]["reward/mean"]
+
+
+def test_async_rollouts_one_step_stale_record_their_version_and_the_correction_weighs_the_gap(student, tmp_path):
+    """S = 1: step 1 trains on rollouts of version 0 (the decoder's log-probs are version 0's), and the rollout
+    correction's weights are pi_1 / pi_0 of those tokens (fp32: the decoder's log-probs equal the trainer's to
+    2e-5, so the weights' mean matches the one from two trainer forwards to 1e-4)."""
+    import copy
+
+    cfg = parse_config(GRPOConfig, args(student, tmp_path / "s1", "--async_rollouts", "true", "--max_staleness", "1",
+                                        "--rollout_is_threshold", "1e6", "--max_steps", "3"))
+    trainer = GRPOTrainer(cfg)
+    trainer.compute_reference_lengths()
+    v0 = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    producer = trainer.start_async()
+    try:
+        m0 = trainer.train_step(0, producer)
+        v1 = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+        out1 = producer.get(1)
+        assert out1["version"] == 0 and m0["async/version"] == 0
+        comps = [c for g in out1["sampled"] for c in g["comps"]]
+        assert comps and all(c.versions == [0] * len(c.token_ids) for c in comps)
+        batch, _ = trainer.make_batch(out1)
+        probe = copy.deepcopy(trainer.model).eval()
+        lps = {}
+        with torch.no_grad():
+            for name, weights in (("v0", v0), ("v1", v1)):
+                probe.load_state_dict(weights)
+                lps[name] = [trainer._logprobs(probe, mb)[0] for mb in trainer._micro_batches(batch)]
+        masks = [mb["completion_mask"] for mb in trainer._micro_batches(batch)]
+        behaviour = [mb["rollout_logprobs"] for mb in trainer._micro_batches(batch)]
+        for lp0, lp1, old, mask in zip(lps["v0"], lps["v1"], behaviour, masks):
+            assert ((lp0 - old).abs() * mask).max() < 2e-5  # the behaviour log-probs are version 0's
+            assert ((lp1 - old).abs() * mask).max() > 1e-3  # and version 1 has moved: a gap to weigh
+        tokens = sum(m.sum() for m in masks)
+        expected = float(sum((torch.exp(lp1 - lp0) * m).sum() for lp0, lp1, m in zip(lps["v0"], lps["v1"], masks))
+                         / tokens)
+        producer.get = lambda step: out1
+        m1 = trainer.train_step(1, producer)
+        assert m1["async/version"] == 0 and m1["async/staleness"] == 1
+        assert m1["rollout_is/weight_mean"] == pytest.approx(expected, rel=1e-4)
+        assert abs(expected - 1) > 1e-4
+    finally:
+        producer.close()

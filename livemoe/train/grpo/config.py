@@ -47,6 +47,13 @@ class GRPOConfig(RunConfig):
                 "seeded ngram rollout gets the tokens it gets without); empty = off"})
     rollout_url: str = field(default="", metadata={"help": "rollout servers (livemoe serve), comma-separated; "
                                                            "empty = the in-process decoder (livemoe/train/remote_rollout.py)"})
+    async_rollouts: bool = field(default=False, metadata={
+        "help": "roll out the batches of steps t+1..t+S while step t trains (a producer thread: the in-process "
+                "decoder on its own copy of the policy, or the --rollout_url servers); each batch comes from "
+                "exactly S versions back (livemoe/train/grpo/async_rollouts.py); the rollout correction "
+                "(--rollout_is) weighs the gap"})
+    max_staleness: int = field(default=1, metadata={"help": "S with --async_rollouts: the policy versions between a "
+                                                            "batch's rollouts and its update (0 = the synchronous run)"})
     weight_sync: str = field(default="distributed", metadata={"help": "with --rollout_url: how new weights reach "
                                                                       "the servers, distributed (broadcast) | disk"})
     # the policy loss, with its defaults but β: the seed's 0.01 where the loss's own is 0 (its max_completion_length,
@@ -114,6 +121,7 @@ class GRPOConfig(RunConfig):
                        "rollout_max_num_seqs", "rollout_kv_bytes")
         check_at_least(self, 0, "ref_samples", "max_tokens_per_micro_batch")
         check_at_least(self, 1, "dynamic_sampling_rounds")
+        check_at_least(self, 0, "max_staleness")
         if self.num_generations < 2:
             raise ConfigError("--num_generations must be >= 2: GRPO compares rollouts of one prompt")
         if self.temperature <= 0:

@@ -20,6 +20,7 @@ from livemoe.train.advantages import ZERO_STD, group_advantages, multi_turn_adva
 from livemoe.train.checkpoint import is_sharded, load_checkpoint, model_dir
 from livemoe.train.config import ConfigError, save_config
 from livemoe.train.data import build_prompt, split_thought
+from livemoe.train.grpo.async_rollouts import AsyncRollouts
 from livemoe.train.grpo.config import GRPOConfig
 from livemoe.train.grpo.start import load_records, resolve_start
 from livemoe.train.judges import make_judge
@@ -65,6 +66,9 @@ class GRPOTrainer:
         if distributed.world_size() > 1 and cfg.model == "auto":
             raise ConfigError("--model auto under torchrun: pass --model CHECKPOINT_DIR (the RFT default's student "
                               "is made by one process: run livemoe.train.rft first)")
+        if distributed.world_size() > 1 and cfg.async_rollouts:
+            raise ConfigError("--async_rollouts does not run under torchrun yet (the producer thread would join the "
+                              "ranks' collectives): run it as one process")
         if distributed.world_size() > 1 and cfg.rollout_url:
             raise ConfigError("--rollout_url does not run under torchrun yet (each rank would push its shards): run "
                               "it as one process, or leave it out to roll out in-process on every rank")
@@ -275,7 +279,6 @@ class GRPOTrainer:
         "time"}."""
         cfg = self.cfg
         t0 = time.perf_counter()
-        self.model.eval()
         sampled, kept, rounds = [], [], 0
         for rnd in range(cfg.dynamic_sampling_rounds if cfg.dynamic_sampling else 1):
             indices = self.batch_indices(step) if rnd == 0 else self.refill_indices(step, rnd)
@@ -290,6 +293,7 @@ class GRPOTrainer:
 
     def rollout_phase(self, step: int) -> tuple:
         """The step's rollouts (sample_groups) -> (this rank's training batch or None, metrics)."""
+        self.model.eval()
         out = self.sample_groups(step)
         self.rollouts.release()  # the update never shares memory with the KV cache
         return self.make_batch(out)
@@ -496,15 +500,45 @@ class GRPOTrainer:
                         samples=self.cfg.eval_samples)
 
     # -- the loop -----------------------------------------------------------------------------------
-    def train_step(self, step: int) -> dict:
-        batch, m = self.rollout_phase(step)
+    def start_async(self) -> AsyncRollouts:
+        """The producer of --async_rollouts, from this step on: in-process it decodes its own copy of the policy,
+        with --rollout_url it drives the servers (and pushes each version it loads)."""
+        remote = bool(self.cfg.rollout_url)
+        model = AsyncRollouts.decoder_copy(self.infer or self.model)
+        if remote:
+            rollouts = self.rollouts
+        else:
+            rollouts = Rollouts(model, self.tokenizer, num_generations=self.cfg.num_generations,
+                                max_new_tokens=self.cfg.max_new_tokens, seed=self.cfg.seed,
+                                return_routed_experts=self.model.num_moe_layers > 0, **self._sampling())
+        self.rollouts.release()
+        return AsyncRollouts(self.sample_groups, rollouts, model, first_step=self.step, total_steps=self.total_steps,
+                             max_staleness=self.cfg.max_staleness, push_weights=remote)
+
+    def train_step(self, step: int, producer: AsyncRollouts | None = None) -> dict:
+        """One step: its rollouts (rolled out now, or taken from the --async_rollouts producer), the update, and
+        the new weights to the rollouts (pushed, or published to the producer)."""
+        t0 = time.perf_counter()
+        if producer is None:
+            batch, m = self.rollout_phase(step)
+        else:
+            out = producer.get(step)
+            waited = time.perf_counter() - t0
+            batch, m = self.make_batch(out)
+            versions = [v for g in out["sampled"] for c in g["comps"] or () for v in c.versions]
+            m.update({"async/version": out["version"], "async/staleness": step - out["version"],
+                      "async/staleness_max": step - min(versions, default=step), "time/rollout_wait_s": waited})
         if not self.dist.sum_floats(int(batch is not None))[0]:  # every group had zero variance and was dropped
             m.update({"skipped_update": 1})
         else:
             m.update(self.update_phase(batch))
-            self.rollouts.weights_updated(self.model)
+            if producer is None:
+                self.rollouts.weights_updated(self.model)
+        if producer is not None:
+            producer.publish(step + 1, self.infer or self.model)
         tokens = self.dist.sum_floats(0.0 if batch is None else float(batch["completion_mask"].sum()))[0]
         m["tokens_per_s"] = tokens / max(m["time/rollout_s"] + m.get("time/update_s", 0.0), 1e-9)
+        m["time/step_s"] = time.perf_counter() - t0
         return m
 
     def trained_model(self):
@@ -521,6 +555,23 @@ class GRPOTrainer:
                                              self.cfg.keep_last,
                                              save_model=lambda m, p: save_model(m, p, tokenizer=self.tokenizer))
 
+    def _loop(self, producer) -> dict | None:
+        cfg, last = self.cfg, None
+        while self.step < self.total_steps:
+            m = self.train_step(self.step, producer)
+            self.step += 1
+            self.metrics.log(self.step, **m)
+            last = m
+            if cfg.progress and (self.step % cfg.log_every == 0 or self.step == self.total_steps):
+                print(f"step {self.step}/{self.total_steps} reward {float(m['reward/mean']):.3f} "
+                      f"tpr {float(m['tpr/mean']):.1f} correct {float(m.get('reward/correct/mean', 0)):.2f} "
+                      f"helpful {float(m.get('reward/helpful/mean', 0)):.2f} len_r {float(m['reward/length/mean']):.2f} "
+                      f"kl {float(m.get('kl', 0)):.4f} |dlogp| {float(m.get('logprob_diff/max', 0)):.1e} "
+                      f"({m['time/rollout_s']:.1f}+{m.get('time/update_s', 0):.1f}s)", flush=True)
+            if cfg.save_every and self.step % cfg.save_every == 0 and self.step < self.total_steps:
+                self.save(self.step)
+        return last
+
     def train(self, evaluate: bool = True) -> dict:
         cfg = self.cfg
         evaluate = evaluate and bool(self.eval_records)  # --eval_rooms 0 (no --eval_data): no table
@@ -533,19 +584,12 @@ class GRPOTrainer:
             print(f"before: {_brief(self.before)}", flush=True)
         t_start = time.time()
         last = None
-        while self.step < self.total_steps:
-            m = self.train_step(self.step)
-            self.step += 1
-            self.metrics.log(self.step, **m)
-            last = m
-            if cfg.progress and (self.step % cfg.log_every == 0 or self.step == self.total_steps):
-                print(f"step {self.step}/{self.total_steps} reward {float(m['reward/mean']):.3f} "
-                      f"tpr {float(m['tpr/mean']):.1f} correct {float(m.get('reward/correct/mean', 0)):.2f} "
-                      f"helpful {float(m.get('reward/helpful/mean', 0)):.2f} len_r {float(m['reward/length/mean']):.2f} "
-                      f"kl {float(m.get('kl', 0)):.4f} |dlogp| {float(m.get('logprob_diff/max', 0)):.1e} "
-                      f"({m['time/rollout_s']:.1f}+{m.get('time/update_s', 0):.1f}s)", flush=True)
-            if cfg.save_every and self.step % cfg.save_every == 0 and self.step < self.total_steps:
-                self.save(self.step)
+        producer = self.start_async() if cfg.async_rollouts and self.step < self.total_steps else None
+        try:
+            last = self._loop(producer)
+        finally:
+            if producer is not None:
+                producer.close()
         self.save(self.step)
         export = cfg.export_dir or os.path.join(cfg.output_dir, "final")
         if self.dist.mesh.distributed:
