@@ -30,11 +30,16 @@ class AsyncRollouts:
     hands the trainer's weights over after each optimizer step."""
 
     def __init__(self, sample, rollouts, model, *, first_step: int, total_steps: int, max_staleness: int,
-                 push_weights: bool):
+                 push_weights: bool, partial: bool = False):
         self.sample, self.rollouts, self.model = sample, rollouts, model
         self.first, self.total, self.staleness = first_step, total_steps, max_staleness
         self.push_weights = push_weights  # remote servers: each loaded version is pushed to them
+        self.partial = partial  # partial rollouts: a newer version interrupts the generation in flight
         self.version = first_step  # the version the producer's decoder holds
+        if not push_weights:
+            rollouts.version = first_step
+            if partial:
+                rollouts.between_steps = self._between_steps
         self.published: dict = {}  # version -> the trainer's parameters (CPU clones) not yet loaded
         self.ready: dict = {}  # step -> its groups
         self.error: BaseException | None = None
@@ -51,37 +56,56 @@ class AsyncRollouts:
     def version_for(self, step: int) -> int:
         return max(self.first, step - self.staleness)
 
-    def _wait_for(self, version: int) -> dict | None:
+    def _take(self, at_least: int, wait: bool):
+        """(version, parameters) to load: exactly `at_least` (strict), or the newest published one at or above it
+        (partial); None when there is none (wait=False) or the producer is stopping."""
         with self.cond:
-            while version not in self.published and not self.stopping:
+            while wait and not self.stopping and not any(v >= at_least for v in self.published):
                 self.cond.wait()
-            if self.stopping:
+            found = [v for v in self.published if v >= at_least]
+            if self.stopping or not found:
                 return None
-            state = self.published.pop(version)
-            for v in [v for v in self.published if v < version]:  # versions no batch needs
-                del self.published[v]
-            return state
+            v = max(found) if self.partial else at_least
+            state = self.published.pop(v)
+            for old in [old for old in self.published if old < v]:  # versions no batch needs any more
+                del self.published[old]
+            return v, state
+
+    def _load(self, version: int, state: dict) -> None:
+        if self.push_weights:
+            with torch.no_grad():
+                for name, p in self.model.named_parameters():
+                    p.copy_(state[name])
+            self.rollouts.weights_updated(self.model)
+        else:  # in flight (partial rollouts): interrupted, to resume on these weights
+            self.rollouts.update_weights(state.items(), version)
+        self.version = version
+
+    def _between_steps(self) -> None:
+        """Partial rollouts: a version newer than the decoder's, if the trainer has published one, is loaded now."""
+        got = self._take(self.version + 1, wait=False)
+        if got is not None:
+            self._load(*got)
 
     def _run(self) -> None:
         try:
             for step in range(self.first, self.total):
                 need = self.version_for(step)
-                if need != self.version:
-                    state = self._wait_for(need)
-                    if state is None:
-                        return
-                    with torch.no_grad():
-                        for name, p in self.model.named_parameters():
-                            p.copy_(state[name])
-                    self.version = need
-                    if self.push_weights:
-                        self.rollouts.weights_updated(self.model)
+                if need > self.version or (self.partial and self.published):
+                    got = self._take(max(need, self.version + 1), wait=need > self.version)
+                    if got is None and need > self.version:
+                        return  # stopping
+                    if got is not None:
+                        self._load(*got)
                 out = self.sample(step, self.rollouts)
                 self.rollouts.release()
+                versions = []
                 for g in out["sampled"]:
                     for c in g["comps"] or ():
-                        c.versions = [self.version] * len(c.token_ids)
-                out["version"] = self.version
+                        if not c.versions:  # remote and multi-turn rollouts: drawn by one version
+                            c.versions = [self.version] * len(c.token_ids)
+                        versions += c.versions
+                out["version"] = min(versions, default=self.version)  # its oldest token's
                 with self.cond:
                     self.ready[step] = out
                     self.cond.notify_all()

@@ -54,6 +54,10 @@ class GRPOConfig(RunConfig):
                 "(--rollout_is) weighs the gap"})
     max_staleness: int = field(default=1, metadata={"help": "S with --async_rollouts: the policy versions between a "
                                                             "batch's rollouts and its update (0 = the synchronous run)"})
+    partial_rollouts: bool = field(default=False, metadata={
+        "help": "with --async_rollouts (in-process, single-turn): a new policy version interrupts the rollouts in "
+                "flight, which resume on it where they stopped (each token keeps its behaviour log-prob and "
+                "version); fresher samples, but which tokens get which version depends on timing"})
     weight_sync: str = field(default="distributed", metadata={"help": "with --rollout_url: how new weights reach "
                                                                       "the servers, distributed (broadcast) | disk"})
     # the policy loss, with its defaults but β: the seed's 0.01 where the loss's own is 0 (its max_completion_length,
@@ -122,6 +126,13 @@ class GRPOConfig(RunConfig):
         check_at_least(self, 0, "ref_samples", "max_tokens_per_micro_batch")
         check_at_least(self, 1, "dynamic_sampling_rounds")
         check_at_least(self, 0, "max_staleness")
+        if self.partial_rollouts and not self.async_rollouts:
+            raise ConfigError("--partial_rollouts interrupts the asynchronous rollouts: add --async_rollouts")
+        if self.partial_rollouts and (self.rollout_url or self.multi_turn):
+            raise ConfigError("--partial_rollouts runs in-process single-turn rollouts for now: leave out "
+                              "--rollout_url and --multi_turn")
+        if self.max_staleness != 1 and not self.async_rollouts:  # 1 is the default: not an ignored choice
+            raise ConfigError("--max_staleness is for --async_rollouts: add it, or leave --max_staleness out")
         if self.num_generations < 2:
             raise ConfigError("--num_generations must be >= 2: GRPO compares rollouts of one prompt")
         if self.temperature <= 0:

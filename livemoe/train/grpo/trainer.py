@@ -513,7 +513,8 @@ class GRPOTrainer:
                                 return_routed_experts=self.model.num_moe_layers > 0, **self._sampling())
         self.rollouts.release()
         return AsyncRollouts(self.sample_groups, rollouts, model, first_step=self.step, total_steps=self.total_steps,
-                             max_staleness=self.cfg.max_staleness, push_weights=remote)
+                             max_staleness=self.cfg.max_staleness, push_weights=remote,
+                             partial=self.cfg.partial_rollouts)
 
     def train_step(self, step: int, producer: AsyncRollouts | None = None) -> dict:
         """One step: its rollouts (rolled out now, or taken from the --async_rollouts producer), the update, and
@@ -525,9 +526,14 @@ class GRPOTrainer:
             out = producer.get(step)
             waited = time.perf_counter() - t0
             batch, m = self.make_batch(out)
-            versions = [v for g in out["sampled"] for c in g["comps"] or () for v in c.versions]
+            comps = [c for g in out["sampled"] for c in g["comps"] or ()]
+            versions = [v for c in comps for v in c.versions]
+            # the producer never rolls out with a version older than step - S: nothing to drop
+            assert step - out["version"] <= self.cfg.max_staleness, (step, out["version"])
             m.update({"async/version": out["version"], "async/staleness": step - out["version"],
-                      "async/staleness_max": step - min(versions, default=step), "time/rollout_wait_s": waited})
+                      "async/staleness_mean": step - sum(versions) / max(len(versions), 1),
+                      "async/interrupted_frac": sum(len(set(c.versions)) > 1 for c in comps) / max(len(comps), 1),
+                      "time/rollout_wait_s": waited})
         if not self.dist.sum_floats(int(batch is not None))[0]:  # every group had zero variance and was dropped
             m.update({"skipped_update": 1})
         else:
