@@ -228,7 +228,7 @@ def collate(completions: list, advantages, pad_id: int, mask_truncated: bool = F
 
     advantages: one per completion ([N]) or, for multi-turn, one [len(token_ids)] tensor per completion.
     Returns input_ids, attention_mask [N, T]; targets, completion_mask, old_logprobs, advantages
-    [N, T-1] (completion_mask 1 on generated assistant tokens only); when every completion has the decoder's
+    [N, T-1]; prompt_lens [N] (completion_mask 1 on generated assistant tokens only); when every completion has the decoder's
     routed experts, also routed_experts [N, T, L, k] (rows it has no routing for: experts 0..k-1) and
     routed_mask [N, T] (1 where the decoder's routing is there: every token but the last)."""
     n = len(completions)
@@ -260,7 +260,8 @@ def collate(completions: list, advantages, pad_id: int, mask_truncated: bool = F
             adv[i, p - 1:p - 1 + g] = float(a)
     targets = input_ids[:, 1:].clone()
     out = dict(input_ids=input_ids, attention_mask=attention_mask, targets=targets,
-               completion_mask=completion_mask, old_logprobs=old * completion_mask, advantages=adv * completion_mask)
+               completion_mask=completion_mask, old_logprobs=old * completion_mask, advantages=adv * completion_mask,
+               prompt_lens=torch.tensor([len(c.prompt_ids) for c in completions], dtype=torch.long))
     if all(c.routed_experts is not None for c in completions):
         out.update(_collate_routing(completions, T))
     return out

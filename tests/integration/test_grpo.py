@@ -412,3 +412,22 @@ def test_partial_async_rollouts_train_within_the_staleness_bound(student, tmp_pa
     for t, r in enumerate(rows):
         assert 0 <= r["async/staleness"] <= 1 and t - r["async/version"] == r["async/staleness"]
         assert 0 <= r["async/staleness_mean"] <= r["async/staleness"] and 0 <= r["async/interrupted_frac"] <= 1
+
+
+def test_prompt_sharing_gives_the_unshared_update(student, tmp_path):
+    """--prompt_sharing (the default) computes each prompt once for its K completions in the update's forwards
+    (policy and reference); the step's loss, metrics and gradients are the unshared ones (fp32, 1e-5)."""
+    trainer = GRPOTrainer(parse_config(GRPOConfig, args(student, tmp_path / "share", "--batch_size", "3")))
+    trainer.compute_reference_lengths()
+    batch, _ = trainer.rollout_phase(0)
+    start = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    assert all(mb["shared"] is not None for mb in trainer._micro_batches(batch))
+    shared_loss, shared = _step_loss_and_grads(trainer, batch, start)
+    trainer.cfg.prompt_sharing = False
+    assert all("shared" not in mb for mb in trainer._micro_batches(batch))
+    plain_loss, plain = _step_loss_and_grads(trainer, batch, start)
+    assert shared_loss == pytest.approx(plain_loss, rel=1e-5, abs=1e-7)
+    assert shared.keys() == plain.keys() and plain
+    for k in plain:
+        scale = float(plain[k].abs().max())
+        torch.testing.assert_close(shared[k], plain[k], rtol=1e-4, atol=1e-5 * scale + 1e-9, msg=k)

@@ -31,6 +31,7 @@ from livemoe.train.packing import token_balanced_groups
 from livemoe.train.precision import MasterWeights
 from livemoe.train.rewards import CompositeReward
 from livemoe.train.rollout import Rollouts, collate, reference_lengths, shuffled_order
+from livemoe.train.shared_prefix import forward_shared, pack_prompts
 
 
 def _turn_record(record: dict, turn: int, responses: list) -> dict:
@@ -349,8 +350,11 @@ class GRPOTrainer:
     # -- the update ---------------------------------------------------------------------------------
     def _logprobs(self, model, mb, entropy: bool = False):
         replay = mb.get("routed_experts") if self.cfg.routing_replay == "R3" else None  # the empty micro-batch: none
-        hidden, router_logits = model.forward_hidden(mb["input_ids"], attention_mask=mb["attention_mask"],
-                                                     return_router_logits=True, routed_experts=replay)
+        if mb.get("shared") is not None:  # one forward per prompt (livemoe/train/shared_prefix.py)
+            hidden, router_logits = forward_shared(model, mb["shared"])
+        else:
+            hidden, router_logits = model.forward_hidden(mb["input_ids"], attention_mask=mb["attention_mask"],
+                                                         return_router_logits=True, routed_experts=replay)
         out = fused_linear_logprobs(hidden[:, :-1], model.lm_head_weight, mb["targets"], self.rollouts.temperature,
                                     mask=mb["completion_mask"] > 0, return_entropy=entropy)
         return out, router_logits
@@ -368,8 +372,10 @@ class GRPOTrainer:
             index = torch.tensor(rows)
             mb = {k: v[index].to(self.device) for k, v in batch.items()}
             width = int(mb["attention_mask"].sum(1).max())  # trim the right padding of this micro-batch
-            mb = {k: v[:, :width] if k in PER_TOKEN else v[:, :width - 1] for k, v in mb.items()}
+            mb = {k: v if v.dim() == 1 else v[:, :width] if k in PER_TOKEN else v[:, :width - 1] for k, v in mb.items()}
             mb["rollout_logprobs"] = mb["old_logprobs"]  # the decoder's; old_logprobs may become the trainer's
+            if self.cfg.prompt_sharing and self.cfg.routing_replay == "none":  # R3 replays per row: unshared
+                mb["shared"] = pack_prompts(mb["input_ids"], mb["attention_mask"], mb["prompt_lens"], self.pad_id)
             out.append(mb)
         return out
 
