@@ -90,10 +90,12 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(a.repeats):
             for mode in ("sync", "async"):
+                load = os.getloadavg()[0]
                 r = run_once(mode, a.steps, os.path.join(tmp, f"{mode}{i}"), a.new_tokens)
+                r["load_avg_1min"] = [load, os.getloadavg()[0]]  # before, after: the machine is shared
                 runs.append(r)
                 print(f"{mode} #{i + 1}: {r['steps_per_hour']:.0f} steps/h ({r['loop_s']:.1f} s for {a.steps} steps), "
-                      f"final reward {r['rewards'][-1]:.3f}", flush=True)
+                      f"final reward {r['rewards'][-1]:.3f}, load {load:.1f}", flush=True)
     per = {m: [r for r in runs if r["mode"] == m] for m in ("sync", "async")}
     rate = {m: statistics.median(r["steps_per_hour"] for r in rs) for m, rs in per.items()}
     tail = {m: statistics.mean(x for r in rs for x in r["rewards"][-3:]) for m, rs in per.items()}
