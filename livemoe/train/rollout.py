@@ -36,6 +36,7 @@ class Completion:
     turn_texts: list = field(default_factory=list)
     # the decoder's routed experts (numpy [prompt + generated - 1, MoE layers, k]) when the rollouts ask for them
     routed_experts: Any = None
+    versions: list = field(default_factory=list)  # async GRPO: per token of token_ids, the policy version that drew it
 
     @property
     def truncated(self) -> bool:
@@ -68,6 +69,12 @@ class Rollouts:
         self.k, self.max_new_tokens, self.seed = num_generations, max_new_tokens, seed
         self.sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
         self.return_routed_experts = return_routed_experts  # sampled rollouts only (not greedy reference lengths)
+        # partial rollouts (async GRPO): called between the engine's steps while generate() runs; it may load new
+        # weights with update_weights(), which interrupts the sequences in flight. None: one llm.generate call.
+        self.between_steps = None
+        self.version = 0  # the policy version the decoder holds (stamped on each token it draws)
+        self._progress: dict | None = None  # request -> sample index -> tokens so far (while stepping)
+        self._changes: dict = {}  # request -> sample index -> [(tokens so far, new version)]
 
     @property
     def temperature(self) -> float:
@@ -87,10 +94,61 @@ class Rollouts:
                               logprobs_mode="raw", return_routed_experts=self.return_routed_experts)
 
     @staticmethod
-    def _completion(prompt_ids, out) -> Completion:
+    def _completion(prompt_ids, out, versions: list | None = None) -> Completion:
         lps = [lp[t] for lp, t in zip(out.logprobs, out.token_ids)]
         return Completion(list(prompt_ids), list(out.token_ids), lps, out.text, out.finish_reason,
-                          routed_experts=out.routed_experts)
+                          routed_experts=out.routed_experts, versions=versions or [])
+
+    def update_weights(self, named_tensors, version: int) -> None:
+        """New weights for the decoder's module (a copy the trainer does not update itself). Called from
+        between_steps while generate() runs, it interrupts the sequences in flight (the engine's
+        in_flight="interrupt"): they resume on the new weights where they stopped, and their tokens from here on
+        are `version`'s; their earlier tokens keep their log-probs and version."""
+        self.llm.update_weights(named_tensors, in_flight="interrupt" if self._progress is not None else "finish")
+        for rid, counts in (self._progress or {}).items():
+            for index, count in counts.items():
+                self._changes[rid].setdefault(index, []).append((count, version))
+        self.version = version
+
+    def _generate_stepwise(self, ids: list, params: list) -> tuple:
+        """llm.generate one engine step at a time, calling between_steps() after each; -> (the finished outputs in
+        order, per output per sample its tokens' versions)."""
+        rids = [self.llm.add_request(p, sp) for p, sp in zip(ids, params)]
+        start = self.version
+        self._progress = {rid: dict.fromkeys(range(sp.n), 0) for rid, sp in zip(rids, params)}
+        self._changes = {rid: {} for rid in rids}
+        done: dict = {}
+        try:
+            while len(done) < len(rids):
+                for o in self.llm.step():
+                    if o.request_id not in self._progress:
+                        continue
+                    for c in o.outputs:
+                        self._progress[o.request_id][c.index] = len(c.token_ids)
+                    if o.finished:
+                        done[o.request_id] = o
+                        del self._progress[o.request_id]
+                failed = {r: why for r, why in self.llm.take_failed().items() if r in self._changes}
+                if failed:
+                    raise RuntimeError(f"the engine ended rollout request(s): {failed}")
+                if len(done) < len(rids):
+                    self.between_steps()
+        except BaseException:
+            for rid in rids:
+                self.llm.abort(rid)
+            raise
+        finally:
+            self._progress = None
+        versions = []
+        for rid in rids:
+            per = []
+            for c in done[rid].outputs:
+                vs = [start] * len(c.token_ids)
+                for count, v in self._changes[rid].get(c.index, []):
+                    vs[count:] = [v] * (len(vs) - count)
+                per.append(vs)
+            versions.append(per)
+        return [done[r] for r in rids], versions
 
     def _ids(self, prompt) -> list:
         return self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
@@ -104,8 +162,12 @@ class Rollouts:
         keys = range(len(ids)) if keys is None else keys
         params = [self._params(derive_seed(self.seed, step, key) * n, n, max_new_tokens or self.max_new_tokens)
                   for key in keys]
-        outs = self.llm.generate(ids, params)
-        return [[self._completion(p, c) for c in o.outputs] for p, o in zip(ids, outs)]
+        if self.between_steps is None:
+            outs = self.llm.generate(ids, params)
+            return [[self._completion(p, c, [self.version] * len(c.token_ids)) for c in o.outputs]
+                    for p, o in zip(ids, outs)]
+        outs, versions = self._generate_stepwise(ids, params)
+        return [[self._completion(p, c, v) for c, v in zip(o.outputs, vs)] for p, o, vs in zip(ids, outs, versions)]
 
     def greedy(self, prompts: list, max_new_tokens: int | None = None) -> list:
         ids = [self._ids(p) for p in prompts]
@@ -166,7 +228,7 @@ def collate(completions: list, advantages, pad_id: int, mask_truncated: bool = F
 
     advantages: one per completion ([N]) or, for multi-turn, one [len(token_ids)] tensor per completion.
     Returns input_ids, attention_mask [N, T]; targets, completion_mask, old_logprobs, advantages
-    [N, T-1] (completion_mask 1 on generated assistant tokens only); when every completion has the decoder's
+    [N, T-1]; prompt_lens [N] (completion_mask 1 on generated assistant tokens only); when every completion has the decoder's
     routed experts, also routed_experts [N, T, L, k] (rows it has no routing for: experts 0..k-1) and
     routed_mask [N, T] (1 where the decoder's routing is there: every token but the last)."""
     n = len(completions)
@@ -198,7 +260,8 @@ def collate(completions: list, advantages, pad_id: int, mask_truncated: bool = F
             adv[i, p - 1:p - 1 + g] = float(a)
     targets = input_ids[:, 1:].clone()
     out = dict(input_ids=input_ids, attention_mask=attention_mask, targets=targets,
-               completion_mask=completion_mask, old_logprobs=old * completion_mask, advantages=adv * completion_mask)
+               completion_mask=completion_mask, old_logprobs=old * completion_mask, advantages=adv * completion_mask,
+               prompt_lens=torch.tensor([len(c.prompt_ids) for c in completions], dtype=torch.long))
     if all(c.routed_experts is not None for c in completions):
         out.update(_collate_routing(completions, T))
     return out

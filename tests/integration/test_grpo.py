@@ -2,6 +2,7 @@
 parameter changes and the loss stays finite; the GSPO path; multi-turn trajectories; exact resume;
 clear errors for bad options."""
 import json
+import math
 import os
 import sys
 import types
@@ -160,6 +161,10 @@ def test_beta_zero_loads_no_reference(student, tmp_path):
     (["--lambda_lower", "0.6"], "lambda_lower"),
     (["--reward_fns", "no_such_module:fn"], "cannot be imported"),
     (["--old_logprobs", "cache"], "old_logprobs"),
+    (["--partial_rollouts", "true"], "add --async_rollouts"),
+    (["--max_staleness", "2"], "add it"),
+    (["--dynamic_sampling_rounds", "0"], "dynamic_sampling_rounds"),
+    (["--max_tokens_per_micro_batch", "-1"], "max_tokens_per_micro_batch"),
 ])
 def test_bad_options_are_clear_errors(student, tmp_path, flags, match):
     with pytest.raises(ConfigError, match=match):
@@ -244,3 +249,185 @@ def test_speculative_rollouts_give_the_same_run(student, tmp_path):
     assert trainer.rollouts.llm.stats()["spec_drafted_tokens"] > 0
     ra, rb = read_metrics(str(plain / "metrics.jsonl")), read_metrics(str(fast / "metrics.jsonl"))
     assert [r["reward/mean"] for r in rb] == [r["reward/mean"] for r in ra]
+
+
+def _step_loss_and_grads(trainer, batch, start):
+    """update_phase's loss and the gradients it steps with, from the weights `start`."""
+    trainer.model.load_state_dict(start)
+    seen = {}
+    clip = trainer.dist.clip_grad_norm_
+
+    def capture(params, max_norm):
+        seen.update({n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None})
+        return clip(params, max_norm)
+
+    trainer.dist.clip_grad_norm_ = capture
+    try:
+        m = trainer.update_phase({k: v.clone() for k, v in batch.items()})
+    finally:
+        trainer.dist.clip_grad_norm_ = clip
+    return m["loss"], seen
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_token_balanced_micro_batches_give_the_whole_batch_loss_and_gradients(student, tmp_path, loss_type):
+    """--max_tokens_per_micro_batch packs rows into unequal micro-batches; each is weighted by its share, so the
+    step's loss and gradients are those of the whole batch in one micro-batch (fp32: equal up to summation
+    order and padding widths: 1e-5 relative, and 1e-5 of each tensor's largest gradient). The load-balancing term is a per-micro-batch mean (not linear in the
+    tokens), so it is off here."""
+    trainer = GRPOTrainer(parse_config(GRPOConfig, args(student, tmp_path / "p", "--lambda_aux", "0",
+                                                        "--loss_type", loss_type, "--batch_size", "3")))
+    trainer.compute_reference_lengths()
+    batch, _ = trainer.rollout_phase(0)
+    start = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    n = batch["input_ids"].shape[0]
+    trainer.cfg.micro_batch_size = n
+    whole_loss, whole = _step_loss_and_grads(trainer, batch, start)
+    lengths = batch["attention_mask"].sum(1)
+    trainer.cfg.max_tokens_per_micro_batch = int(lengths.max()) * 5  # 12 rows: 5 + 5 + 2 at least
+    micro = trainer._micro_batches(batch)
+    sizes = sorted(mb["input_ids"].shape[0] for mb in micro)
+    assert len(micro) > 1 and sum(sizes) == n and sizes[0] < sizes[-1], sizes  # unequal micro-batches
+    assert all(mb["input_ids"].numel() <= trainer.cfg.max_tokens_per_micro_batch for mb in micro)
+    packed_loss, packed = _step_loss_and_grads(trainer, batch, start)
+    assert packed_loss == pytest.approx(whole_loss, rel=1e-5, abs=1e-7)
+    assert whole.keys() == packed.keys() and whole
+    for k in whole:
+        scale = float(whole[k].abs().max())  # fp32 sums in another order: 1e-5 of the tensor's largest entry
+        torch.testing.assert_close(packed[k], whole[k], rtol=1e-5, atol=1e-5 * scale + 1e-9, msg=k)
+
+
+@pytest.fixture
+def spread_on_some_rooms(monkeypatch):
+    """A reward that varies between samples for about half the rooms and is constant for the others."""
+    mod = types.ModuleType("grpo_spread_rewards")
+    mod.some = lambda record, completion, info: ((sum(map(ord, completion)) % 7) / 6.0
+                                                 if sum(map(ord, record["id"])) % 2 else 0.5)
+    mod.never = lambda record, completion, info: 0.5
+    monkeypatch.setitem(sys.modules, "grpo_spread_rewards", mod)
+
+
+def test_dynamic_sampling_refills_the_batch_with_groups_that_have_a_reward_spread(student, tmp_path,
+                                                                                   spread_on_some_rooms):
+    flags = ("--train_rooms", "16", "--batch_size", "4", "--w_correct", "0", "--w_helpful", "0", "--w_length", "0",
+             "--reward_fns", "grpo_spread_rewards:some")
+    trainer = GRPOTrainer(parse_config(GRPOConfig, args(student, tmp_path / "ds", *flags, "--dynamic_sampling", "true",
+                                                        "--dynamic_sampling_rounds", "6")))
+    trainer.compute_reference_lengths()
+    assert len(trainer.ref_lengths) == 16  # refills may draw any prompt
+    plain = GRPOTrainer(parse_config(GRPOConfig, args(student, tmp_path / "plain", *flags)))
+    plain.ref_lengths = trainer.ref_lengths
+    for step in range(3):
+        out = trainer.sample_groups(step)
+        dropped = sum(1 for g in out["sampled"] if len(set(g["rewards"])) == 1)
+        assert len(out["kept"]) == 4 and all(len(set(g["rewards"])) > 1 for g in out["kept"])
+        assert out["rounds"] == math.ceil((len(out["sampled"])) / 4) and len(out["sampled"]) >= 4 + dropped
+        # round 0 is the batch a run without dynamic sampling rolls out, the same draws
+        first = plain.sample_groups(step)["sampled"]
+        assert [g["rewards"] for g in out["sampled"][:4]] == [g["rewards"] for g in first]
+        batch, m = trainer.make_batch(out)
+        assert batch["input_ids"].shape[0] == 4 * 4
+        assert m["dynamic_sampling/rounds"] == out["rounds"] and m["dynamic_sampling/kept_groups"] == 4
+        assert m["dynamic_sampling/dropped_groups"] == dropped == m["zero_variance_groups"]
+    assert any(len(trainer.sample_groups(s)["sampled"]) > 4 for s in range(3))  # some step did refill
+    # the cap: no group ever has a spread -> every round is used, nothing is trained
+    out = tmp_path / "cap"
+    assert main(args(student, out, *flags[:-1], "grpo_spread_rewards:never", "--dynamic_sampling", "true",
+                     "--dynamic_sampling_rounds", "3", "--max_steps", "1")) == 0
+    row = read_metrics(str(out / "metrics.jsonl"))[0]
+    assert row["dynamic_sampling/rounds"] == 3 and row["dynamic_sampling/dropped_groups"] == 12
+    assert row["dynamic_sampling/kept_groups"] == 0 and row["skipped_update"] == 1
+
+
+def test_async_rollouts_with_staleness_zero_are_the_synchronous_run_and_one_lags_a_version(student, tmp_path):
+    sync, asyn = tmp_path / "sync", tmp_path / "async0"
+    assert main(args(student, sync, "--max_steps", "3")) == 0
+    assert main(args(student, asyn, "--max_steps", "3", "--async_rollouts", "true", "--max_staleness", "0")) == 0
+    a, b = state(str(sync / "final")), state(str(asyn / "final"))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)  # same rollouts, same updates: bit-exact
+    ra, rb = read_metrics(str(sync / "metrics.jsonl")), read_metrics(str(asyn / "metrics.jsonl"))
+    for key in ("reward/mean", "loss", "grad_norm", "tpr/mean"):
+        assert [r[key] for r in ra] == [r[key] for r in rb], key
+    assert [r["async/version"] for r in rb] == [0, 1, 2] and all(r["async/staleness"] == 0 for r in rb)
+    stale = tmp_path / "async1"
+    assert main(args(student, stale, "--max_steps", "3", "--async_rollouts", "true", "--max_staleness", "1")) == 0
+    rc = read_metrics(str(stale / "metrics.jsonl"))
+    assert [r["async/version"] for r in rc] == [0, 0, 1] and [r["async/staleness"] for r in rc] == [0, 1, 1]
+    assert rc[0]["reward/mean"] == ra[0]["reward/mean"] and rc[1]["reward/mean"] != ra[1]["reward/mean"]
+
+
+def test_async_rollouts_one_step_stale_record_their_version_and_the_correction_weighs_the_gap(student, tmp_path):
+    """S = 1: step 1 trains on rollouts of version 0 (the decoder's log-probs are version 0's), and the rollout
+    correction's weights are pi_1 / pi_0 of those tokens (fp32: the decoder's log-probs equal the trainer's to
+    2e-5, so the weights' mean matches the one from two trainer forwards to 1e-4)."""
+    import copy
+
+    cfg = parse_config(GRPOConfig, args(student, tmp_path / "s1", "--async_rollouts", "true", "--max_staleness", "1",
+                                        "--rollout_is_threshold", "1e6", "--max_steps", "3"))
+    trainer = GRPOTrainer(cfg)
+    trainer.compute_reference_lengths()
+    v0 = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    producer = trainer.start_async()
+    try:
+        m0 = trainer.train_step(0, producer)
+        v1 = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+        out1 = producer.get(1)
+        assert out1["version"] == 0 and m0["async/version"] == 0
+        comps = [c for g in out1["sampled"] for c in g["comps"]]
+        assert comps and all(c.versions == [0] * len(c.token_ids) for c in comps)
+        batch, _ = trainer.make_batch(out1)
+        probe = copy.deepcopy(trainer.model).eval()
+        lps = {}
+        with torch.no_grad():
+            for name, weights in (("v0", v0), ("v1", v1)):
+                probe.load_state_dict(weights)
+                lps[name] = [trainer._logprobs(probe, mb)[0] for mb in trainer._micro_batches(batch)]
+        masks = [mb["completion_mask"] for mb in trainer._micro_batches(batch)]
+        behaviour = [mb["rollout_logprobs"] for mb in trainer._micro_batches(batch)]
+        for lp0, lp1, old, mask in zip(lps["v0"], lps["v1"], behaviour, masks):
+            assert ((lp0 - old).abs() * mask).max() < 2e-5  # the behaviour log-probs are version 0's
+            assert ((lp1 - old).abs() * mask).max() > 1e-3  # and version 1 has moved: a gap to weigh
+        tokens = sum(m.sum() for m in masks)
+        expected = float(sum((torch.exp(lp1 - lp0) * m).sum() for lp0, lp1, m in zip(lps["v0"], lps["v1"], masks))
+                         / tokens)
+        producer.get = lambda step: out1
+        m1 = trainer.train_step(1, producer)
+        assert m1["async/version"] == 0 and m1["async/staleness"] == 1
+        assert m1["rollout_is/weight_mean"] == pytest.approx(expected, rel=1e-4)
+        assert abs(expected - 1) > 1e-4
+    finally:
+        producer.close()
+
+
+def test_partial_async_rollouts_train_within_the_staleness_bound(student, tmp_path):
+    """--partial_rollouts: the producer loads each version as soon as it is published, interrupting the rollouts
+    in flight (tests/unit/test_rollout.py checks the interrupted rollouts themselves); whatever the timing, every
+    token trained at step t is from a version in [t - S, t]."""
+    out = tmp_path / "partial"
+    assert main(args(student, out, "--max_steps", "4", "--async_rollouts", "true", "--max_staleness", "1",
+                     "--partial_rollouts", "true")) == 0
+    rows = read_metrics(str(out / "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for t, r in enumerate(rows):
+        assert 0 <= r["async/staleness"] <= 1 and t - r["async/version"] == r["async/staleness"]
+        assert 0 <= r["async/staleness_mean"] <= r["async/staleness"] and 0 <= r["async/interrupted_frac"] <= 1
+
+
+def test_prompt_sharing_gives_the_unshared_update(student, tmp_path):
+    """--prompt_sharing (the default) computes each prompt once for its K completions in the update's forwards
+    (policy and reference); the step's loss, metrics and gradients are the unshared ones (fp32, 1e-5)."""
+    trainer = GRPOTrainer(parse_config(GRPOConfig, args(student, tmp_path / "share", "--batch_size", "3")))
+    trainer.compute_reference_lengths()
+    batch, _ = trainer.rollout_phase(0)
+    start = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    assert all(mb["shared"] is not None for mb in trainer._micro_batches(batch))
+    shared_loss, shared = _step_loss_and_grads(trainer, batch, start)
+    trainer.cfg.prompt_sharing = False
+    assert all("shared" not in mb for mb in trainer._micro_batches(batch))
+    plain_loss, plain = _step_loss_and_grads(trainer, batch, start)
+    assert shared_loss == pytest.approx(plain_loss, rel=1e-5, abs=1e-7)
+    assert shared.keys() == plain.keys() and plain
+    for k in plain:
+        scale = float(plain[k].abs().max())
+        torch.testing.assert_close(shared[k], plain[k], rtol=1e-4, atol=1e-5 * scale + 1e-9, msg=k)

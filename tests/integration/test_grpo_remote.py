@@ -58,12 +58,14 @@ def in_process(student, tmp_path_factory):
     return _IN_PROCESS[student]
 
 
-@pytest.mark.parametrize("sync", ["distributed", "disk"])
+@pytest.mark.parametrize("sync", ["distributed", "disk", "async"])
 def test_remote_rollouts_give_the_in_process_losses(student, server, in_process, tmp_path, sync):
+    """async: --async_rollouts --max_staleness 0, the producer thread driving the server (and pushing each version
+    it loads): the synchronous run's losses."""
     engine, srv = server
     served = engine.stats()["num_steps"]
-    assert main(args(student, tmp_path / sync, "--max_steps", str(STEPS), "--rollout_url", srv.url,
-                     "--weight_sync", sync)) == 0
+    mode = ["--weight_sync", sync] if sync != "async" else ["--async_rollouts", "true", "--max_staleness", "0"]
+    assert main(args(student, tmp_path / sync, "--max_steps", str(STEPS), "--rollout_url", srv.url, *mode)) == 0
     remote = losses(tmp_path / sync)
     assert len(remote) == len(in_process) == STEPS
     assert len({loss for loss, _ in in_process}) == STEPS  # the policy moved: each step's loss differs
@@ -81,3 +83,6 @@ def test_multi_turn_with_a_rollout_url_is_refused(student, tmp_path):
         parse_config(GRPOConfig, args(student, tmp_path, "--multi_turn", "true", "--rollout_url", "http://x:1"))
     with pytest.raises(ConfigError, match="weight_sync"):
         parse_config(GRPOConfig, args(student, tmp_path, "--weight_sync", "nfs"))
+    with pytest.raises(ConfigError, match="partial_rollouts"):
+        parse_config(GRPOConfig, args(student, tmp_path, "--async_rollouts", "true", "--partial_rollouts", "true",
+                                      "--rollout_url", "http://x:1"))

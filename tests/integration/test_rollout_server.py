@@ -182,6 +182,26 @@ def test_abort_in_flight_fails_only_the_requests_in_flight(served, ckpts, answer
     assert greedy(server, PROMPTS[:4]) == answers["b"][:4]
 
 
+def test_interrupt_in_flight_resumes_the_requests_on_the_new_weights(served, ckpts, answers):
+    """in_flight="interrupt": the stream running when the update arrives is preempted and finishes on the new
+    weights, no error; then every answer is the new checkpoint's. (Back to B at the end, for the tests after.)"""
+    engine, server = served
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    stream = client.completions.create(model=MODEL, prompt=PROMPTS[5], max_tokens=60, stream=True,
+                                       extra_body={"ignore_eos": True, "return_token_ids": True})
+    chunks = [next(iter(stream))]
+    before = sum(s["num_preemptions"] for s in engine.replica_stats())
+    status, _ = http_json(server.url + "/update_weights_from_disk", {"model_path": ckpts[0], "in_flight": "interrupt"},
+                          timeout=120)
+    assert status == 200
+    chunks += list(stream)
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert sum(s["num_preemptions"] for s in engine.replica_stats()) > before  # it was running, and preempted
+    assert greedy(server, PROMPTS[:4]) == answers["a"][:4]
+    assert http_json(server.url + "/update_weights_from_disk", {"model_path": ckpts[1]}, timeout=120)[0] == 200
+    assert greedy(server, PROMPTS[:4]) == answers["b"][:4]
+
+
 def test_sleep_wake_up(served, answers):
     engine, server = served
     assert http_json(server.url + "/sleep", {"level": 2})[0] == 200

@@ -337,3 +337,19 @@ def test_a_diverging_run_stops_keeps_its_last_good_checkpoint_and_exports_nothin
                  "--k", "2", "--batch_size", "4", "--max_steps", "8", "--warmup_steps", "0", "--save_every", "1",
                  "--keep_last", "1", "--max_nonfinite_steps", "2", "--progress", "false"])
     assert_stopped_on_nonfinite(code, capsys.readouterr().err, out)
+
+
+def test_token_balanced_micro_batches_give_the_same_losses(student, tmp_path):
+    """--max_tokens_per_micro_batch regroups a step's --grad_accum x --batch_size examples by tokens (here one
+    example each at a budget of 1 token, all four in one at a large budget); the loss is normalised over the step,
+    so the losses and gradient norms are the fixed-row run's (fp32, sums in another order: rel 1e-5). The
+    load-balancing term is a per-micro-batch mean, off here."""
+    losses = {}
+    for name, budget in (("rows", 0), ("one_each", 1), ("all_in_one", 10**6)):
+        out = tmp_path / name
+        run(tiny_cfg(student, out, max_steps=2, eval_rooms=0, batch_size=2, grad_accum=2, lambda_aux=0.0,
+                     max_tokens_per_micro_batch=budget))
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        losses[name] = [(r["loss"], r["grad_norm"]) for r in rows]
+    for name in ("one_each", "all_in_one"):
+        assert [x for r in losses[name] for x in r] == pytest.approx([x for r in losses["rows"] for x in r], rel=1e-5)

@@ -158,3 +158,71 @@ def test_reference_lengths_are_computed_once(model_and_tok):
     assert sampled["b"] == alone["b"]
     groups = ro.generate(PROMPTS, "ref", n=3, keys=["a", "b"])
     assert sampled["a"] == pytest.approx(sum(c.length for c in groups[0]) / 3)
+
+
+def _interrupted_after(ro, step_count: int, new_weights: dict, version: int = 1):
+    """ro.between_steps: after `step_count` engine steps, ro.update_weights(new_weights) (in_flight interrupt)."""
+    seen = [0]
+
+    def hook():
+        seen[0] += 1
+        if seen[0] == step_count:
+            ro.update_weights(new_weights.items(), version)
+
+    ro.between_steps = hook
+
+
+def test_an_interrupted_rollout_resumes_with_its_versions_and_the_uninterrupted_tokens(model_and_tok):
+    """Partial rollouts (async GRPO): a weight update between engine steps interrupts the sequences in flight (their
+    KV freed, recomputed on the update); they resume where they stopped with their own seeded draws. With the same
+    weights the tokens are exactly the uninterrupted run's, the log-probs equal to 1e-5 (a prefill recomputes what
+    decode steps computed: fp32 sums in another order), and every token records the version that drew it."""
+    import copy
+
+    model, tok = model_and_tok
+    kw = dict(num_generations=3, max_new_tokens=12, temperature=1.0, seed=5, num_kv_blocks=64)
+    plain = [c for g in Rollouts(copy.deepcopy(model), tok, **kw).generate(PROMPTS, step=0) for c in g]
+    ro = Rollouts(copy.deepcopy(model), tok, **kw)
+    _interrupted_after(ro, 4, {n: p.detach().clone() for n, p in model.named_parameters()})
+    got = [c for g in ro.generate(PROMPTS, step=0) for c in g]
+    assert ro.llm.stats()["num_preemptions"] >= len(got)  # every sequence in flight was interrupted
+    cut = []
+    for a, b in zip(plain, got):
+        assert b.token_ids == a.token_ids
+        assert b.old_logprobs == pytest.approx(a.old_logprobs, abs=1e-5)
+        k = b.versions.count(0)
+        assert b.versions == [0] * k + [1] * (len(b.token_ids) - k)
+        cut.append(k)
+    assert any(0 < k < len(c.token_ids) for k, c in zip(cut, got))  # stopped mid-way and resumed
+    assert ro.version == 1
+
+
+def test_an_interrupted_rollout_continues_on_the_new_weights(model_and_tok):
+    """With other weights: the tokens drawn before the interruption are the old weights' run's and their behaviour
+    log-probs the old model's; those after it are the new model's (each equal to the trainer's fused recomputation
+    with the weights of its version, fp32, 2e-5)."""
+    import copy
+
+    model, tok = model_and_tok
+    new_model = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in new_model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    kw = dict(num_generations=3, max_new_tokens=12, temperature=1.0, seed=5, num_kv_blocks=64)
+    plain = [c for g_ in Rollouts(copy.deepcopy(model), tok, **kw).generate(PROMPTS, step=0) for c in g_]
+    ro = Rollouts(copy.deepcopy(model), tok, **kw)
+    _interrupted_after(ro, 4, dict(new_model.named_parameters()))
+    got = [c for g_ in ro.generate(PROMPTS, step=0) for c in g_]
+    batch = collate(got, [0.0] * len(got), pad_id=tok.pad_token_id)
+    with torch.no_grad():
+        lp = {0: trainer_logprobs(model, batch, 1.0), 1: trainer_logprobs(new_model, batch, 1.0)}
+    resumed = 0
+    for i, (a, b) in enumerate(zip(plain, got)):
+        k = b.versions.count(0)
+        assert b.token_ids[:k] == a.token_ids[:k]
+        p = len(b.prompt_ids)
+        for t, v in enumerate(b.versions):
+            assert abs(lp[v][i, p - 1 + t] - b.old_logprobs[t]) < 2e-5, (i, t, v)
+        resumed += k < len(b.token_ids)
+    assert resumed > 0

@@ -15,7 +15,7 @@ gives them back.
 Calls (`Call.method`, run as `call_<method>`): grammar compiles run on a worker thread (a slow compile does not
 stall the steps) and answer when done; weight updates, sleep and wake_up run between steps. A weight update with
 in_flight="finish" waits until the requests in flight end (the steps go on; commands after it wait behind it, so it
-cannot starve), then applies.
+cannot starve), then applies; "interrupt" applies at once, the requests in flight resuming on the new weights.
 """
 import logging
 import queue
@@ -163,11 +163,17 @@ class CoreService:
         finally:
             self.events.failed.update(self.llm.take_failed())
 
+    @staticmethod
+    def _settle(in_flight: str) -> str:
+        """What the engine does with requests still in flight: "finish" was held until none were (_call), so any
+        left abort; "interrupt" resumes them on the new weights."""
+        return "interrupt" if in_flight == "interrupt" else "abort"
+
     def call_update_weights(self, named_tensors, in_flight: str = "finish") -> int:
-        return self._aborting(lambda: self.llm.update_weights(named_tensors, in_flight="abort"))
+        return self._aborting(lambda: self.llm.update_weights(named_tensors, in_flight=self._settle(in_flight)))
 
     def call_update_weights_from_disk(self, model_path: str, in_flight: str = "finish") -> int:
-        return self._aborting(lambda: self.llm.update_weights_from_disk(model_path, in_flight="abort"))
+        return self._aborting(lambda: self.llm.update_weights_from_disk(model_path, in_flight=self._settle(in_flight)))
 
     def call_init_weights_update_group(self, **kw) -> None:
         from livemoe.engine.core.weight_sync import WeightReceiver  # torch.distributed: only for this

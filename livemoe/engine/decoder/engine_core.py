@@ -39,7 +39,7 @@ from livemoe.engine.sampling.sampler import SampleResult, Sampler
 
 log = logging.getLogger(__name__)
 
-IN_FLIGHT_MODES = ("finish", "abort")  # update_weights / sleep: what happens to requests in flight
+IN_FLIGHT_MODES = ("finish", "abort", "interrupt")  # update_weights / sleep: what happens to requests in flight
 
 
 class EngineCore:
@@ -429,12 +429,20 @@ class EngineCore:
 
     def settle_in_flight(self, in_flight: str, why: str) -> None:
         """Requests in flight before the weights change: "finish" runs them to the end on the old weights
-        (their outputs are kept for the next step()), "abort" ends each (take_failed() says why)."""
+        (their outputs are kept for the next step()), "abort" ends each (take_failed() says why), "interrupt"
+        preempts every running sequence: its KV blocks go (the prefix cache is dropped with the weights), and it
+        resumes where it stopped, its prompt and tokens so far recomputed on the new weights, with its own sampling
+        generator (the draws go on as if uninterrupted) and the log-probs of its earlier tokens kept (partial
+        rollouts, as slime's and verl's)."""
         if in_flight not in IN_FLIGHT_MODES:
             raise ValueError(f"in_flight must be one of {IN_FLIGHT_MODES}, got {in_flight!r}")
         if in_flight == "abort":
             for rid in list(self.requests):
                 self._fail(rid, f"aborted: {why}")
+            return
+        if in_flight == "interrupt":
+            if self.scheduler is not None:
+                self.scheduler.preempt_all()
             return
         finished = []
         while self.requests:
@@ -475,6 +483,9 @@ class EngineCore:
         are there already); wake_up() brings them back. Requests in flight end as `in_flight` says."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        if in_flight == "interrupt":
+            raise ValueError("sleep: in_flight must be finish or abort (an interrupted request would hold the KV "
+                             "cache that sleep frees)")
         if self.sleep_level:
             raise RuntimeError(f"the engine is asleep already (level {self.sleep_level})")
         if level == 2:

@@ -144,6 +144,13 @@ class Scheduler:
         seq.drop_drafts(keep)
         self.block_manager.trim(seq)
 
+    def preempt_all(self) -> None:
+        """Every running sequence back to the front of the queue, in its running order, to be recomputed (the
+        weights changed under it: in_flight="interrupt")."""
+        for seq in reversed(self.running):
+            self._preempt(seq)
+        self.running = []
+
     def _preempt(self, seq: Sequence) -> None:
         seq.drop_drafts()  # it is recomputed from its committed tokens
         self.block_manager.free(seq)

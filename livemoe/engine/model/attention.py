@@ -24,7 +24,8 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
 
     def forward(self, q, k, v, attention_mask=None, step: StepContext | None = None):
-        """q [B, T, Hq, D], k/v [B, T, Hkv, D] -> [B, T, Hq, D]. attention_mask [B, T]: 1 = real token."""
+        """q [B, T, Hq, D], k/v [B, T, Hkv, D] -> [B, T, Hq, D]. attention_mask [B, T]: 1 = real token (causal); or
+        [B, T, T]: True where query t sees key s (the whole pattern, causality included)."""
         if step is None:
             return causal_attention(q, k, v, self.scale, attention_mask)
         return self.paged_forward(q, k, v, step)
@@ -53,8 +54,11 @@ def causal_attention(q, k, v, scale, attention_mask=None):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     else:
         T = q.shape[2]
-        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-        mask = causal & attention_mask.bool()[:, None, None, :]
+        if attention_mask.dim() == 3:  # [B, T, T]: which keys each query sees (e.g. K completions of one prompt)
+            mask = attention_mask.bool()[:, None]
+        else:
+            causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+            mask = causal & attention_mask.bool()[:, None, None, :]
         # a padded query row would attend to nothing (NaN); let it see itself, its output is ignored
         mask = mask | torch.eye(T, dtype=torch.bool, device=q.device)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)

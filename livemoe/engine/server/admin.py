@@ -13,7 +13,8 @@
 - GET /get_server_info: the replicas and their state (a trainer reads data_parallel_size).
 
 in_flight: "finish" (the default) lets the requests in flight end on the old weights first, while new
-ones wait; "abort" ends them with an error at once. Every body is strict (an unknown field is a 400).
+ones wait; "abort" ends them with an error at once; "interrupt" preempts them, to resume on the new weights from
+where they stopped (EngineCore.settle_in_flight). Every body is strict (an unknown field is a 400).
 They sit behind the API key, as /v1 does. The routes that change the server (ADMIN_WRITE_PATHS: the weight
 updates, the group, sleep and wake_up) are off unless the server runs with `--enable-admin-routes` or
 `--api-key`: a 403 naming both (guard.py), as vLLM keeps its dev endpoints behind a flag.
@@ -33,7 +34,7 @@ ADMIN_PATHS = ("/update_weights_from_disk", "/init_weights_update_group", "/upda
                "/sleep", "/wake_up", "/is_sleeping", "/get_server_info")
 ADMIN_WRITE_PATHS = ("/update_weights_from_disk", "/init_weights_update_group", "/update_weights_from_distributed",
                      "/sleep", "/wake_up")
-InFlight = Literal["finish", "abort"]
+InFlight = Literal["finish", "abort", "interrupt"]
 
 
 class UpdateFromDisk(StrictModel):

@@ -46,6 +46,17 @@ class GRPOConfig(RunConfig):
                 "seeded ngram rollout gets the tokens it gets without); empty = off"})
     rollout_url: str = field(default="", metadata={"help": "rollout servers (livemoe serve), comma-separated; "
                                                            "empty = the in-process decoder (livemoe/train/remote_rollout.py)"})
+    async_rollouts: bool = field(default=False, metadata={
+        "help": "roll out the batches of steps t+1..t+S while step t trains (a producer thread: the in-process "
+                "decoder on its own copy of the policy, or the --rollout_url servers); each batch comes from "
+                "exactly S versions back (livemoe/train/grpo/async_rollouts.py); the rollout correction "
+                "(--rollout_is) weighs the gap"})
+    max_staleness: int = field(default=1, metadata={"help": "S with --async_rollouts: the policy versions between a "
+                                                            "batch's rollouts and its update (0 = the synchronous run)"})
+    partial_rollouts: bool = field(default=False, metadata={
+        "help": "with --async_rollouts (in-process, single-turn): a new policy version interrupts the rollouts in "
+                "flight, which resume on it where they stopped (each token keeps its behaviour log-prob and "
+                "version); fresher samples, but which tokens get which version depends on timing"})
     weight_sync: str = field(default="distributed", metadata={"help": "with --rollout_url: how new weights reach "
                                                                       "the servers, distributed (broadcast) | disk"})
     # the policy loss, with its defaults but β: the seed's 0.01 where the loss's own is 0 (its max_completion_length,
@@ -62,9 +73,22 @@ class GRPOConfig(RunConfig):
         importance_sampling_level=flag("token | sequence (GSPO)"))
     num_iterations: int = field(default=1, metadata={"help": "μ: optimiser passes per rollout batch"})
     micro_batch_size: int = field(default=32, metadata={"help": "completions per forward/backward"})
+    prompt_sharing: bool = field(default=True, metadata={
+        "help": "the update's forwards compute each prompt once for its K completions (packed rows, a completion "
+                "sees the prompt and itself: livemoe/train/shared_prefix.py); the same log-probs and losses; off "
+                "with --routing_replay R3, and for a micro-batch whose attention pattern would be too large"})
+    max_tokens_per_micro_batch: int = field(default=0, metadata={
+        "help": "token-balanced micro-batches: rows packed so that rows x longest row stays within this many tokens "
+                "(livemoe/train/packing.py), instead of --micro_batch_size rows; the loss is the same; 0 = off"})
     scale_rewards: str = field(default="group", metadata={"help": "group | batch | none"})
     advantage_eps: float = field(default=1e-4, metadata={"help": "added to the reward std when advantages are normalised"})
     drop_zero_variance: bool = field(default=False, metadata={"help": "leave groups with equal rewards out of the loss"})
+    dynamic_sampling: bool = field(default=False, metadata={
+        "help": "DAPO's dynamic sampling: groups with equal rewards are dropped and more prompts are rolled out "
+                "(--batch_size groups a round) until --batch_size groups with a reward spread are kept, at most "
+                "--dynamic_sampling_rounds rounds"})
+    dynamic_sampling_rounds: int = field(default=4, metadata={"help": "cap on the generation rounds of one step "
+                                                                      "with --dynamic_sampling"})
     mask_truncated: bool = field(default=False, metadata={"help": "leave completions cut at max_new_tokens out of the loss"})
     # trainer (since issue 32): the policy ratio is against the trainer's own log-probs at the start of the step
     # (its first pass's forward, no extra one); the rollout's mismatch goes to the rollout correction below
@@ -102,7 +126,16 @@ class GRPOConfig(RunConfig):
         super().validate()
         check_at_least(self, 1, "num_generations", "max_new_tokens", "num_iterations", "micro_batch_size",
                        "rollout_max_num_seqs", "rollout_kv_bytes")
-        check_at_least(self, 0, "ref_samples")
+        check_at_least(self, 0, "ref_samples", "max_tokens_per_micro_batch")
+        check_at_least(self, 1, "dynamic_sampling_rounds")
+        check_at_least(self, 0, "max_staleness")
+        if self.partial_rollouts and not self.async_rollouts:
+            raise ConfigError("--partial_rollouts interrupts the asynchronous rollouts: add --async_rollouts")
+        if self.partial_rollouts and (self.rollout_url or self.multi_turn):
+            raise ConfigError("--partial_rollouts runs in-process single-turn rollouts for now: leave out "
+                              "--rollout_url and --multi_turn")
+        if self.max_staleness != 1 and not self.async_rollouts:  # 1 is the default: not an ignored choice
+            raise ConfigError("--max_staleness is for --async_rollouts: add it, or leave --max_staleness out")
         if self.num_generations < 2:
             raise ConfigError("--num_generations must be >= 2: GRPO compares rollouts of one prompt")
         if self.temperature <= 0:

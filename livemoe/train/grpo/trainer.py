@@ -16,19 +16,22 @@ from livemoe.engine.model.loader import load_model, load_tokenizer
 from livemoe.engine.model.saver import save_model
 from livemoe.kernels.logprobs import fused_linear_logprobs
 from livemoe.train import distributed
-from livemoe.train.advantages import group_advantages, multi_turn_advantages, token_advantages
+from livemoe.train.advantages import ZERO_STD, group_advantages, multi_turn_advantages, token_advantages
 from livemoe.train.checkpoint import is_sharded, load_checkpoint, model_dir
 from livemoe.train.config import ConfigError, save_config
 from livemoe.train.data import build_prompt, split_thought
+from livemoe.train.grpo.async_rollouts import AsyncRollouts
 from livemoe.train.grpo.config import GRPOConfig
 from livemoe.train.grpo.start import load_records, resolve_start
 from livemoe.train.judges import make_judge
 from livemoe.train.losses import policy_loss
 from livemoe.train.mismatch import MismatchMeter, rollout_correction
 from livemoe.train.nonfinite import NonFiniteGuard
+from livemoe.train.packing import token_balanced_groups
 from livemoe.train.precision import MasterWeights
 from livemoe.train.rewards import CompositeReward
 from livemoe.train.rollout import Rollouts, collate, reference_lengths, shuffled_order
+from livemoe.train.shared_prefix import forward_shared, pack_prompts
 
 
 def _turn_record(record: dict, turn: int, responses: list) -> dict:
@@ -64,6 +67,9 @@ class GRPOTrainer:
         if distributed.world_size() > 1 and cfg.model == "auto":
             raise ConfigError("--model auto under torchrun: pass --model CHECKPOINT_DIR (the RFT default's student "
                               "is made by one process: run livemoe.train.rft first)")
+        if distributed.world_size() > 1 and cfg.async_rollouts:
+            raise ConfigError("--async_rollouts does not run under torchrun yet (the producer thread would join the "
+                              "ranks' collectives): run it as one process")
         if distributed.world_size() > 1 and cfg.rollout_url:
             raise ConfigError("--rollout_url does not run under torchrun yet (each rank would push its shards): run "
                               "it as one process, or leave it out to roll out in-process on every rank")
@@ -160,6 +166,8 @@ class GRPOTrainer:
         the occasion when β = 0). Kept in the checkpoints, so a resumed run reuses them."""
         steps = range(self.step, self.total_steps)
         used = sorted({i for s in steps for i in self.batch_indices(s)})
+        if self.cfg.dynamic_sampling:  # refill rounds may draw any record
+            used = list(range(len(self.train_records)))
         key = (lambda r: f"{r['id']}#0") if self.cfg.multi_turn else (lambda r: r["id"])
         todo = [i for i in used if key(self.train_records[i]) not in self.ref_lengths]
         if not todo:
@@ -195,7 +203,7 @@ class GRPOTrainer:
                     kv_cache_bytes=cfg.rollout_kv_bytes, max_num_seqs=cfg.rollout_max_num_seqs,
                     speculative_config=cfg.rollout_speculative_config or None)
 
-    def _multi_turn_rollouts(self, indices: list, step: int, greedy: bool = False, rollouts=None,
+    def _multi_turn_rollouts(self, indices: list, step, greedy: bool = False, rollouts=None,
                              keys: list | None = None) -> list:
         firsts, nexts = [], []
         for i in indices:
@@ -211,93 +219,163 @@ class GRPOTrainer:
         return (rollouts or self.rollouts).generate_multi_turn(firsts, nexts, step, greedy=greedy, keys=keys)
 
     # -- rollouts and rewards -----------------------------------------------------------------------
-    def rollout_phase(self, step: int) -> tuple:
+    def refill_indices(self, step: int, rnd: int) -> list:
+        """The prompts of generation round rnd >= 1 of a step (--dynamic_sampling): a shuffle of the training
+        records of its own, a pure function of (seed, step, round), so a resumed run refills alike."""
+        n, b = len(self.train_records), self.cfg.batch_size
+        order = shuffled_order(n, self.cfg.seed, f"refill/{step}/{rnd}")
+        return [order[j % n] for j in range(b)]
+
+    def sample_round(self, step: int, rnd: int, indices: list, rollouts=None) -> list:
+        """One generation round: K rollouts of each prompt of `indices` (the global batch; this rank decodes its
+        share), judged. -> per global group a dict: rewards (K floats; multi-turn K lists of turn rewards), values
+        (reward component -> K values), shape (K (length, tokens, truncated)), comps (this rank's K Completions,
+        None for another rank's group), prompt (the record's index)."""
         cfg, K = self.cfg, self.cfg.num_generations
-        # this rank's prompts (all in one process) by their places in the global batch, which seed their samples
-        places = self.dist.local_share(list(range(cfg.batch_size)), "batch of prompts")
-        indices = self.batch_indices(step)
+        rollouts = rollouts or self.rollouts
+        places = self.dist.local_share(list(range(len(indices))), "batch of prompts")
         idx = [indices[p] for p in places]
-        t0 = time.perf_counter()
-        self.model.eval()
+        seed_step = step if rnd == 0 else f"{step}/{rnd}"  # round 0 draws what a run without refills draws
         with torch.no_grad():
             if cfg.multi_turn:
-                groups = self._multi_turn_rollouts(idx, step, keys=places)
+                groups = self._multi_turn_rollouts(idx, seed_step, keys=places, rollouts=rollouts)
             else:
-                groups = self.rollouts.generate([self.prompts[i] for i in idx], step, keys=places)
-        self.rollouts.release()  # the update never shares memory with the KV cache
-        t_rollout = time.perf_counter() - t0
+                groups = rollouts.generate([self.prompts[i] for i in idx], seed_step, keys=places)
         comps = [c for g in groups for c in g]
         records = [self.train_records[i] for i in idx for _ in range(K)]
-        comp_values: dict = {}
+        results = []  # per completion: (reward or turn rewards, its components)
         if cfg.multi_turn:  # each turn judged as its own record, with the trajectory's earlier turns as history
-            mine = []  # per trajectory its turns' rewards
             for rec, c in zip(records, comps):
                 recs = [_turn_record(rec, t, c.turn_texts) for t in range(len(c.turn_spans))]
                 lens = [e - s for s, e in c.turn_spans]
                 refs = [self.ref_lengths[f"{rec['id']}#{t}"] for t in range(len(recs))]
                 res = self.reward(recs, c.turn_texts, lens, refs)
-                mine.append([x.reward for x in res])
-                _add_components(comp_values, res)
-        else:
+                values: dict = {}
+                _add_components(values, res)
+                results.append(([x.reward for x in res], values))
+        elif comps:
             refs = [self.ref_lengths[r["id"]] for r in records]
             res = self.reward(records, [c.text for c in comps], [c.length for c in comps], refs)
-            mine = [x.reward for x in res]
-            _add_components(comp_values, res)
-        # the ranks' rewards joined in global order: advantages (group or batch statistics) and metrics are the
-        # one-process ones; this rank keeps its completions' share
-        gathered = self.dist.all_gather_objects((mine, comp_values, [(c.length, len(c.token_ids), c.truncated)
-                                                                     for c in comps]))
-        all_rewards = [r for part in gathered for r in part[0]]
-        comp_values = {k: [v for part in gathered for v in part[1].get(k, [])]
-                       for k in dict.fromkeys(k for part in gathered for k in part[1])}
-        shape = [t for part in gathered for t in part[2]]
-        share = slice(places[0] * K, places[0] * K + len(comps))
-        if cfg.multi_turn:
-            rewards = torch.tensor([sum(t) / len(t) for t in all_rewards])
-            adv_turns = multi_turn_advantages(all_rewards, K, cfg.turn_weight, cfg.advantage_eps, cfg.scale_rewards)
-            advantages = [token_advantages(c.turn_spans, a, len(c.token_ids))[0]
-                          for c, a in zip(comps, adv_turns[share])]
-            _, keep, adv_stats = group_advantages(rewards, K, cfg.scale_rewards, cfg.advantage_eps, cfg.drop_zero_variance)
-        else:
-            rewards = torch.tensor(all_rewards)
-            advantages, keep, adv_stats = group_advantages(rewards, K, cfg.scale_rewards, cfg.advantage_eps,
-                                                           cfg.drop_zero_variance)
-            advantages = advantages[share].tolist()
-        keep = keep[share]
+            results = [(x.reward, {k: [v] for k, v in x.components.items()}) for x in res]
+        mine = []
+        for j, i in enumerate(idx):
+            part, cs = results[j * K:(j + 1) * K], comps[j * K:(j + 1) * K]
+            values = {}
+            for _, v in part:
+                for k, xs in v.items():
+                    values.setdefault(k, []).extend(xs)
+            mine.append({"prompt": i, "rewards": [r for r, _ in part], "values": values,
+                         "shape": [(c.length, len(c.token_ids), c.truncated) for c in cs]})
+        # every rank's groups in global order: advantages (group or batch statistics) and metrics are the
+        # one-process ones; this rank keeps its own completions
+        out = [{**g, "comps": None} for part in self.dist.all_gather_objects(mine) for g in part]
+        for p, g in zip(places, groups):
+            out[p]["comps"] = g
+        return out
+
+    def sample_groups(self, step: int, rollouts=None) -> dict:
+        """The step's rollouts: one round of --batch_size prompts, or with --dynamic_sampling rounds of them until
+        --batch_size groups with a reward spread are kept (at most --dynamic_sampling_rounds; the surplus of the
+        last round is cut). -> {"sampled": every group rolled out, "kept": the groups to train on, "rounds",
+        "time"}."""
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        sampled, kept, rounds = [], [], 0
+        for rnd in range(cfg.dynamic_sampling_rounds if cfg.dynamic_sampling else 1):
+            indices = self.batch_indices(step) if rnd == 0 else self.refill_indices(step, rnd)
+            groups = self.sample_round(step, rnd, indices, rollouts)
+            sampled += groups
+            rounds += 1
+            kept += [g for g in groups if not cfg.dynamic_sampling or _reward_spread(g)]
+            if len(kept) >= cfg.batch_size:
+                break
+        return {"sampled": sampled, "kept": kept[:cfg.batch_size], "rounds": rounds,
+                "time": time.perf_counter() - t0}
+
+    def rollout_phase(self, step: int) -> tuple:
+        """The step's rollouts (sample_groups) -> (this rank's training batch or None, metrics)."""
+        self.model.eval()
+        out = self.sample_groups(step)
+        self.rollouts.release()  # the update never shares memory with the KV cache
+        return self.make_batch(out)
+
+    def make_batch(self, out: dict) -> tuple:
+        """Rewards -> advantages over the kept groups -> this rank's collated batch (None when it keeps nothing),
+        and the step's rollout metrics (over every rollout sampled, so the reward curve is the policy's)."""
+        cfg, K = self.cfg, self.cfg.num_generations
+        sampled, kept = out["sampled"], out["kept"]
+        mine = [j for j, g in enumerate(kept) if g["comps"] is not None]
+        comps = [c for j in mine for c in kept[j]["comps"]]
+        advantages, keep = [], []
+        if kept and cfg.multi_turn:
+            all_turns = [r for g in kept for r in g["rewards"]]
+            adv_turns = multi_turn_advantages(all_turns, K, cfg.turn_weight, cfg.advantage_eps, cfg.scale_rewards)
+            for j in mine:
+                for c, a in zip(kept[j]["comps"], adv_turns[j * K:(j + 1) * K]):
+                    advantages.append(token_advantages(c.turn_spans, a, len(c.token_ids))[0])
+            _, keep_all, _ = group_advantages(torch.tensor([sum(t) / len(t) for t in all_turns]), K,
+                                              cfg.scale_rewards, cfg.advantage_eps, cfg.drop_zero_variance)
+        elif kept:
+            adv_all, keep_all, _ = group_advantages(torch.tensor([r for g in kept for r in g["rewards"]]), K,
+                                                    cfg.scale_rewards, cfg.advantage_eps, cfg.drop_zero_variance)
+            advantages = [float(a) for j in mine for a in adv_all[j * K:(j + 1) * K]]
+        if kept:
+            keep = [bool(x) for j in mine for x in keep_all[j * K:(j + 1) * K]]
+        all_rewards = [r for g in sampled for r in g["rewards"]]
+        rewards = torch.tensor([sum(r) / len(r) for r in all_rewards] if cfg.multi_turn else all_rewards)
+        shape = [t for g in sampled for t in g["shape"]]
         lengths = torch.tensor([float(n) for n, _, _ in shape])
         gen_tokens = sum(n for _, n, _ in shape)
+        zero_variance = sum(not _reward_spread(g) for g in sampled)
         m = {"reward/mean": rewards.mean(), "reward/std": rewards.std()}
-        for k, v in comp_values.items():
-            t = torch.tensor(v, dtype=torch.float32)
+        for k in dict.fromkeys(k for g in sampled for k in g["values"]):
+            t = torch.tensor([v for g in sampled for v in g["values"].get(k, [])], dtype=torch.float32)
             m[f"reward/{k}/mean"], m[f"reward/{k}/std"] = t.mean(), t.std() if t.numel() > 1 else 0.0
+        t_rollout = out["time"]
         m.update({"tpr/mean": lengths.mean(), "tpr/min": lengths.min(), "tpr/max": lengths.max(),
                   "truncated_frac": sum(t for _, _, t in shape) / len(shape),
-                  "zero_variance_groups": adv_stats["zero_variance_groups"],
+                  "zero_variance_groups": zero_variance,
                   "time/rollout_s": t_rollout, "rollout_tokens_per_s": gen_tokens / max(t_rollout, 1e-9),
                   "decode_gflops_per_response": flops.decode_flops(self.model.config, float(lengths.mean())) / 1e9})
-        kept = [i for i in range(len(comps)) if keep[i]]
+        if cfg.dynamic_sampling:
+            m.update({"dynamic_sampling/rounds": out["rounds"], "dynamic_sampling/dropped_groups": zero_variance,
+                      "dynamic_sampling/kept_groups": len(kept)})
+        kept_rows = [i for i in range(len(comps)) if keep[i]]
         batch = None
-        if kept:  # under torchrun a rank may keep nothing while others do: update_phase runs on every rank
-            batch = collate([comps[i] for i in kept], [advantages[i] for i in kept], self.pad_id, cfg.mask_truncated)
+        if kept_rows:  # under torchrun a rank may keep nothing while others do: update_phase runs on every rank
+            batch = collate([comps[i] for i in kept_rows], [advantages[i] for i in kept_rows], self.pad_id,
+                            cfg.mask_truncated)
         return batch, m
 
     # -- the update ---------------------------------------------------------------------------------
     def _logprobs(self, model, mb, entropy: bool = False):
         replay = mb.get("routed_experts") if self.cfg.routing_replay == "R3" else None  # the empty micro-batch: none
-        hidden, router_logits = model.forward_hidden(mb["input_ids"], attention_mask=mb["attention_mask"],
-                                                     return_router_logits=True, routed_experts=replay)
+        if mb.get("shared") is not None:  # one forward per prompt (livemoe/train/shared_prefix.py)
+            hidden, router_logits = forward_shared(model, mb["shared"])
+        else:
+            hidden, router_logits = model.forward_hidden(mb["input_ids"], attention_mask=mb["attention_mask"],
+                                                         return_router_logits=True, routed_experts=replay)
         out = fused_linear_logprobs(hidden[:, :-1], model.lm_head_weight, mb["targets"], self.rollouts.temperature,
                                     mask=mb["completion_mask"] > 0, return_entropy=entropy)
         return out, router_logits
 
     def _micro_batches(self, batch) -> list:
+        """--micro_batch_size rows at a time, or with --max_tokens_per_micro_batch token-balanced groups of rows
+        (livemoe/train/packing.py), each trimmed of its right padding."""
         n, size = batch["input_ids"].shape[0], self.cfg.micro_batch_size
+        if self.cfg.max_tokens_per_micro_batch:
+            groups = token_balanced_groups(batch["attention_mask"].sum(1).tolist(), self.cfg.max_tokens_per_micro_batch)
+        else:
+            groups = [list(range(s, min(s + size, n))) for s in range(0, n, size)]
         out = []
-        for s in range(0, n, size):
-            mb = {k: v[s:s + size].to(self.device) for k, v in batch.items()}
+        for rows in groups:
+            index = torch.tensor(rows)
+            mb = {k: v[index].to(self.device) for k, v in batch.items()}
             width = int(mb["attention_mask"].sum(1).max())  # trim the right padding of this micro-batch
-            mb = {k: v[:, :width] if k in PER_TOKEN else v[:, :width - 1] for k, v in mb.items()}
+            mb = {k: v if v.dim() == 1 else v[:, :width] if k in PER_TOKEN else v[:, :width - 1] for k, v in mb.items()}
             mb["rollout_logprobs"] = mb["old_logprobs"]  # the decoder's; old_logprobs may become the trainer's
+            if self.cfg.prompt_sharing and self.cfg.routing_replay == "none":  # R3 replays per row: unshared
+                mb["shared"] = pack_prompts(mb["input_ids"], mb["attention_mask"], mb["prompt_lens"], self.pad_id)
             out.append(mb)
         return out
 
@@ -310,17 +388,23 @@ class GRPOTrainer:
                 "completion_mask": zeros, "old_logprobs": zeros.clone(), "rollout_logprobs": zeros.clone(),
                 "advantages": zeros.clone(), "router_mask": torch.zeros_like(ids)}
 
-    def _loss_share(self, mb, rows: float, num_micro: int) -> float:
-        """Under torchrun, the factor that makes a micro-batch's loss (gradient_accumulation_steps 1) its share
-        of the global batch's: grpo and dr_grpo weigh each sequence 1 / (sequences of the global batch), which is
-        the one-process loss when its micro-batches are equal; bnpo averages the micro-batches of all ranks;
-        dapo is normalised by the global token count already. 1 in one process (policy_loss divides)."""
-        if not self.dist.mesh.distributed:
+    def _loss_share(self, mb, rows: float, n_items, num_micro: int):
+        """The factor that makes a micro-batch's loss (policy_loss with gradient_accumulation_steps 1) its share of
+        the step's, when micro-batches differ in size (torchrun ranks, token-balanced packing): grpo and dr_grpo
+        weigh each sequence 1 / (sequences of the step), which is the loss of the whole batch in one micro-batch;
+        bnpo the micro-batch's tokens / the step's (the whole batch's token mean) when packed, and under torchrun
+        alone the mean over the micro-batches of all ranks (what one process with equal micro-batches gives); dapo
+        is normalised by the step's token count already. 1 with equal micro-batches in one process (policy_loss
+        divides by their number)."""
+        packed = bool(self.cfg.max_tokens_per_micro_batch)
+        if not (self.dist.mesh.distributed or packed):
             return 1.0
         kind = self.loss_cfg.loss_type
         if kind in ("grpo", "dr_grpo"):
             return mb["input_ids"].shape[0] / rows
-        return 1.0 / (num_micro * self.dist.world_size) if kind == "bnpo" else 1.0
+        if kind == "bnpo":
+            return mb["completion_mask"].sum() / n_items if packed else 1.0 / (num_micro * self.dist.world_size)
+        return 1.0
 
     def update_phase(self, batch) -> dict:
         """μ optimizer passes over the batch. Metrics accumulate on the device and reach the host once per
@@ -334,7 +418,8 @@ class GRPOTrainer:
             micro += [self._empty_micro_batch() for _ in range(max(d.all_gather_objects(real)) - real)]
         n_items = d.sum(sum(mb["completion_mask"].sum() for mb in micro))
         rows = d.sum_floats(sum(mb["input_ids"].shape[0] for mb in micro[:real]))[0]
-        loss_cfg = dataclasses.replace(self.loss_cfg, gradient_accumulation_steps=1 if d.mesh.distributed else len(micro))
+        shared = d.mesh.distributed or cfg.max_tokens_per_micro_batch  # _loss_share weighs the micro-batches
+        loss_cfg = dataclasses.replace(self.loss_cfg, gradient_accumulation_steps=1 if shared else len(micro))
         replay = cfg.routing_replay == "R3"
         if replay and batch is not None and "routed_experts" not in batch:
             raise RuntimeError("--routing_replay R3: the rollouts came back without routed experts")
@@ -364,7 +449,7 @@ class GRPOTrainer:
                 loss, lm = policy_loss(lp, mb["old_logprobs"], mb["advantages"], mask,
                                        ref_logprobs=mb.get("ref_logprobs"), entropy=ent, num_items_in_batch=n_items,
                                        is_weights=mb.get("is_weights"), config=loss_cfg)
-                loss = loss * self._loss_share(mb, rows, len(micro))
+                loss = loss * self._loss_share(mb, rows, n_items, len(micro))
                 aux = zero()
                 if router_logits and cfg.lambda_aux > 0:
                     # R3: the experts counted are the replayed ones, on the tokens the decoder routed
@@ -421,15 +506,51 @@ class GRPOTrainer:
                         samples=self.cfg.eval_samples)
 
     # -- the loop -----------------------------------------------------------------------------------
-    def train_step(self, step: int) -> dict:
-        batch, m = self.rollout_phase(step)
+    def start_async(self) -> AsyncRollouts:
+        """The producer of --async_rollouts, from this step on: in-process it decodes its own copy of the policy,
+        with --rollout_url it drives the servers (and pushes each version it loads)."""
+        remote = bool(self.cfg.rollout_url)
+        model = AsyncRollouts.decoder_copy(self.infer or self.model)
+        if remote:
+            rollouts = self.rollouts
+        else:
+            rollouts = Rollouts(model, self.tokenizer, num_generations=self.cfg.num_generations,
+                                max_new_tokens=self.cfg.max_new_tokens, seed=self.cfg.seed,
+                                return_routed_experts=self.model.num_moe_layers > 0, **self._sampling())
+        self.rollouts.release()
+        return AsyncRollouts(self.sample_groups, rollouts, model, first_step=self.step, total_steps=self.total_steps,
+                             max_staleness=self.cfg.max_staleness, push_weights=remote,
+                             partial=self.cfg.partial_rollouts)
+
+    def train_step(self, step: int, producer: AsyncRollouts | None = None) -> dict:
+        """One step: its rollouts (rolled out now, or taken from the --async_rollouts producer), the update, and
+        the new weights to the rollouts (pushed, or published to the producer)."""
+        t0 = time.perf_counter()
+        if producer is None:
+            batch, m = self.rollout_phase(step)
+        else:
+            out = producer.get(step)
+            waited = time.perf_counter() - t0
+            batch, m = self.make_batch(out)
+            comps = [c for g in out["sampled"] for c in g["comps"] or ()]
+            versions = [v for c in comps for v in c.versions]
+            # the producer never rolls out with a version older than step - S: nothing to drop
+            assert step - out["version"] <= self.cfg.max_staleness, (step, out["version"])
+            m.update({"async/version": out["version"], "async/staleness": step - out["version"],
+                      "async/staleness_mean": step - sum(versions) / max(len(versions), 1),
+                      "async/interrupted_frac": sum(len(set(c.versions)) > 1 for c in comps) / max(len(comps), 1),
+                      "time/rollout_wait_s": waited})
         if not self.dist.sum_floats(int(batch is not None))[0]:  # every group had zero variance and was dropped
             m.update({"skipped_update": 1})
         else:
             m.update(self.update_phase(batch))
-            self.rollouts.weights_updated(self.model)
+            if producer is None:
+                self.rollouts.weights_updated(self.model)
+        if producer is not None:
+            producer.publish(step + 1, self.infer or self.model)
         tokens = self.dist.sum_floats(0.0 if batch is None else float(batch["completion_mask"].sum()))[0]
         m["tokens_per_s"] = tokens / max(m["time/rollout_s"] + m.get("time/update_s", 0.0), 1e-9)
+        m["time/step_s"] = time.perf_counter() - t0
         return m
 
     def trained_model(self):
@@ -446,6 +567,23 @@ class GRPOTrainer:
                                              self.cfg.keep_last,
                                              save_model=lambda m, p: save_model(m, p, tokenizer=self.tokenizer))
 
+    def _loop(self, producer) -> dict | None:
+        cfg, last = self.cfg, None
+        while self.step < self.total_steps:
+            m = self.train_step(self.step, producer)
+            self.step += 1
+            self.metrics.log(self.step, **m)
+            last = m
+            if cfg.progress and (self.step % cfg.log_every == 0 or self.step == self.total_steps):
+                print(f"step {self.step}/{self.total_steps} reward {float(m['reward/mean']):.3f} "
+                      f"tpr {float(m['tpr/mean']):.1f} correct {float(m.get('reward/correct/mean', 0)):.2f} "
+                      f"helpful {float(m.get('reward/helpful/mean', 0)):.2f} len_r {float(m['reward/length/mean']):.2f} "
+                      f"kl {float(m.get('kl', 0)):.4f} |dlogp| {float(m.get('logprob_diff/max', 0)):.1e} "
+                      f"({m['time/rollout_s']:.1f}+{m.get('time/update_s', 0):.1f}s)", flush=True)
+            if cfg.save_every and self.step % cfg.save_every == 0 and self.step < self.total_steps:
+                self.save(self.step)
+        return last
+
     def train(self, evaluate: bool = True) -> dict:
         cfg = self.cfg
         evaluate = evaluate and bool(self.eval_records)  # --eval_rooms 0 (no --eval_data): no table
@@ -458,19 +596,12 @@ class GRPOTrainer:
             print(f"before: {_brief(self.before)}", flush=True)
         t_start = time.time()
         last = None
-        while self.step < self.total_steps:
-            m = self.train_step(self.step)
-            self.step += 1
-            self.metrics.log(self.step, **m)
-            last = m
-            if cfg.progress and (self.step % cfg.log_every == 0 or self.step == self.total_steps):
-                print(f"step {self.step}/{self.total_steps} reward {float(m['reward/mean']):.3f} "
-                      f"tpr {float(m['tpr/mean']):.1f} correct {float(m.get('reward/correct/mean', 0)):.2f} "
-                      f"helpful {float(m.get('reward/helpful/mean', 0)):.2f} len_r {float(m['reward/length/mean']):.2f} "
-                      f"kl {float(m.get('kl', 0)):.4f} |dlogp| {float(m.get('logprob_diff/max', 0)):.1e} "
-                      f"({m['time/rollout_s']:.1f}+{m.get('time/update_s', 0):.1f}s)", flush=True)
-            if cfg.save_every and self.step % cfg.save_every == 0 and self.step < self.total_steps:
-                self.save(self.step)
+        producer = self.start_async() if cfg.async_rollouts and self.step < self.total_steps else None
+        try:
+            last = self._loop(producer)
+        finally:
+            if producer is not None:
+                producer.close()
         self.save(self.step)
         export = cfg.export_dir or os.path.join(cfg.output_dir, "final")
         if self.dist.mesh.distributed:
@@ -493,6 +624,12 @@ class GRPOTrainer:
             with open(os.path.join(cfg.output_dir, "summary.json"), "w") as f:
                 json.dump(_rounded(summary), f, indent=1)
         return summary
+
+
+def _reward_spread(group: dict) -> bool:
+    """Whether a group's rewards differ (multi-turn: its trajectories' mean turn rewards): group_advantages' test."""
+    r = [sum(x) / len(x) if isinstance(x, list) else x for x in group["rewards"]]
+    return len(r) > 1 and float(torch.tensor(r, dtype=torch.float32).std()) >= ZERO_STD
 
 
 def _add_components(values: dict, results: list) -> None:

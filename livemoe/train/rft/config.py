@@ -36,6 +36,9 @@ class RFTConfig(RunConfig):
                                   "candidate, passing or not (plain SFT without judge filtering, the seed's Table 4)")
     # SFT
     grad_accum: int = opt(1, "micro-batches per optimizer step")
+    max_tokens_per_micro_batch: int = opt(0, "token-balanced micro-batches: the step's --grad_accum x --batch_size "
+                                             "examples regrouped so that rows x longest row stays within this many "
+                                             "tokens (livemoe/train/packing.py); the loss is the same; 0 = off")
     max_len: int = opt(1024, "tokens per training example (prompt + completion; longer ones are cut)")
     batching: str = opt("bucket", "bucket (shuffled, length-bucketed) | pad (shuffled)")
     marker_weight: float = opt(1.0, "loss weight of the --markers tokens (1 = plain SFT; LiveAssistant's "
@@ -55,7 +58,7 @@ class RFTConfig(RunConfig):
     def validate(self) -> None:
         super().validate()
         check_at_least(self, 1, "k", "grad_accum", "max_len")
-        check_at_least(self, 0, "rehearsal")
+        check_at_least(self, 0, "rehearsal", "max_tokens_per_micro_batch")
         if self.rehearsal and self.data:
             raise ConfigError("--rehearsal replays the synthetic world's pre-training lookups: it needs the "
                               "synthetic rooms (no --data)")

@@ -15,6 +15,7 @@ from livemoe.train.config import format_config, save_config
 from livemoe.train.data import load_inputs, load_jsonl, write_jsonl
 from livemoe.train.judges import make_judge
 from livemoe.train.nonfinite import NonFiniteGuard
+from livemoe.train.packing import token_balanced_groups
 from livemoe.train.rft.config import RFTConfig
 from livemoe.train.selection import require_nonempty, select
 from livemoe.train.sft import (collate, encode_example, epoch_batches, heldout_loss, make_scheduler, marker_token_ids,
@@ -129,6 +130,10 @@ def train(cfg: RFTConfig, model, tokenizer, kept: list, device, resume_from=None
     per_epoch = len(epoch_batches(lengths, cfg.batch_size, cfg.batching, 0))
     total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * per_epoch / cfg.grad_accum))
     dist.check_batch_sizes(cfg.batch_size, len(examples))
+    if dist.mesh.distributed and cfg.max_tokens_per_micro_batch:
+        # ranks would pack into different numbers of micro-batches, and every forward is a collective under FSDP/EP
+        raise ValueError("--max_tokens_per_micro_batch does not run under torchrun for RFT yet (the ranks' micro-batch "
+                         "counts would differ): leave it out, or run one process")
     targets = sum(sum(w > 0 for w in e["weights"]) for e in examples)
     log(f"SFT: {len(examples)} examples ({len(rehearsal)} of them rehearsal, {sum(lengths)} tokens, {targets}"
         f" target tokens), {per_epoch} micro-batches per epoch, {total_steps} optimizer steps")
@@ -176,12 +181,16 @@ def train(cfg: RFTConfig, model, tokenizer, kept: list, device, resume_from=None
             raise ValueError(f"step {step + 1}: the batch has no target token (every completion token is masked)")
         if dist.mesh.distributed:  # the normalizer above is the global batch's; each rank computes its share
             batches = [collate(dist.local_share(g), tokenizer.pad_token_id, device) for g in group]
+        elif cfg.max_tokens_per_micro_batch:  # the step's examples regrouped by tokens: the normalizer is the step's
+            step_examples = [e for g in group for e in g]
+            packs = token_balanced_groups([len(e["input_ids"]) for e in step_examples], cfg.max_tokens_per_micro_batch)
+            batches = [collate([step_examples[i] for i in p], tokenizer.pad_token_id, device) for p in packs]
         figures = torch.zeros(3, dtype=torch.float64, device=device)  # loss, aux loss, tokens: summed on the device
         for b in batches:
-            total, loss, aux = sft_step_loss(model, b, normalizer, cfg.lambda_aux, cfg.grad_accum, autocast,
+            total, loss, aux = sft_step_loss(model, b, normalizer, cfg.lambda_aux, len(batches), autocast,
                                              dist.group)
             total.backward()
-            figures += torch.stack([loss, aux / cfg.grad_accum, b["attention_mask"].sum()]).double()
+            figures += torch.stack([loss, aux / len(batches), b["attention_mask"].sum()]).double()
         grad_norm = dist.clip_grad_norm_(model.parameters(), cfg.max_grad_norm if cfg.max_grad_norm > 0
                                          else float("inf"))
         # the global step's figures (every rank's guard then decides alike), on the host once per step
