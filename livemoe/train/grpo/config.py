@@ -129,8 +129,6 @@ class GRPOConfig(RunConfig):
                 SpeculativeConfig.parse(self.rollout_speculative_config)
             except EngineConfigError as e:
                 raise ConfigError(f"--rollout_speculative_config: {e}") from None
-        if self.rollout_url and self.multi_turn:
-            raise ConfigError("--multi_turn runs its rollouts in-process; leave out --rollout_url")
         if not 0 <= self.turn_weight <= 1:
             raise ConfigError(f"--turn_weight must be in [0, 1], got {self.turn_weight}")
         if self.advantage_eps <= 0:

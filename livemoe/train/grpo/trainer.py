@@ -64,9 +64,6 @@ class GRPOTrainer:
         if distributed.world_size() > 1 and cfg.model == "auto":
             raise ConfigError("--model auto under torchrun: pass --model CHECKPOINT_DIR (the RFT default's student "
                               "is made by one process: run livemoe.train.rft first)")
-        if distributed.world_size() > 1 and cfg.rollout_url:
-            raise ConfigError("--rollout_url does not run under torchrun yet (each rank would push its shards): run "
-                              "it as one process, or leave it out to roll out in-process on every rank")
         self.dist = distributed.setup_trainer(cfg, cfg.output_dir, "" if cfg.model == "auto" else cfg.model)
         self.device = self.dist.device(self.device)
         self.resume_from = self.dist.resolve_resume(cfg.resume, self.ckpt_root)
@@ -109,10 +106,12 @@ class GRPOTrainer:
             from livemoe.train.remote_rollout import RemoteRollouts
 
             s = self._sampling()
-            self.rollouts = RemoteRollouts(cfg.rollout_url.split(","), self.tokenizer, self.model,
+            # under torchrun rank 0 pushes its gathered copy (one broadcast to every replica), after every rank's update
+            self.rollouts = RemoteRollouts(cfg.rollout_url.split(","), self.tokenizer, self.infer or self.model,
                                            num_generations=cfg.num_generations, max_new_tokens=cfg.max_new_tokens,
                                            seed=cfg.seed, weight_sync=cfg.weight_sync, temperature=s["temperature"],
-                                           top_p=s["top_p"], top_k=s["top_k"], return_routed_experts=routed)
+                                           top_p=s["top_p"], top_k=s["top_k"], return_routed_experts=routed,
+                                           main=self.dist.is_main, barrier=self.dist.barrier)
         else:
             self.rollouts = Rollouts(self.infer or self.model, self.tokenizer, num_generations=cfg.num_generations,
                                      max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, return_routed_experts=routed,
@@ -427,7 +426,7 @@ class GRPOTrainer:
             m.update({"skipped_update": 1})
         else:
             m.update(self.update_phase(batch))
-            self.rollouts.weights_updated(self.model)
+            self.rollouts.weights_updated(self.infer or self.model)
         tokens = self.dist.sum_floats(0.0 if batch is None else float(batch["completion_mask"].sum()))[0]
         m["tokens_per_s"] = tokens / max(m["time/rollout_s"] + m.get("time/update_s", 0.0), 1e-9)
         return m
