@@ -75,13 +75,13 @@ class GRPOTrainer:
         model_path = model_dir(self.resume_from) or self.start_model  # a sharded checkpoint loads below
         # fp32 from the file: with bf16 the fp32 values stay as the optimizer's master weights (one device), or
         # FSDP2's sharded fp32 parameters (torchrun), which the rollout decoder reads as a gathered inference copy
-        self.model = load_model(model_path, dtype=torch.float32, device=self.device)
+        # under torchrun each rank reads only its own shards of the checkpoint (built on the meta device)
+        self.model = (self.dist.load_sharded(model_path, torch.float32, self.dtype == torch.bfloat16)
+                      if self.dist.mesh.distributed else load_model(model_path, dtype=torch.float32, device=self.device))
         self.model.gradient_checkpointing = cfg.gradient_checkpointing
         self.master = self.infer = None
         rollout_dtype = self.dtype if cfg.rollout_dtype == "auto" else getattr(torch, cfg.rollout_dtype)
-        if self.dist.mesh.distributed:
-            self.model = self.dist.parallelize(self.model, self.dtype == torch.bfloat16)
-        elif self.dtype != torch.float32:
+        if not self.dist.mesh.distributed and self.dtype != torch.float32:
             self.master = MasterWeights(self.model, self.dtype)
         if self.dist.mesh.distributed or rollout_dtype != self.dtype:  # refreshed after each optimizer step
             self.infer = self.dist.inference_copy(self.model, rollout_dtype)
@@ -142,8 +142,9 @@ class GRPOTrainer:
     def _load_reference(self):
         """The frozen starting checkpoint in the compute dtype (no master copy: it never trains); under torchrun
         sharded like the policy."""
-        ref = load_model(self.start_model, dtype=self.dtype, device=self.device).requires_grad_(False)
-        return self.dist.parallelize(ref, self.dtype == torch.bfloat16)
+        if self.dist.mesh.distributed:
+            return self.dist.load_sharded(self.start_model, self.dtype, self.dtype == torch.bfloat16).requires_grad_(False)
+        return load_model(self.start_model, dtype=self.dtype, device=self.device).requires_grad_(False)
 
     # -- data ---------------------------------------------------------------------------------------
     def batch_indices(self, step: int) -> list:
