@@ -125,14 +125,13 @@ class AsyncLLM:
                 raise ValueError("data_parallel_size, devices and on_core_death need engine_core='process'")
             owns = llm is None
             self.client = InprocClient(LLM(model_path, dtype=dtype, device=device, **options) if owns else llm, owns)
+            self.tensor_parallel_size = self.client.llm.config.tensor_parallel_size
             return
         if llm is not None:
             raise ValueError("engine_core='process' loads the checkpoint in its own process; it cannot take "
                              "an llm (use engine_core='thread' to share a module)")
         config = EngineConfig.from_options(**options)  # bad options fail here, before any process starts
-        if data_parallel_size > 1 and config.tensor_parallel_size > 1:
-            raise ValueError(f"data_parallel_size={data_parallel_size} with tensor_parallel_size="
-                             f"{config.tensor_parallel_size} is not supported: run one engine per group of GPUs")
+        self.tensor_parallel_size = config.tensor_parallel_size  # of each replica
         if devices is not None and len(devices) != data_parallel_size:
             raise ValueError(f"devices: {len(devices)} given for data_parallel_size {data_parallel_size}")
         self.client = MPClient(model_path, dict(options, dtype=dtype, device=device), load_tokenizer(model_path),
@@ -279,12 +278,21 @@ class AsyncLLM:
     async def update_weights_from_disk(self, model_path: str, in_flight: str = "finish") -> int:
         return (await self._call_all("update_weights_from_disk", str(model_path), in_flight=in_flight))[0]
 
+    @property
+    def weight_update_ranks(self) -> int:
+        """The ranks this engine takes in a trainer's weight-update group: one per process that holds weights
+        (data_parallel_size replicas of tensor_parallel_size ranks each)."""
+        return self.data_parallel_size * self.tensor_parallel_size
+
+
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                         world_size: int, backend: str = "gloo", timeout_s: float = 300.0) -> None:
-        """Each replica joins the trainer's weight-update group as rank rank_offset + its index (the
-        trainer is rank 0). Answers once every replica has joined (the trainer joins meanwhile)."""
+        """Every process holding weights joins the trainer's weight-update group (the trainer is rank 0): replica
+        i's tensor-parallel rank r as rank_offset + i * tensor_parallel_size + r, so each receives the broadcast
+        and keeps its own slices. Answers once every replica has joined (the trainer joins meanwhile)."""
+        tp = self.tensor_parallel_size
         futures = [self.client.call("init_weights_update_group", replicas=[i], master_address=master_address,
-                                    master_port=master_port, rank=rank_offset + i, world_size=world_size,
+                                    master_port=master_port, rank=rank_offset + i * tp, world_size=world_size,
                                     backend=backend, timeout_s=timeout_s)[0] for i in range(self.data_parallel_size)]
         await asyncio.gather(*map(asyncio.wrap_future, futures))
 

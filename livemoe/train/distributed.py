@@ -178,6 +178,14 @@ class Distributed:
         dtype = torch.bfloat16 if bf16 else torch.float32
         return parallelize(model, self.mesh, param_dtype=dtype, reduce_dtype=torch.float32)
 
+    def load_sharded(self, path: str, dtype: torch.dtype, bf16: bool):
+        """parallelize(load_model(path)) with each rank building the model on the meta device and reading only
+        its own shards from the checkpoint (livemoe.train.parallel.sharded_load): no rank holds the whole model."""
+        from livemoe.train.parallel.sharded_load import load_sharded
+
+        assert self.mesh.distributed, "one process loads with load_model"
+        return load_sharded(path, self.mesh, dtype=dtype, param_dtype=torch.bfloat16 if bf16 else torch.float32)
+
     def device(self, default: torch.device) -> torch.device:
         """This rank's device under torchrun (cuda:LOCAL_RANK or the CPU), else `default`."""
         return self.mesh.device if self.mesh.distributed else default

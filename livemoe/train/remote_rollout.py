@@ -12,6 +12,11 @@ After each optimizer step `weights_updated(model)` pushes the new weights to eve
   (POST /update_weights_from_disk).
 The servers get the trainer's weights once at the start too, so they decode the policy being trained
 whatever checkpoint they were started with (the architecture must match).
+
+Under torchrun every rank sends its own prompts to the servers; rank 0 alone (`main`) joins the weight-update
+group and pushes its gathered copy of the weights, broadcast once to every replica (or written once to disk),
+and the `barrier` after the push keeps every rank's next rollouts behind it. Multi-turn trajectories
+(generate_multi_turn) are one request per turn, seeded as the in-process decoder seeds them.
 """
 import concurrent.futures
 import json
@@ -26,7 +31,7 @@ import urllib.request
 from livemoe.engine import routed_experts
 from livemoe.engine.core.weight_sync import join_servers, push_weights_to_servers
 from livemoe.engine.net import free_port
-from livemoe.train.rollout import Completion, derive_seed
+from livemoe.train.rollout import Completion, derive_seed, multi_turn_trajectories
 
 WEIGHT_SYNCS = ("distributed", "disk")
 
@@ -35,7 +40,7 @@ class RemoteRollouts:
     def __init__(self, urls: list[str], tokenizer, model, *, num_generations: int = 8, max_new_tokens: int = 256,
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1, seed: int = 0,
                  weight_sync: str = "distributed", api_key: str | None = None, timeout_s: float = 600.0,
-                 return_routed_experts: bool = False):
+                 return_routed_experts: bool = False, main: bool = True, barrier=None):
         import openai
 
         if weight_sync not in WEIGHT_SYNCS:
@@ -54,7 +59,10 @@ class RemoteRollouts:
                                                           thread_name_prefix="livemoe-rollout")
         self.sender = None
         self.scratch = None
-        if weight_sync == "distributed":
+        self.main, self.barrier = main, barrier or (lambda: None)
+        if not main:
+            pass
+        elif weight_sync == "distributed":
             device = next(model.parameters()).device
             self.sender = join_servers(self.urls, "127.0.0.1" if _local(self.urls) else socket.gethostname(),
                                        free_port(""), backend="nccl" if device.type == "cuda" else "gloo",
@@ -71,13 +79,20 @@ class RemoteRollouts:
         """Nothing to free here: the KV caches live in the servers."""
 
     def weights_updated(self, model) -> None:
-        """Pushes the model's weights to every server (after each optimizer step)."""
+        """Pushes the model's weights to every server (after each optimizer step; rank 0 alone under torchrun,
+        whose `model` is its gathered copy), then waits at the barrier."""
+        if self.main:
+            self._push(model)
+        self.barrier()
+
+    def _push(self, model) -> None:
         if self.sender is not None:
             push_weights_to_servers(self.urls, self.sender, list(model.named_parameters()), api_key=self.api_key,
                                     timeout_s=self.timeout_s)
             return
         from livemoe.engine.model.saver import save_model
 
+        assert self.scratch is not None
         path = os.path.join(self.scratch, "model")
         save_model(model, path)
         for url in self.urls:
@@ -130,8 +145,19 @@ class RemoteRollouts:
         futures = [self.pool.submit(self._one, i, p, 1, None, max_tokens, True) for i, p in enumerate(ids)]
         return [f.result()[0] for f in futures]
 
-    def generate_multi_turn(self, *args, **kwargs):
-        raise NotImplementedError("multi-turn rollouts run in-process only (--multi_turn without --rollout_url)")
+    def generate_multi_turn(self, first_prompts: list, next_turns: list, step: int,
+                            max_new_tokens: int | None = None, greedy: bool = False, keys: list | None = None) -> list:
+        """K trajectories per conversation (livemoe.train.rollout.multi_turn_trajectories), each turn of each one
+        request to a server, with the in-process decoder's seeds."""
+        max_tokens = max_new_tokens or self.max_new_tokens
+
+        def sample(prompts: list, seeds: list) -> list:
+            futures = [self.pool.submit(self._one, i, p, 1, seed, max_tokens, greedy)
+                       for i, (p, seed) in enumerate(zip(prompts, seeds))]
+            return [f.result()[0] for f in futures]
+
+        return multi_turn_trajectories(first_prompts, next_turns, step, self.seed, 1 if greedy else self.k, keys,
+                                       self._ids, sample)
 
 
 def _local(urls: list[str]) -> bool:

@@ -176,50 +176,59 @@ class Rollouts:
 
     def generate_multi_turn(self, first_prompts: list, next_turns: list, step: int,
                             max_new_tokens: int | None = None, greedy: bool = False, keys: list | None = None) -> list:
-        """K trajectories per conversation. first_prompts[i]: the prompt up to the first assistant
-        turn; next_turns[i]: the token ids (or text) inserted before each later assistant turn (the
-        user turn and the assistant header). Returns per conversation K Completions whose token_ids
-        hold all turns and the inserted tokens, with turn_spans / turn_texts / old_logprobs (0 on
-        inserted tokens). greedy: one greedy trajectory per conversation (reference lengths).
-        Samples are seeded by (run seed, step, key, sample, turn); keys default to the conversations'
-        positions (under torchrun: their places in the global batch, so any split draws the same)."""
-        if len(first_prompts) != len(next_turns):
-            raise ValueError("generate_multi_turn: one list of next turns per conversation")
-        if not first_prompts:
-            return []
-        keys = list(range(len(first_prompts))) if keys is None else list(keys)
-        if len(keys) != len(first_prompts):
-            raise ValueError(f"generate_multi_turn: {len(keys)} keys for {len(first_prompts)} conversations")
+        """K trajectories per conversation (see multi_turn_trajectories), each turn one request to the decoder."""
         max_new = max_new_tokens or self.max_new_tokens
-        k = 1 if greedy else self.k
-        trajs = []  # (conversation, sample) -> Completion being built
-        for i, p in enumerate(first_prompts):
-            for j in range(k):
-                trajs.append((i, j, Completion(self._ids(p), [], [], "", "stop")))
-        num_turns = [1 + len(t) for t in next_turns]
-        for turn in range(max(num_turns)):
-            live = [(i, j, c) for i, j, c in trajs if turn < num_turns[i]]
-            if turn > 0:
-                for i, _, c in live:
-                    extra = self._ids(next_turns[i][turn - 1])
-                    c.token_ids += extra
-                    c.old_logprobs += [0.0] * len(extra)
-            prompts = [c.prompt_ids + c.token_ids for _, _, c in live]
-            params = [self._params(derive_seed(self.seed, step, keys[i], j, turn), 1, max_new, greedy) for i, j, _ in live]
-            outs = self.llm.generate(prompts, params)
-            for (_, _, c), o in zip(live, outs):
-                g = o.outputs[0]
-                start = len(c.token_ids)
-                c.token_ids += list(g.token_ids)
-                c.old_logprobs += [lp[t] for lp, t in zip(g.logprobs, g.token_ids)]
-                c.turn_spans.append((start, len(c.token_ids)))
-                c.turn_texts.append(g.text)
-                c.routed_experts = g.routed_experts  # the last turn's cover every token before it
-                if g.finish_reason == "length":
-                    c.finish_reason = "length"
-        for _, _, c in trajs:
-            c.text = c.turn_texts[-1]
-        return [[c for i2, _, c in trajs if i2 == i] for i in range(len(first_prompts))]
+
+        def sample(prompts: list, seeds: list) -> list:
+            outs = self.llm.generate(prompts, [self._params(s, 1, max_new, greedy) for s in seeds])
+            return [self._completion(p, o.outputs[0]) for p, o in zip(prompts, outs)]
+
+        return multi_turn_trajectories(first_prompts, next_turns, step, self.seed, 1 if greedy else self.k, keys,
+                                       self._ids, sample)
+
+
+def multi_turn_trajectories(first_prompts: list, next_turns: list, step: int, seed: int, k: int, keys, ids,
+                            sample) -> list:
+    """k trajectories per conversation. first_prompts[i]: the prompt up to the first assistant turn;
+    next_turns[i]: the token ids (or text) inserted before each later assistant turn (the user turn and the
+    assistant header). Returns per conversation k Completions whose token_ids hold all turns and the inserted
+    tokens, with turn_spans / turn_texts / old_logprobs (0 on inserted tokens). Samples are seeded by (run seed,
+    step, key, sample, turn); keys default to the conversations' positions (under torchrun: their places in the
+    global batch, so any split draws the same). ids(prompt) -> token ids; sample(prompts, seeds) -> one
+    Completion per prompt (the in-process decoder's, or a rollout server's: the same draws)."""
+    if len(first_prompts) != len(next_turns):
+        raise ValueError("generate_multi_turn: one list of next turns per conversation")
+    if not first_prompts:
+        return []
+    keys = list(range(len(first_prompts))) if keys is None else list(keys)
+    if len(keys) != len(first_prompts):
+        raise ValueError(f"generate_multi_turn: {len(keys)} keys for {len(first_prompts)} conversations")
+    trajs = []  # (conversation, sample) -> Completion being built
+    for i, p in enumerate(first_prompts):
+        for j in range(k):
+            trajs.append((i, j, Completion(ids(p), [], [], "", "stop")))
+    num_turns = [1 + len(t) for t in next_turns]
+    for turn in range(max(num_turns)):
+        live = [(i, j, c) for i, j, c in trajs if turn < num_turns[i]]
+        if turn > 0:
+            for i, _, c in live:
+                extra = ids(next_turns[i][turn - 1])
+                c.token_ids += extra
+                c.old_logprobs += [0.0] * len(extra)
+        prompts = [c.prompt_ids + c.token_ids for _, _, c in live]
+        outs = sample(prompts, [derive_seed(seed, step, keys[i], j, turn) for i, j, _ in live])
+        for (_, _, c), g in zip(live, outs):
+            start = len(c.token_ids)
+            c.token_ids += list(g.token_ids)
+            c.old_logprobs += list(g.old_logprobs)
+            c.turn_spans.append((start, len(c.token_ids)))
+            c.turn_texts.append(g.text)
+            c.routed_experts = g.routed_experts  # the last turn's cover every token before it
+            if g.finish_reason == "length":
+                c.finish_reason = "length"
+    for _, _, c in trajs:
+        c.text = c.turn_texts[-1]
+    return [[c for i2, _, c in trajs if i2 == i] for i in range(len(first_prompts))]
 
 
 def collate(completions: list, advantages, pad_id: int, mask_truncated: bool = False) -> dict:

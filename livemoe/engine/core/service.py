@@ -64,7 +64,6 @@ class CoreService:
         self.worker = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="livemoe-core-worker")
         self.worker_done: queue.SimpleQueue = queue.SimpleQueue()  # (call id, ok, result) from the worker
         self.worker_busy = 0
-        self.receiver = None  # the weight-update group's receiver (init_weights_update_group)
         self.pins: dict[str, PinHolder] = {}  # pin key -> the blocks kept for it (AddRequest.pin_key)
 
     def busy(self) -> bool:
@@ -175,17 +174,11 @@ class CoreService:
     def call_update_weights_from_disk(self, model_path: str, in_flight: str = "finish") -> int:
         return self._aborting(lambda: self.llm.update_weights_from_disk(model_path, in_flight=self._settle(in_flight)))
 
-    def call_init_weights_update_group(self, **kw) -> None:
-        from livemoe.engine.core.weight_sync import WeightReceiver  # torch.distributed: only for this
-
-        self.llm.core.refuse_tensor_parallel("init_weights_update_group")
-        self.receiver = WeightReceiver(**kw)
+    def call_init_weights_update_group(self, **group) -> None:
+        self.llm.core.init_weights_update_group(**group)
 
     def call_update_weights_from_distributed(self, names, dtypes, shapes, in_flight: str = "finish") -> int:
-        if self.receiver is None:
-            raise RuntimeError("no weight-update group: POST /init_weights_update_group first")
-        tensors = self.receiver.receive(names, dtypes, shapes, self.llm.core.runner.device)
-        return self.call_update_weights(tensors, in_flight)
+        return self._aborting(lambda: self.llm.core.update_weights_from_distributed(names, dtypes, shapes, "abort"))
 
     def call_sleep(self, level: int = 1) -> None:
         self._aborting(lambda: self.llm.sleep(level, in_flight="abort"))

@@ -71,23 +71,47 @@ class WeightReceiver:
             raise ValueError("rank 0 is the trainer's; engine cores take rank_offset >= 1")
         self.group = open_group(master_address, master_port, rank, world_size, backend, timeout_s)
 
-    def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]], device) -> list:
-        if not (len(names) == len(dtypes) == len(shapes)) or not names:
-            raise ValueError(f"names, dtypes and shapes must have one equal, non-zero length; got {len(names)}, "
-                             f"{len(dtypes)}, {len(shapes)}")
-        bad = [d for d in dtypes if d not in DTYPES]
-        if bad:
-            raise ValueError(f"dtypes: {bad[:3]} not one of {sorted(DTYPES)}")
-        out = []
-        for b in buckets(dtypes, shapes):
-            flat = torch.empty(sum(math.prod(shapes[i]) for i in b), dtype=DTYPES[dtypes[b.start]], device=device)
-            self.group.broadcast(flat, 0).wait()
-            offset = 0
-            for i in b:
-                n = math.prod(shapes[i])
-                out.append((names[i], flat[offset:offset + n].view(tuple(shapes[i]))))
-                offset += n
-        return out
+    def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]], device):
+        """The (name, tensor) pairs as they arrive (see receive_buckets)."""
+        return receive_buckets(self.group, names, dtypes, shapes, device)
+
+
+def check_metadata(names: list[str], dtypes: list[str], shapes: list[list[int]]) -> None:
+    if not (len(names) == len(dtypes) == len(shapes)) or not names:
+        raise ValueError(f"names, dtypes and shapes must have one equal, non-zero length; got {len(names)}, "
+                         f"{len(dtypes)}, {len(shapes)}")
+    bad = [d for d in dtypes if d not in DTYPES]
+    if bad:
+        raise ValueError(f"dtypes: {bad[:3]} not one of {sorted(DTYPES)}")
+
+
+def receive_buckets(group, names: list[str], dtypes: list[str], shapes: list[list[int]], device):
+    """The (name, tensor) pairs received over `group` from its rank 0, an iterator that receives bucket by
+    bucket as it is consumed (a bucket's tensors are views of one buffer: a caller that keeps copies of slices
+    of them lets the buffer go). The metadata is checked at once."""
+    check_metadata(names, dtypes, shapes)
+    return _received(group, names, dtypes, shapes, device)
+
+
+def _received(group, names, dtypes, shapes, device):
+    for b in buckets(dtypes, shapes):
+        flat = torch.empty(sum(math.prod(shapes[i]) for i in b), dtype=DTYPES[dtypes[b.start]], device=device)
+        group.broadcast(flat, 0).wait()
+        offset = 0
+        for i in b:
+            n = math.prod(shapes[i])
+            yield names[i], flat[offset:offset + n].view(tuple(shapes[i]))
+            offset += n
+
+
+@torch.no_grad()
+def send_buckets(group, named_tensors: list, device=None) -> None:
+    """Rank 0 of `group`: broadcasts the tensors in the order weights_metadata(named_tensors) lists them (each
+    bucket moved to `device` first if given: the receivers' device picks the backend)."""
+    tensors = [t.detach() for _, t in named_tensors]
+    for b in buckets([dtype_name(t.dtype) for t in tensors], [list(t.shape) for t in tensors]):
+        flat = torch.cat([tensors[i].reshape(-1) for i in b]) if len(b) > 1 else tensors[b.start].reshape(-1)
+        group.broadcast(flat.contiguous() if device is None else flat.to(device).contiguous(), 0).wait()
 
 
 class WeightSender:
@@ -97,13 +121,9 @@ class WeightSender:
                  timeout_s: float = 300.0):
         self.group = open_group(master_address, master_port, 0, world_size, backend, timeout_s)
 
-    @torch.no_grad()
     def broadcast(self, named_tensors: list) -> None:
         """Sends the tensors in the order weights_metadata(named_tensors) lists them."""
-        tensors = [t.detach() for _, t in named_tensors]
-        for b in buckets([dtype_name(t.dtype) for t in tensors], [list(t.shape) for t in tensors]):
-            flat = torch.cat([tensors[i].reshape(-1) for i in b]) if len(b) > 1 else tensors[b.start].reshape(-1)
-            self.group.broadcast(flat.contiguous(), 0).wait()
+        send_buckets(self.group, named_tensors)
 
 
 def weights_metadata(named_tensors: list) -> dict:
@@ -114,7 +134,8 @@ def weights_metadata(named_tensors: list) -> dict:
 
 def join_servers(urls: list[str], master_address: str, master_port: int, backend: str = "gloo",
                  timeout_s: float = 300.0, replicas_per_url: list[int] | None = None, api_key: str | None = None):
-    """The trainer side of POST /init_weights_update_group on every server: returns the WeightSender."""
+    """The trainer side of POST /init_weights_update_group on every server: returns the WeightSender.
+    replicas_per_url: the ranks each server takes (its weight_update_ranks: replicas x tensor-parallel ranks)."""
     replicas = replicas_per_url or [_replicas(u, api_key) for u in urls]
     world_size = 1 + sum(replicas)
     offsets = [1 + sum(replicas[:i]) for i in range(len(urls))]
@@ -139,7 +160,8 @@ def _replicas(url: str, api_key: str | None) -> int:
 
     req = urllib.request.Request(url + "/get_server_info", headers=_auth(api_key))
     with urllib.request.urlopen(req, timeout=30) as r:
-        return int(json.load(r)["data_parallel_size"])
+        info = json.load(r)
+    return int(info.get("weight_update_ranks", info["data_parallel_size"]))
 
 
 def _auth(api_key):

@@ -32,7 +32,7 @@ from livemoe.engine.decoder.spec.verify import verified_tokens
 from livemoe.engine.errors import EngineDeadError, RequestError, RequestFailedError
 from livemoe.engine.model import flops
 from livemoe.engine.model.qwen3 import Qwen3ForCausalLM
-from livemoe.engine.model.weights import copy_weights, copy_weights_from_disk
+from livemoe.engine.decoder.weight_update import WeightUpdate
 from livemoe.engine.outputs import RequestOutput
 from livemoe.engine.sampling.params import SamplingParams
 from livemoe.engine.sampling.sampler import SampleResult, Sampler
@@ -452,26 +452,45 @@ class EngineCore:
     def update_weights(self, named_tensors, in_flight: str = "finish") -> int:
         """Copies (name, tensor) pairs into the loaded parameters in place (hub or engine names, any
         subset; checked whole before the first copy: CheckpointError and the old weights stay), then
-        drops the cached prefixes. Returns the number of tensors copied."""
-        self.refuse_tensor_parallel("update_weights")
+        drops the cached prefixes. Returns the number of tensors copied. A tensor-parallel engine broadcasts
+        them to its workers, and each rank copies its own slices."""
         self.refuse_asleep("update_weights")
         named_tensors = list(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
         self.settle_in_flight(in_flight, "the weights were updated")
-        return self._weights_changed(copy_weights(self.model, named_tensors))
+        return self._weights_changed(self.runner.load_weights(WeightUpdate.of_tensors(named_tensors), named_tensors))
 
     def update_weights_from_disk(self, model_path: str, in_flight: str = "finish") -> int:
-        """update_weights with every tensor of a checkpoint of the same architecture."""
-        self.refuse_tensor_parallel("update_weights_from_disk")
+        """update_weights with every tensor of a checkpoint of the same architecture (each tensor-parallel rank
+        reads only its slices)."""
         self.refuse_asleep("update_weights_from_disk")
         self.settle_in_flight(in_flight, "the weights were updated")
-        return self._weights_changed(copy_weights_from_disk(self.model, model_path))
+        return self._weights_changed(self.runner.load_weights(WeightUpdate("disk", path=str(model_path))))
+
+    def init_weights_update_group(self, **group) -> None:
+        """Joins a trainer's weight-update group (livemoe.engine.core.weight_sync): rank group["rank"], and its
+        tensor-parallel workers the next ranks."""
+        self.runner.join_weight_group(**group)
+
+    def update_weights_from_distributed(self, names, dtypes, shapes, in_flight: str = "finish") -> int:
+        """Receives the tensors the trainer broadcasts and copies them in (each rank its slices). Asleep, the
+        broadcast is still received whole (the trainer is not left waiting), then refused."""
+        self.settle_in_flight(in_flight, "the weights were updated")
+        update = WeightUpdate("group", names=tuple(names), dtypes=tuple(dtypes), shapes=tuple(map(tuple, shapes)))
+        refusal = self.asleep_refusal("update_weights_from_distributed")
+        return self._weights_changed(self.runner.load_weights(update, refusal=refusal))
 
     def refuse_asleep(self, what: str) -> None:
         """A weight update while asleep is refused (RuntimeError; the server's 409), not kept for the wake-up:
         the caller learns that the weights it sent are not the ones serving."""
-        if self.sleep_level:
-            raise RuntimeError(f"{what}: the engine is asleep (level {self.sleep_level}); wake it up first "
-                               "(wake_up(), POST /wake_up), then update the weights")
+        refusal = self.asleep_refusal(what)
+        if refusal is not None:
+            raise RuntimeError(refusal)
+
+    def asleep_refusal(self, what: str) -> str | None:
+        if not self.sleep_level:
+            return None
+        return (f"{what}: the engine is asleep (level {self.sleep_level}); wake it up first (wake_up(), "
+                "POST /wake_up), then update the weights")
 
     def _weights_changed(self, num_copied: int) -> int:
         self.reset_prefix_cache()

@@ -12,16 +12,19 @@ recomputed (preempted) prefix has them too, and a finished sequence reads its ow
 import array
 import logging
 import math
+from typing import Any
 
 import torch
 
 from livemoe.engine.decoder.config import EngineConfig
 from livemoe.engine.decoder.scheduler import SchedulerOutput
 from livemoe.engine.decoder.step_plan import StepPlan
+from livemoe.engine.decoder.weight_update import WeightUpdate, stage_update
 from livemoe.engine.errors import EngineConfigError
 from livemoe.engine.model.attention import Attention
 from livemoe.engine.model.context import StepContext
 from livemoe.engine.model.qwen3 import Qwen3ForCausalLM
+from livemoe.engine.model.weights import Staged, stage_weights
 from livemoe.engine.routed_experts import routed_dtype
 from livemoe.kernels._ext import sm_count
 from livemoe.kernels.attention import choose_num_splits
@@ -66,6 +69,28 @@ class ModelRunner:
         self.last_hidden: torch.Tensor | None = None
         self.capture_routing = False  # enable_routing_capture(): store routed experts per KV slot
         self.routing: torch.Tensor | None = None  # [num_blocks * block_size, MoE layers, k], made at first use
+        self.receiver: Any = None  # this rank's end of a trainer's weight-update group (join_weight_group)
+
+    # -- weights ------------------------------------------------------------------------------------
+
+    def join_weight_group(self, **group) -> None:
+        """Joins a trainer's weight-update group (livemoe.engine.core.weight_sync.WeightReceiver's arguments)."""
+        from livemoe.engine.core.weight_sync import WeightReceiver  # torch.distributed: only for this
+
+        self.receiver = WeightReceiver(**group)
+
+    def stage_weights(self, update: WeightUpdate, tensors: list | None = None) -> Staged:
+        if tensors is not None:  # the caller's pairs, in this process
+            return stage_weights(self.model, tensors, update.where)
+        return stage_update(self.model, update, self.receiver, self.device)
+
+    def load_weights(self, update: WeightUpdate, tensors: list | None = None, refusal: str | None = None) -> int:
+        """Stages the update, then applies it (the number of tensors), or raises RuntimeError(refusal) once it
+        is staged (a broadcast is received whole even when the engine refuses it)."""
+        staged = self.stage_weights(update, tensors)
+        if refusal is not None:
+            raise RuntimeError(refusal)
+        return staged.apply()
 
     # -- KV cache -----------------------------------------------------------------------------------
 

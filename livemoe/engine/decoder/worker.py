@@ -13,8 +13,9 @@ import traceback
 from livemoe.engine.decoder.config import DEFAULT_THREADS, apply_threads
 from livemoe.engine.decoder.model_runner import ModelRunner
 from livemoe.engine.decoder.step_plan import StepPlan
-from livemoe.engine.decoder.workers import (ALLOCATE, FAULT_ENV, FREE, POLL_MS, PROFILE, STEP, STOP, init_group,
-                                            load_rank_model, rank_device)
+from livemoe.engine.errors import CheckpointError
+from livemoe.engine.decoder.workers import (ALLOCATE, COMMIT, DISCARD, FAULT_ENV, FREE, JOIN, POLL_MS, PROFILE,
+                                            STAGE, STEP, STOP, init_group, load_rank_model, rank_device)
 
 log = logging.getLogger("livemoe.engine.decoder.workers")
 
@@ -64,6 +65,7 @@ def serve(rank, size, model_path, dtype, device, dist_port, plans, replies, pare
     fault = os.environ.get(FAULT_ENV, "")
     fault_step = int(fault.split(":")[1]) if fault.split(":")[0] == str(rank) else -1
     steps = 0
+    staged = None  # a weight update staged, waiting for rank 0's COMMIT or DISCARD
     while True:
         if not plans.poll(POLL_MS):
             if os.getppid() != parent_pid:
@@ -83,10 +85,42 @@ def serve(rank, size, model_path, dtype, device, dist_port, plans, replies, pare
             runner.allocate_kv_cache(int.from_bytes(frames[1].bytes, "little"))
         elif kind == FREE:
             runner.free_kv_cache()
+        elif kind == JOIN:
+            group = pickle.loads(frames[1].bytes)
+            replies.send_pyobj(("joined", rank, portable(attempt(lambda: runner.join_weight_group(**group)), rank)))
+        elif kind == STAGE:
+            staged, error = None, None
+            try:
+                staged = runner.stage_weights(pickle.loads(frames[1].bytes))
+            except Exception as e:  # noqa: BLE001 (rank 0 raises it, and no rank applies the update)
+                error = e
+            replies.send_pyobj(("staged", rank, portable(error, rank)))
+        elif kind in (COMMIT, DISCARD):
+            if kind == COMMIT:
+                assert staged is not None, "COMMIT without a staged update"
+                staged.apply()
+            staged = None
         elif kind == STOP:
             return
         else:
             raise AssertionError(f"unknown command {kind!r} from rank 0")
+
+
+def attempt(fn) -> BaseException | None:
+    """None when fn() succeeds, else its exception (sent to rank 0, which raises it)."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        return e
+    return None
+
+
+def portable(error: BaseException | None, rank: int) -> BaseException | None:
+    """An error rank 0 can unpickle and raise: a CheckpointError as it is (its message names the tensor),
+    anything else as a RuntimeError naming the rank and the cause."""
+    if error is None or type(error) is CheckpointError:
+        return error
+    return RuntimeError(f"tensor-parallel worker rank {rank}: {error!r}")
 
 
 if __name__ == "__main__":

@@ -57,6 +57,8 @@ FAULT_ENV = "LIVEMOE_WORKER_FAULT"  # tests: "RANK:STEP" makes that worker raise
 
 # commands from rank 0 (first frame of each message)
 STEP, PROFILE, ALLOCATE, FREE, STOP = b"S", b"P", b"A", b"F", b"X"
+# weight updates: join a trainer's group, stage an update (then answer), apply or drop what was staged
+JOIN, STAGE, COMMIT, DISCARD = b"J", b"U", b"C", b"D"
 
 
 def check_parallel_sizes(model_config, tensor_parallel_size: int, expert_parallel: bool, device: torch.device) -> None:
@@ -178,16 +180,20 @@ class WorkerGroup:
     # -- commands -----------------------------------------------------------------------------------
 
     def _send(self, frames: list) -> None:
-        import zmq
 
         if self.closed and self.error is None:
             raise WorkerError("the tensor-parallel workers were stopped (LLM.close())")
         self.check()
         for sock in self.plans:
-            # a PUSH socket whose worker is gone blocks: wait in slices, watching the workers
-            while not sock.poll(100, zmq.POLLOUT):
-                self.check()
-            sock.send_multipart(frames, copy=False)
+            self._send_one(sock, frames)
+
+    def _send_one(self, sock, frames: list) -> None:
+        import zmq
+
+        # a PUSH socket whose worker is gone blocks: wait in slices, watching the workers
+        while not sock.poll(100, zmq.POLLOUT):
+            self.check()
+        sock.send_multipart(frames, copy=False)
 
     def send_step(self, plan) -> None:
         self._send([STEP, *plan.frames()])
@@ -205,6 +211,22 @@ class WorkerGroup:
     def free(self) -> None:
         if self.error is None and not self.closed:
             self._send([FREE])
+
+    def join_weight_group(self, rank: int, group: dict) -> None:
+        """Worker r joins a trainer's weight-update group as rank `rank` + r (answered by votes("joined"))."""
+        for r, sock in enumerate(self.plans, start=1):
+            self._send_one(sock, [JOIN, pickle.dumps(dict(group, rank=rank + r))])
+
+    def stage(self, update) -> None:
+        """Every worker stages its part of a WeightUpdate (answered by votes("staged"))."""
+        self._send([STAGE, pickle.dumps(update)])
+
+    def commit(self, apply: bool) -> None:
+        self._send([COMMIT if apply else DISCARD])
+
+    def votes(self, kind: str) -> BaseException | None:
+        """The first worker's error among their answers to a join or stage, or None when all succeeded."""
+        return next((e for e in self._collect(kind, START_TIMEOUT_S) if e is not None), None)
 
     # -- watching -----------------------------------------------------------------------------------
 
@@ -352,6 +374,44 @@ class DriverRunner(ModelRunner):
             return ("return_routed_experts on a tensor-parallel CUDA engine must come with its first requests (the "
                     "ranks' decode graphs are captured together): start the engine again, or pass enforce_eager=True")
         return None
+
+    def join_weight_group(self, **group) -> None:
+        """Every rank joins: rank 0 as group["rank"], worker r as group["rank"] + r."""
+        self.workers.join_weight_group(group["rank"], group)
+        mine = None
+        try:
+            super().join_weight_group(**group)
+        except Exception as e:  # noqa: BLE001 (raised once the workers have answered)
+            mine = e
+        theirs = self.workers.votes("joined")
+        if mine is not None or theirs is not None:
+            raise mine or theirs  # type: ignore[misc]
+
+    def load_weights(self, update, tensors=None, refusal=None) -> int:
+        """Every rank stages its part; all apply only if all staged (else every rank keeps its weights). A
+        caller's tensors are checked here before the workers hear of the update, then broadcast to them."""
+        import torch.distributed as dist
+
+        from livemoe.engine.core.weight_sync import send_buckets
+
+        staged, mine = None, None
+        if tensors is not None:
+            staged = self.stage_weights(update, tensors)
+        self.workers.stage(update)
+        if tensors is not None:
+            send_buckets(dist.group.WORLD, tensors, self.device)
+        else:
+            try:
+                staged = self.stage_weights(update)
+            except Exception as e:  # noqa: BLE001 (raised once the workers have answered)
+                mine = e
+        theirs = self.workers.votes("staged")
+        refused = mine or theirs or (RuntimeError(refusal) if refusal is not None else None)
+        self.workers.commit(refused is None)
+        if refused is not None:
+            raise refused
+        assert staged is not None
+        return staged.apply()
 
     def run(self, out):
         plan = self.plan(out)

@@ -20,7 +20,7 @@ from livemoe.engine.errors import CheckpointError
 from livemoe.engine.model.config import ModelConfig, load_config
 from livemoe.engine.model.layers import RotaryEmbedding
 from livemoe.engine.model.qwen3 import Qwen3ForCausalLM
-from livemoe.engine.model.tensor_parallel import TensorParallel, check_tensor_parallel
+from livemoe.engine.model.tensor_parallel import Shard, TensorParallel, check_tensor_parallel
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -144,11 +144,15 @@ class WeightTargets:
     written exactly once. A tensor-parallel shard model's layers name the slices they hold (`shards`,
     livemoe.engine.model.tensor_parallel); `full` is the whole model's parameter shapes, what the checkpoint holds."""
 
-    def __init__(self, model: Qwen3ForCausalLM, full: dict[str, tuple[int, ...]] | None = None):
-        self.params = dict(model.named_parameters())
+    def __init__(self, model: Qwen3ForCausalLM, full: dict[str, tuple[int, ...]] | None = None,
+                 params: dict[str, torch.Tensor] | None = None, shards: dict[str, Shard] | None = None):
+        """params and shards: what this rank holds when it is not what the model's modules say (a trainer rank's
+        FSDP / expert-parallel shards: local tensors and the rows of the full tensors they are)."""
+        self.params = params if params is not None else dict(model.named_parameters())
         self.full = full or {n: tuple(p.shape) for n, p in self.params.items()}
-        self.shards = {f"{prefix}.{name}" if prefix else name: shard for prefix, module in model.named_modules()
-                       for name, shard in getattr(module, "shards", {}).items()}
+        self.shards = shards if shards is not None else {
+            f"{prefix}.{name}" if prefix else name: shard for prefix, module in model.named_modules()
+            for name, shard in getattr(module, "shards", {}).items()}
         self.tied = model.config.tie_word_embeddings
         self.needed = {n: (2 * p.shape[0] if n.endswith("gate_up_proj") else p.shape[0])
                        if n.endswith(("experts.gate_up_proj", "experts.down_proj")) else 1
@@ -213,25 +217,17 @@ class WeightTargets:
     def missing(self) -> list[str]:
         out = []
         for name, parts in self.filled.items():
+            if not self.params[name].numel():  # a shard of no rows (more FSDP ranks than the tensor's rows)
+                continue
             if "whole" not in parts and len(parts) < self.needed[name]:
                 out.append(name)
         return out
 
 
-def load_model(path: str, dtype=None, device=None, tp: TensorParallel | None = None) -> Qwen3ForCausalLM:
-    """Loads a Qwen3 / Qwen3-MoE checkpoint directory; returns the model in eval mode. With `tp`, this rank's
-    shard of it (livemoe.engine.model.tensor_parallel), reading only the slices it holds from the files."""
-    cfg = load_config(path)
-    dtype, device = resolve_dtype(dtype, cfg), resolve_device(device)
-    if tp is not None:
-        check_tensor_parallel(cfg, tp.size, tp.expert_parallel)
-    files = weight_files(path)
-    model = empty_model(cfg, dtype, device, tp)
-    full = model if tp is None else meta_model(cfg)
-    targets = WeightTargets(model, {n: tuple(p.shape) for n, p in full.named_parameters()})
-    for name, shard in targets.shards.items():
-        if shard.size < targets.params[name].shape[shard.dim]:
-            targets.params[name].data.zero_()  # vocab padding rows: no checkpoint row fills them
+def read_checkpoint(path: str, files: list[str], targets: WeightTargets, model_type: str, dtype) -> None:
+    """Fills targets.params from the checkpoint's files, reading only the slices this rank holds (every part
+    exactly once; CheckpointError naming the file and tensor for anything missing, misshapen, repeated or
+    non-finite)."""
     loaded = []  # (file, key, the part of the parameter it filled)
     for file in files:
         try:
@@ -246,7 +242,7 @@ def load_model(path: str, dtype=None, device=None, tp: TensorParallel | None = N
                 name, region, part = target
                 if name not in targets.params:
                     raise CheckpointError(f"{file}: unexpected tensor {key!r} (no such parameter in a "
-                                          f"{cfg.model_type} model with this config)")
+                                          f"{model_type} model with this config)")
                 copies = targets.copies(name, region)
                 if not copies:
                     continue  # another rank's experts
@@ -274,11 +270,28 @@ def load_model(path: str, dtype=None, device=None, tp: TensorParallel | None = N
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise CheckpointError(f"{path}: missing tensors: {shown}")
     # per parameter (experts stacked: far fewer tensors than keys); per key only to name the culprit
-    bad_param = first_nonfinite(model.named_parameters())
+    bad_param = first_nonfinite(targets.params.items())
     if bad_param is not None:
         file, key = first_nonfinite(((file, key), dest) for file, key, dest in loaded) or (path, bad_param)
         raise CheckpointError(f"{file}: tensor {key!r} holds NaN or Inf values (as {dtype}); a model with "
                               "non-finite weights cannot decode (saved from a diverged run?)")
+
+
+def load_model(path: str, dtype=None, device=None, tp: TensorParallel | None = None) -> Qwen3ForCausalLM:
+    """Loads a Qwen3 / Qwen3-MoE checkpoint directory; returns the model in eval mode. With `tp`, this rank's
+    shard of it (livemoe.engine.model.tensor_parallel), reading only the slices it holds from the files."""
+    cfg = load_config(path)
+    dtype, device = resolve_dtype(dtype, cfg), resolve_device(device)
+    if tp is not None:
+        check_tensor_parallel(cfg, tp.size, tp.expert_parallel)
+    files = weight_files(path)
+    model = empty_model(cfg, dtype, device, tp)
+    full = model if tp is None else meta_model(cfg)
+    targets = WeightTargets(model, {n: tuple(p.shape) for n, p in full.named_parameters()})
+    for name, shard in targets.shards.items():
+        if shard.size < targets.params[name].shape[shard.dim]:
+            targets.params[name].data.zero_()  # vocab padding rows: no checkpoint row fills them
+    read_checkpoint(path, files, targets, cfg.model_type, dtype)
     model.source_dir = os.path.abspath(path)
     return model.eval()
 

@@ -17,6 +17,7 @@ process (one interpreter lock for both: slower under load).
 
 `--tensor-parallel-size N [--enable-expert-parallel]` splits the model over N processes, one per GPU: the
 engine core is rank 0 and starts the other N-1 (livemoe/engine/decoder/workers.py); SIGTERM stops them all.
+With `--data-parallel-size D` each of the D replicas takes N GPUs.
 """
 import argparse
 import logging
@@ -120,7 +121,8 @@ def main(argv: list[str] | None = None) -> None:
         core = {}
         if args.engine_core == "process":
             core = dict(engine_core="process", data_parallel_size=args.data_parallel_size,
-                        devices=_devices(args.device, args.data_parallel_size), on_core_death=on_core_death)
+                        devices=_devices(args.device, args.data_parallel_size, options.get("tensor_parallel_size", 1)),
+                        on_core_death=on_core_death)
         elif args.data_parallel_size != 1 or args.on_core_death is not None:
             raise ValueError("--data-parallel-size and --on-core-death need --engine-core process")
         engine = AsyncLLM(args.model, dtype=args.dtype, device=args.device, **core, **options)
@@ -143,8 +145,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
 
 
-def _devices(device: str | None, n: int) -> list[str] | None:
-    """CUDA_VISIBLE_DEVICES for each replica: one device each, from those visible (None on a CPU)."""
+def _devices(device: str | None, n: int, tp: int = 1) -> list[str] | None:
+    """CUDA_VISIBLE_DEVICES for each replica: `tp` devices each (its tensor-parallel ranks), from those visible
+    (None on a CPU)."""
     import torch
 
     if device == "cpu" or (device is None and not torch.cuda.is_available()):
@@ -154,9 +157,10 @@ def _devices(device: str | None, n: int) -> list[str] | None:
         [str(i) for i in range(torch.cuda.device_count())]
     if n == 1:
         return None  # the core sees what this process sees
-    if len(ids) < n:
-        raise ValueError(f"--data-parallel-size {n} needs {n} GPUs; {len(ids)} visible ({ids})")
-    return ids[:n]
+    if len(ids) < n * tp:
+        raise ValueError(f"--data-parallel-size {n} x --tensor-parallel-size {tp} needs {n * tp} GPUs; "
+                         f"{len(ids)} visible ({ids})")
+    return [",".join(ids[i * tp:(i + 1) * tp]) for i in range(n)]
 
 
 if __name__ == "__main__":

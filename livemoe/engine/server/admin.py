@@ -82,9 +82,10 @@ def add_admin_routes(app: FastAPI, engine) -> None:
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(body: InitGroup):
-        last = body.rank_offset + engine.data_parallel_size - 1
+        last = body.rank_offset + engine.weight_update_ranks - 1
         if last >= body.world_size:
-            return JSONResponse(error_body(f"this server has {engine.data_parallel_size} replica(s), ranks "
+            return JSONResponse(error_body(f"this server has {engine.data_parallel_size} replica(s) of "
+                                           f"{engine.tensor_parallel_size} tensor-parallel rank(s), ranks "
                                            f"{body.rank_offset}..{last}, beyond world_size {body.world_size}"),
                                 status_code=400)
         return await run("init_weights_update_group", engine.init_weights_update_group(**body.model_dump()))
@@ -112,6 +113,7 @@ def add_admin_routes(app: FastAPI, engine) -> None:
         errors = engine.replica_errors()
         stats = engine.stats()
         return {"data_parallel_size": engine.data_parallel_size, "max_model_len": engine.max_model_len,
+                "weight_update_ranks": engine.weight_update_ranks,
                 "tensor_parallel_size": stats.get("tensor_parallel_size"),
                 "expert_parallel": stats.get("expert_parallel"),
                 "sleep_level": engine.sleep_level, "served_per_replica": engine.served_per_replica(),

@@ -158,8 +158,6 @@ class GRPOConfig(RunConfig):
                 raise ConfigError("--rollout_speculative_config is for the in-process decoder; with --rollout_url "
                                   "start the servers with --speculative-config")
             check_speculative_config("rollout_speculative_config", self.rollout_speculative_config)
-        if self.rollout_url and self.multi_turn:
-            raise ConfigError("--multi_turn runs its rollouts in-process; leave out --rollout_url")
         if not 0 <= self.turn_weight <= 1:
             raise ConfigError(f"--turn_weight must be in [0, 1], got {self.turn_weight}")
         if self.advantage_eps <= 0:

@@ -70,9 +70,6 @@ class GRPOTrainer:
         if distributed.world_size() > 1 and cfg.async_rollouts:
             raise ConfigError("--async_rollouts does not run under torchrun yet (the producer thread would join the "
                               "ranks' collectives): run it as one process")
-        if distributed.world_size() > 1 and cfg.rollout_url:
-            raise ConfigError("--rollout_url does not run under torchrun yet (each rank would push its shards): run "
-                              "it as one process, or leave it out to roll out in-process on every rank")
         self.dist = distributed.setup_trainer(cfg, cfg.output_dir, "" if cfg.model == "auto" else cfg.model)
         self.device = self.dist.device(self.device)
         self.resume_from = self.dist.resolve_resume(cfg.resume, self.ckpt_root)
@@ -84,13 +81,13 @@ class GRPOTrainer:
         model_path = model_dir(self.resume_from) or self.start_model  # a sharded checkpoint loads below
         # fp32 from the file: with bf16 the fp32 values stay as the optimizer's master weights (one device), or
         # FSDP2's sharded fp32 parameters (torchrun), which the rollout decoder reads as a gathered inference copy
-        self.model = load_model(model_path, dtype=torch.float32, device=self.device)
+        # under torchrun each rank reads only its own shards of the checkpoint (built on the meta device)
+        self.model = (self.dist.load_sharded(model_path, torch.float32, self.dtype == torch.bfloat16)
+                      if self.dist.mesh.distributed else load_model(model_path, dtype=torch.float32, device=self.device))
         self.model.gradient_checkpointing = cfg.gradient_checkpointing
         self.master = self.infer = None
         rollout_dtype = self.dtype if cfg.rollout_dtype == "auto" else getattr(torch, cfg.rollout_dtype)
-        if self.dist.mesh.distributed:
-            self.model = self.dist.parallelize(self.model, self.dtype == torch.bfloat16)
-        elif self.dtype != torch.float32:
+        if not self.dist.mesh.distributed and self.dtype != torch.float32:
             self.master = MasterWeights(self.model, self.dtype)
         if self.dist.mesh.distributed or rollout_dtype != self.dtype:  # refreshed after each optimizer step
             self.infer = self.dist.inference_copy(self.model, rollout_dtype)
@@ -115,10 +112,12 @@ class GRPOTrainer:
             from livemoe.train.remote_rollout import RemoteRollouts
 
             s = self._sampling()
-            self.rollouts = RemoteRollouts(cfg.rollout_url.split(","), self.tokenizer, self.model,
+            # under torchrun rank 0 pushes its gathered copy (one broadcast to every replica), after every rank's update
+            self.rollouts = RemoteRollouts(cfg.rollout_url.split(","), self.tokenizer, self.infer or self.model,
                                            num_generations=cfg.num_generations, max_new_tokens=cfg.max_new_tokens,
                                            seed=cfg.seed, weight_sync=cfg.weight_sync, temperature=s["temperature"],
-                                           top_p=s["top_p"], top_k=s["top_k"], return_routed_experts=routed)
+                                           top_p=s["top_p"], top_k=s["top_k"], return_routed_experts=routed,
+                                           main=self.dist.is_main, barrier=self.dist.barrier)
         else:
             self.rollouts = Rollouts(self.infer or self.model, self.tokenizer, num_generations=cfg.num_generations,
                                      max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, return_routed_experts=routed,
@@ -149,8 +148,9 @@ class GRPOTrainer:
     def _load_reference(self):
         """The frozen starting checkpoint in the compute dtype (no master copy: it never trains); under torchrun
         sharded like the policy."""
-        ref = load_model(self.start_model, dtype=self.dtype, device=self.device).requires_grad_(False)
-        return self.dist.parallelize(ref, self.dtype == torch.bfloat16)
+        if self.dist.mesh.distributed:
+            return self.dist.load_sharded(self.start_model, self.dtype, self.dtype == torch.bfloat16).requires_grad_(False)
+        return load_model(self.start_model, dtype=self.dtype, device=self.device).requires_grad_(False)
 
     # -- data ---------------------------------------------------------------------------------------
     def batch_indices(self, step: int) -> list:
@@ -545,7 +545,7 @@ class GRPOTrainer:
         else:
             m.update(self.update_phase(batch))
             if producer is None:
-                self.rollouts.weights_updated(self.model)
+                self.rollouts.weights_updated(self.infer or self.model)
         if producer is not None:
             producer.publish(step + 1, self.infer or self.model)
         tokens = self.dist.sum_floats(0.0 if batch is None else float(batch["completion_mask"].sum()))[0]
