@@ -14,8 +14,10 @@ from livemoe.engine.async_llm import AsyncLLM  # noqa: E402
 from livemoe.engine.server import BackgroundServer, ServerConfig  # noqa: E402
 from test_grpo import args, multi_turn_records, varied_reward  # noqa: E402,F401  (the autouse reward fixture, too)
 from test_rollout import make_student  # noqa: E402
+from livemoe.train.config import ConfigError, parse_config  # noqa: E402
 from livemoe.train.data import write_jsonl  # noqa: E402
 from livemoe.train.grpo.__main__ import main  # noqa: E402
+from livemoe.train.grpo.config import GRPOConfig  # noqa: E402
 from livemoe.train.metrics import read_metrics  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
