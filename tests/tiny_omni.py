@@ -1,0 +1,74 @@
+"""Tiny random Qwen3-Omni-MoE thinkers made by transformers itself, and prompts that hold media (nothing downloaded).
+
+`make_omni_checkpoint(path)` saves one (transformers' thinker layout: audio_tower.*, visual.*, model.*, lm_head.*);
+layout="hub" rewrites it as the whole Qwen3-Omni checkpoint (thinker.* beside talker.* tensors, config nested under
+thinker_config). Token ids 190-196 are the placeholders and markers; text tokens are drawn below 180.
+"""
+import json
+import os
+
+import torch
+from safetensors.torch import load_file, save_file
+
+AUDIO, IMAGE, VIDEO, AUDIO_START, VISION_START, AUDIO_END, VISION_END = range(190, 197)
+MEL_BINS, PATCH, TEMPORAL_PATCH, MERGE = 16, 4, 2, 2
+PATCH_DIM = 3 * TEMPORAL_PATCH * PATCH * PATCH
+
+
+def thinker_config(**text_overrides):
+    from transformers import Qwen3OmniMoeThinkerConfig
+
+    text = dict(vocab_size=200, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                 "mrope_interleaved": True}, eos_token_id=2)
+    text.update(text_overrides)
+    return Qwen3OmniMoeThinkerConfig(
+        # n_window 50 (100-frame chunks) is the real one: transformers' token count formula assumes it
+        audio_config=dict(num_mel_bins=MEL_BINS, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=32,
+                          d_model=16, max_source_positions=100, n_window=50, output_dim=32, n_window_infer=200,
+                          conv_chunksize=10, downsample_hidden_size=8),
+        vision_config=dict(depth=3, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=PATCH,
+                           spatial_merge_size=MERGE, temporal_patch_size=TEMPORAL_PATCH, out_hidden_size=32,
+                           num_position_embeddings=16, deepstack_visual_indexes=[0, 2]),
+        text_config=text, audio_token_id=AUDIO, image_token_id=IMAGE, video_token_id=VIDEO,
+        audio_start_token_id=AUDIO_START, vision_start_token_id=VISION_START, position_id_per_seconds=25)
+
+
+def hf_thinker(seed: int = 0, **text_overrides):
+    """A random transformers thinker (fp32, eval), router weights spread so the top-k is decided by them."""
+    from transformers import Qwen3OmniMoeThinkerForConditionalGeneration
+
+    torch.manual_seed(seed)
+    model = Qwen3OmniMoeThinkerForConditionalGeneration._from_config(thinker_config(**text_overrides),
+                                                                      attn_implementation="eager")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 1.0)
+            elif "norm" in name and name.endswith("weight"):
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, 0.08)
+    return model.eval()
+
+
+def make_omni_checkpoint(path, seed: int = 0, layout: str = "thinker", **text_overrides):
+    """-> (path, the transformers thinker)."""
+    model = hf_thinker(seed, **text_overrides)
+    model.save_pretrained(path)
+    if layout == "hub":
+        file = os.path.join(path, "model.safetensors")
+        state = {f"thinker.{k}": v for k, v in load_file(file).items()}
+        state["talker.model.norm.weight"] = torch.ones(4)  # the speech output's tensors: not loaded
+        state["code2wav.pre_transformer.norm.weight"] = torch.ones(4)
+        save_file(state, file, metadata={"format": "pt"})
+        with open(os.path.join(path, "config.json")) as f:
+            thinker = json.load(f)
+        whole = {"model_type": "qwen3_omni_moe", "architectures": ["Qwen3OmniMoeForConditionalGeneration"],
+                 "thinker_config": thinker, "talker_config": {}, "code2wav_config": {}, "enable_audio_output": False}
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(whole, f)
+    else:
+        assert layout == "thinker", layout
+    return str(path), model
