@@ -10,14 +10,19 @@ import os
 import torch
 from safetensors.torch import load_file, save_file
 
-AUDIO, IMAGE, VIDEO, AUDIO_START, VISION_START, AUDIO_END, VISION_END = range(190, 197)
+AUDIO, IMAGE, VIDEO, AUDIO_START, AUDIO_END, VISION_START, VISION_END = range(190, 197)
 MEL_BINS, PATCH, TEMPORAL_PATCH, MERGE = 16, 4, 2, 2
 PATCH_DIM = 3 * TEMPORAL_PATCH * PATCH * PATCH
 
 
-def thinker_config(**text_overrides):
+MEDIA_SPECIALS = ["<|audio_pad|>", "<|image_pad|>", "<|video_pad|>", "<|audio_start|>", "<|audio_end|>",
+                  "<|vision_start|>", "<|vision_end|>"]  # in the order of the ids above
+
+
+def thinker_config(first_media_id: int = AUDIO, **text_overrides):
     from transformers import Qwen3OmniMoeThinkerConfig
 
+    audio, image, video, audio_start, _, vision_start, _ = range(first_media_id, first_media_id + 7)
     text = dict(vocab_size=200, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
@@ -31,17 +36,17 @@ def thinker_config(**text_overrides):
         vision_config=dict(depth=3, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=PATCH,
                            spatial_merge_size=MERGE, temporal_patch_size=TEMPORAL_PATCH, out_hidden_size=32,
                            num_position_embeddings=16, deepstack_visual_indexes=[0, 2]),
-        text_config=text, audio_token_id=AUDIO, image_token_id=IMAGE, video_token_id=VIDEO,
-        audio_start_token_id=AUDIO_START, vision_start_token_id=VISION_START, position_id_per_seconds=25)
+        text_config=text, audio_token_id=audio, image_token_id=image, video_token_id=video,
+        audio_start_token_id=audio_start, vision_start_token_id=vision_start, position_id_per_seconds=25)
 
 
-def hf_thinker(seed: int = 0, **text_overrides):
+def hf_thinker(seed: int = 0, first_media_id: int = AUDIO, **text_overrides):
     """A random transformers thinker (fp32, eval), router weights spread so the top-k is decided by them."""
     from transformers import Qwen3OmniMoeThinkerForConditionalGeneration
 
     torch.manual_seed(seed)
-    model = Qwen3OmniMoeThinkerForConditionalGeneration._from_config(thinker_config(**text_overrides),
-                                                                      attn_implementation="eager")
+    config = thinker_config(first_media_id, **text_overrides)
+    model = Qwen3OmniMoeThinkerForConditionalGeneration._from_config(config, attn_implementation="eager")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("mlp.gate.weight"):
@@ -53,10 +58,20 @@ def hf_thinker(seed: int = 0, **text_overrides):
     return model.eval()
 
 
-def make_omni_checkpoint(path, seed: int = 0, layout: str = "thinker", **text_overrides):
-    """-> (path, the transformers thinker)."""
-    model = hf_thinker(seed, **text_overrides)
+def make_omni_checkpoint(path, seed: int = 0, layout: str = "thinker", tokenizer=None, **text_overrides):
+    """-> (path, the transformers thinker). tokenizer: saved beside it, its vocabulary the model's, the media
+    special tokens added at its end."""
+    first = AUDIO
+    if tokenizer is not None:
+        tokenizer.add_special_tokens({"additional_special_tokens": MEDIA_SPECIALS})
+        first = tokenizer.convert_tokens_to_ids(MEDIA_SPECIALS[0])
+        assert [tokenizer.convert_tokens_to_ids(t) for t in MEDIA_SPECIALS] == list(range(first, first + 7))
+        text_overrides.setdefault("vocab_size", len(tokenizer))
+        text_overrides.setdefault("eos_token_id", tokenizer.eos_token_id)
+    model = hf_thinker(seed, first, **text_overrides)
     model.save_pretrained(path)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
     if layout == "hub":
         file = os.path.join(path, "model.safetensors")
         state = {f"thinker.{k}": v for k, v in load_file(file).items()}

@@ -13,6 +13,8 @@ class OmniConfig:
     video_token_id: int
     audio_start_token_id: int
     vision_start_token_id: int
+    audio_end_token_id: int  # the markers after an item (the hub's config names only the starts: start + 1)
+    vision_end_token_id: int
     position_id_per_seconds: float
     mrope_section: list[int]  # frequencies of the head dim given to (time, height, width), interleaved
     audio_config: dict = field(default_factory=dict, repr=False)
@@ -60,6 +62,8 @@ def parse_omni(raw: dict, fail) -> tuple[dict, OmniConfig]:
         if not isinstance(value, int) or value < 0:
             fail(f"{key} must be a non-negative integer, got {value!r}")
         ids[key] = value
+    for kind in ("audio", "vision"):
+        ids[f"{kind}_end_token_id"] = int(thinker.get(f"{kind}_end_token_id", ids[f"{kind}_start_token_id"] + 1))
     vocab = text.get("vocab_size", 0)
     for key, value in ids.items():
         if value >= vocab:
