@@ -193,7 +193,11 @@ class EngineCore:
             raise RequestError(f"request id {request_id!r} is already in flight")
         if not validated:
             self.validate(prompt_ids, params, media)
-        layout = MediaLayout(media, len(prompt_ids), self.model.config.omni) if media else None
+        omni = self.model.config.omni
+        layout = None
+        if media:
+            assert omni is not None, "validate() refuses media for a text model"
+            layout = MediaLayout(media, len(prompt_ids), omni)
         if params.return_routed_experts and not self.runner.capture_routing:
             # the blocks cached so far hold no routing: a hit on them would return garbage ids
             self.reset_prefix_cache()

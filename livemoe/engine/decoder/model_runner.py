@@ -21,7 +21,7 @@ from livemoe.engine.decoder.step_plan import StepPlan
 from livemoe.engine.errors import EngineConfigError
 from livemoe.engine.model.attention import Attention
 from livemoe.engine.model.context import StepContext
-from livemoe.engine.model.omni.thinker import MediaPiece
+from livemoe.engine.model.omni.thinker import MediaPiece, OmniThinkerForCausalLM
 from livemoe.engine.model.qwen3 import Qwen3ForCausalLM
 from livemoe.engine.multimodal.encoder_cache import EncoderCache
 from livemoe.engine.routed_experts import routed_dtype
@@ -264,12 +264,13 @@ class ModelRunner:
     def _run_multimodal(self, input_ids, plan: StepPlan, ctx: StepContext) -> torch.Tensor:
         """A prefill step with media: each item's encoder output (cached, or encoded now, before the LM step) spliced
         over its placeholders, and the multimodal rotary positions."""
-        assert plan.mrope is not None and plan.media is not None
+        model = self.model
+        assert plan.mrope is not None and plan.media is not None and isinstance(model, OmniThinkerForCausalLM)
         positions = self._to_device(plan.mrope, torch.long).view(3, 1, -1)
-        pieces = [MediaPiece(flat, self.encoder_cache.get(self.model, placed.item, self.device), lo, hi)
+        pieces = [MediaPiece(flat, self.encoder_cache.get(model, placed.item, self.device), lo, hi)
                   for flat, placed, lo, hi in plan.media]
-        embeds, deepstack = self.model.media_inputs(input_ids[None], pieces)
-        out = self.model.forward_hidden(input_ids[None], positions, step=ctx, inputs_embeds=embeds, deepstack=deepstack,
+        embeds, deepstack = model.media_inputs(input_ids[None], pieces)
+        out = model.forward_hidden(input_ids[None], positions, step=ctx, inputs_embeds=embeds, deepstack=deepstack,
                                         return_router_logits=self.capture_routing)
         if not self.capture_routing:
             return out[0]
