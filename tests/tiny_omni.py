@@ -28,13 +28,14 @@ def thinker_config(first_media_id: int = AUDIO, **text_overrides):
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
                                  "mrope_interleaved": True}, eos_token_id=2)
     text.update(text_overrides)
+    hidden = text["hidden_size"]
     return Qwen3OmniMoeThinkerConfig(
         # n_window 50 (100-frame chunks) is the real one: transformers' token count formula assumes it
         audio_config=dict(num_mel_bins=MEL_BINS, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=32,
-                          d_model=16, max_source_positions=100, n_window=50, output_dim=32, n_window_infer=200,
+                          d_model=16, max_source_positions=100, n_window=50, output_dim=hidden, n_window_infer=200,
                           conv_chunksize=10, downsample_hidden_size=8),
         vision_config=dict(depth=3, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=PATCH,
-                           spatial_merge_size=MERGE, temporal_patch_size=TEMPORAL_PATCH, out_hidden_size=32,
+                           spatial_merge_size=MERGE, temporal_patch_size=TEMPORAL_PATCH, out_hidden_size=hidden,
                            num_position_embeddings=16, deepstack_visual_indexes=[0, 2]),
         text_config=text, audio_token_id=audio, image_token_id=image, video_token_id=video,
         audio_start_token_id=audio_start, vision_start_token_id=vision_start, position_id_per_seconds=25)

@@ -151,7 +151,7 @@ def test_bad_omni_config_is_refused(tmp_path):
     from tiny_omni import thinker_config
 
     raw = thinker_config().to_dict()
-    raw["text_config"]["rope_parameters"]["mrope_section"] = [2, 3, 4]
+    raw["text_config"]["rope_parameters"]["mrope_section"] = [2, 3]
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(CheckpointError, match="mrope_section"):
         engine.load_config(str(tmp_path))

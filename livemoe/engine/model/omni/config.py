@@ -45,14 +45,16 @@ def parse_omni(raw: dict, fail) -> tuple[dict, OmniConfig]:
     text = thinker["text_config"]
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
     section = rope.get("mrope_section")
-    head_dim = text.get("head_dim") or text.get("hidden_size", 0) // max(1, text.get("num_attention_heads", 1))
     if not (isinstance(section, list) and len(section) == 3 and all(isinstance(s, int) and s >= 0 for s in section)):
         fail(f"text_config.rope_parameters.mrope_section must be 3 non-negative integers, got {section!r}")
-    if sum(section) != head_dim // 2:
-        fail(f"mrope_section {section} must sum to head_dim/2 = {head_dim // 2}")
     if rope.get("mrope_interleaved") is False:
         fail("mrope_interleaved=false is not supported (Qwen3-Omni interleaves its rotary sections)")
     vision = thinker["vision_config"]
+    for name, sub, key in (("audio_config", thinker["audio_config"], "output_dim"),
+                           ("vision_config", vision, "out_hidden_size")):
+        if sub.get(key) != text.get("hidden_size"):
+            fail(f"{name}.{key}={sub.get(key)!r} must equal text_config.hidden_size={text.get('hidden_size')!r} "
+                 "(the encoders' rows replace token embeddings)")
     if vision.get("rope_parameters", {}).get("rope_type", "axial") != "axial":
         fail("vision_config.rope_parameters.rope_type must be 'axial'")
     ids = {}
