@@ -68,7 +68,8 @@ class ModelRunner:
         self.last_hidden: torch.Tensor | None = None
         self.capture_routing = False  # enable_routing_capture(): store routed experts per KV slot
         self.routing: torch.Tensor | None = None  # [num_blocks * block_size, MoE layers, k], made at first use
-        self.encoder_cache = EncoderCache(config.encoder_cache_bytes)  # media encoder outputs (the Omni thinker)
+        self.multimodal = model.config.omni is not None  # an Omni thinker: media in its steps
+        self.encoder_cache = EncoderCache(config.encoder_cache_bytes)  # media encoder outputs
 
     # -- KV cache -----------------------------------------------------------------------------------
 
@@ -142,11 +143,12 @@ class ModelRunner:
         is_decode = out.is_decode_only
         mrope = media = None
         if is_decode:  # the common step: one token per sequence (row i is seq i)
-            index = [seq.num_computed_tokens for seq in seqs]
-            input_ids = [seq.token_ids[p] for seq, p in zip(seqs, index)]
-            slots = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, index)]
-            context_lens = [p + 1 for p in index]
-            positions = [p + seq.rope_delta for seq, p in zip(seqs, index)]  # rope_delta: 0 but past media
+            positions = [seq.num_computed_tokens for seq in seqs]
+            input_ids = [seq.token_ids[p] for seq, p in zip(seqs, positions)]
+            slots = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions)]
+            context_lens = [p + 1 for p in positions]
+            if self.multimodal:  # past media, a token's rotary position is its index + the sequence's rope_delta
+                positions = [p + seq.rope_delta for seq, p in zip(seqs, positions)]
             cu = list(range(len(seqs) + 1))
             # a row samples when its token is the sequence's last (not a 1-token prefill chunk)
             sample_rows = [i for i, (seq, n) in enumerate(zip(seqs, context_lens)) if n == len(seq.token_ids)]
