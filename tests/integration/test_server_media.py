@@ -80,3 +80,19 @@ def test_malformed_media_is_a_400_naming_it(served, case):
     assert message in body["error"]["message"]
     if case not in ("unknown part", "missing field"):  # the protocol's own 400s name the field path
         assert "message 0 content part 1" in body["error"]["message"]
+
+
+def test_live_session_steps_take_audio_and_video(served):
+    server = served[0]
+    status, body = http_json(server.url + "/v1/live/sessions", {"system": "You watch a live stream."})
+    assert status == 200, body
+    step = f"{server.url}/v1/live/sessions/{body['id']}/step"
+    events = [{"type": "comment", "user": "amy", "text": "price?"},
+              {"type": "audio", "data": wav_b64(0.5)},
+              {"type": "video", "frames": [image_url(1, (32, 32)), image_url(2, (32, 32))]}]
+    status, first = http_json(step, {"events": events})
+    assert status == 200 and first["kind"] in ("OBS", "MEM", "ANS"), first
+    status, second = http_json(step, {"events": events[:1] + [{"type": "audio", "path": "/etc/hostname"}]})
+    assert status == 400 and "outside the allowed media directory" in second["error"]["message"], second
+    status, third = http_json(step, {"events": [{"type": "audio", "data": wav_b64(0.5, seed=1)}]})
+    assert status == 200 and third["metrics"]["cached_prompt_tokens"] >= first["metrics"]["prompt_tokens"] - 16
