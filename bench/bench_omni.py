@@ -102,3 +102,59 @@ def test_media_prefill_with_and_without_the_encoder_cache(ckpt, bench_mode):
     record(suite=SUITE, case=f"prefill of {len(ids)} tokens ({image.num_tokens} image + {audio.num_tokens} audio)",
            metric="ms", ours=t_warm * 1e3, baseline=t_cold * 1e3, baseline_name="encoders run (cache cold)",
            extra={"encoder_share": statistics.mean([1 - t_warm / t_cold])})
+
+
+@pytest.fixture(scope="module")
+def ckpt_with_tokenizer(tmp_path_factory):
+    from tiny_omni import make_omni_checkpoint
+    from tiny_tokenizer import train_tokenizer
+
+    return make_omni_checkpoint(tmp_path_factory.mktemp("bench_omni") / "live", seed=0, tokenizer=train_tokenizer(),
+                                **LM)[0]
+
+
+def media_events(i: int):
+    """One interval: a comment, 0.5 s of audio, two 32x32 frames (one temporal patch)."""
+    rng = np.random.default_rng(i)
+    return [{"type": "comment", "user": "amy", "text": f"how much is link {i % 9}?"},
+            {"type": "audio", "waveform": rng.standard_normal(8000).astype(np.float32) * 0.1},
+            {"type": "video", "frames": [rng.integers(0, 255, (32, 32, 3), dtype=np.uint8) for _ in range(2)]}]
+
+
+def play_media(llm: LLM, num_sessions: int, warm: int, timed: int):
+    from livemoe.engine.live import LiveSession, step_sessions
+
+    sessions = [LiveSession(llm, f"you are the live assistant of room {i}. decide each interval.",
+                            max_message_chars=32) for i in range(num_sessions)]
+    for i in range(warm):
+        step_sessions(llm, [(s, media_events(i)) for s in sessions])
+    t0 = time.perf_counter()
+    decisions = []
+    for i in range(warm, warm + timed):
+        decisions += step_sessions(llm, [(s, media_events(i)) for s in sessions])
+    dt = (time.perf_counter() - t0) / timed
+    for s in sessions:
+        s.close()
+    n = len(decisions)
+    return dt, tuple(sum(getattr(d.metrics, k) for d in decisions) / n
+                     for k in ("prompt_tokens", "cached_prompt_tokens", "completion_tokens"))
+
+
+@pytest.mark.parametrize("num_sessions", [1, 8, 32])
+def test_live_decision_latency_with_audio_and_video(ckpt_with_tokenizer, bench_mode, num_sessions):
+    """Per interval: the sessions' cached contexts (each interval prefills and encodes only its own events) against
+    the same sessions with prefix caching off (every interval re-prefills the whole context; the earlier media's
+    encoder outputs still come from the encoder cache)."""
+    if bench_mode == "quick" and num_sessions > 8:
+        pytest.skip("quick mode: 1 and 8 sessions (pytest bench/ --benchmark runs 32)")
+    warm, timed, reps = (6, 4, 3) if bench_mode == "full" else (2, 2, 1)
+    kw = dict(dtype=torch.float32, device="cpu", num_kv_blocks=4096, use_tqdm=False, max_model_len=4096,
+              encoder_cache_bytes=2**30)
+    cached = LLM(ckpt_with_tokenizer, **kw)
+    uncached = LLM(ckpt_with_tokenizer, enable_prefix_caching=False, **kw)
+    t_ours, stats, t_base, base_stats = median_pair(lambda: play_media(cached, num_sessions, warm, timed),
+                                                    lambda: play_media(uncached, num_sessions, warm, timed), reps)
+    record(suite=SUITE, case=f"live interval with audio + video, {num_sessions} session(s)", metric="ms/interval",
+           ours=t_ours * 1e3, baseline=t_base * 1e3, baseline_name="re-prefill the context (no prefix cache)",
+           extra={"prompt_tokens": stats[0], "cached_prompt_tokens": stats[1], "completion_tokens": stats[2],
+                  "baseline_cached": base_stats[1]})
