@@ -34,6 +34,7 @@ from livemoe.engine.decoder.input_processor import tokenize_prompt
 from livemoe.engine.errors import GrammarCompileTimeout, RequestError
 from livemoe.engine.llm import LLM
 from livemoe.engine.model.loader import load_tokenizer
+from livemoe.engine.multimodal.media import split_media
 from livemoe.engine.outputs import RequestOutput
 from livemoe.engine.sampling.params import SamplingParams
 from livemoe.engine.text.streaming import OutputDeltas, StreamDelta
@@ -238,9 +239,10 @@ class AsyncLLM:
         if params.structured is not None:  # compiled (and cached) here, off the engine loop
             await loop.run_in_executor(None, self.compile_grammar, params.structured)
         request_id = f"async-{next(self._ids)}" if request_id is None else str(request_id)
-        text, prompt_ids = tokenize_prompt(self.tokenizer, prompt)  # only ids go to the core
+        prompt, media = split_media(prompt)
+        text, prompt_ids = tokenize_prompt(self.tokenizer, prompt)  # only ids (and media) go to the core
         stream = RequestStream(self.client, self.tokenizer, request_id, params, loop)
-        accepted = self.client.add(request_id, text, prompt_ids, params, stream, pin_key)
+        accepted = self.client.add(request_id, text, prompt_ids, params, stream, pin_key, media)
         try:
             await asyncio.wrap_future(accepted)
         except asyncio.CancelledError:

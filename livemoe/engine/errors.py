@@ -47,3 +47,8 @@ class DecisionFormatError(ValueError):
 
 class CoreDeadError(RuntimeError):
     """An engine-core process that exited, or never became ready, while starting."""
+
+
+class MediaError(RequestError):
+    """A media item of a request (audio, image, video) that cannot be used: undecodable, too long, the wrong sample
+    rate, or not allowed from where it was given; the message names the item."""

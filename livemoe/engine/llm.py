@@ -21,7 +21,9 @@ from livemoe.engine.errors import EngineConfigError, RequestError
 from livemoe.engine.model.loader import load_model, load_tokenizer
 from livemoe.engine.outputs import RequestOutput
 from livemoe.engine.sampling.params import SamplingParams
-from livemoe.engine.text.prompts import chat_prompt_ids
+from livemoe.engine.multimodal.chat import media_chat_prompt
+from livemoe.engine.multimodal.media import MultimodalPrompt, split_media
+from livemoe.engine.multimodal.processor import MediaProcessor
 from livemoe.engine.text.streaming import stream
 from livemoe.engine.text.tool_parser import parse_tool_calls, tool_choice_constraint
 
@@ -67,6 +69,16 @@ class LLM:
         return self.core.model
 
     @property
+    def media_processor(self) -> MediaProcessor | None:
+        """Turns media into what the model's encoders take (None: a text model)."""
+        omni = self.core.model.config.omni
+        if omni is None:
+            return None
+        if getattr(self, "_media_processor", None) is None:
+            self._media_processor = MediaProcessor(omni, self.config)
+        return self._media_processor
+
+    @property
     def tokenizer(self):
         return self.core.tokenizer
 
@@ -93,8 +105,9 @@ class LLM:
         """Queues a request (validated first: a bad one raises RequestError and changes nothing); its id."""
         params = SamplingParams() if params is None else params
         request_id = self.core.new_request_id() if request_id is None else str(request_id)
+        prompt, media = split_media(prompt)
         text, ids = tokenize_prompt(self.tokenizer, prompt)
-        self.core.add_request(request_id, text, ids, params)
+        self.core.add_request(request_id, text, ids, params, media=media)
         return request_id
 
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
@@ -120,10 +133,12 @@ class LLM:
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool | None = None) -> list[RequestOutput]:
-        """prompts: a string, a list of strings, a list of token ids, or a list of token-id lists.
+        """prompts: a string, a list of strings, a list of token ids, or a list of token-id lists (or
+        MultimodalPrompts: ids with media, as chat() makes them from content parts).
         Returns one finished RequestOutput per prompt, in input order. Every prompt is validated before
         any is queued, so a bad one raises RequestError and leaves the engine as it was."""
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, MultimodalPrompt)) or (isinstance(prompts, (list, tuple)) and prompts
+                                                            and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         params = SamplingParams() if params is None else params
@@ -131,12 +146,13 @@ class LLM:
         if len(params) != len(prompts):
             raise RequestError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
         core = self.core
-        tokenized = [tokenize_prompt(self.tokenizer, prompt) for prompt in prompts]
-        for (_, prompt_ids), p in zip(tokenized, params):  # all validated before any is queued
-            core.validate(prompt_ids, p)
+        split = [split_media(prompt) for prompt in prompts]
+        tokenized = [tokenize_prompt(self.tokenizer, prompt) for prompt, _ in split]
+        for (_, prompt_ids), (_, media), p in zip(tokenized, split, params):  # all validated before any is queued
+            core.validate(prompt_ids, p, media)
         ids = [core.new_request_id() for _ in prompts]
-        for rid, (text, prompt_ids), p in zip(ids, tokenized, params):
-            core.add_request(rid, text, prompt_ids, p, validated=True)
+        for rid, (text, prompt_ids), (_, media), p in zip(ids, tokenized, split, params):
+            core.add_request(rid, text, prompt_ids, p, validated=True, media=media)
         show = self.config.use_tqdm if use_tqdm is None else use_tqdm
         bar = None
         if show and len(prompts) > 16:
@@ -175,8 +191,8 @@ class LLM:
             params = tool_choice_constraint(tools, tool_choice, params)
         elif tool_choice != "auto":
             raise RequestError(f"chat: tool_choice {tool_choice!r} needs tools")
-        prompts = [chat_prompt_ids(self.tokenizer, c, special_tokens_in_content, tools=tools or None)
-                   for c in conversations]
+        prompts = [media_chat_prompt(self.tokenizer, c, self.media_processor, "/", special_tokens_in_content,
+                                     tools or None) for c in conversations]
         outputs = self.generate(prompts, params, use_tqdm)
         if tools:
             for out in outputs:

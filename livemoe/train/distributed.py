@@ -249,14 +249,12 @@ class Distributed:
         """A plain one-device model holding `state` (full_state_dict's), or `model` itself in one process."""
         if not self.mesh.distributed:
             return model
-        from livemoe.engine.model.layers import RotaryEmbedding
         from livemoe.engine.model.qwen3 import Qwen3ForCausalLM
 
-        cfg = model.config
         with torch.device("meta"):  # no memory, no init: the gathered tensors are assigned below
-            plain = Qwen3ForCausalLM(cfg)
+            plain = Qwen3ForCausalLM(model.config)
         plain.load_state_dict(state, assign=True)
-        plain.model.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)  # its buffer is not in a state dict
+        plain.init_nonpersistent_buffers("cpu")  # its buffers are not in a state dict
         return plain
 
 

@@ -33,7 +33,7 @@ class EngineCoreClient(ABC):
 
     @abstractmethod
     def add(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
-            stream, pin_key: str | None = None) -> concurrent.futures.Future:
+            stream, pin_key: str | None = None, media=None) -> concurrent.futures.Future:
         """Sends a tokenized request; the future settles when the core accepted it (the stream then gets its
         outputs) or refused it (RequestError, EngineSleepingError, EngineDeadError: the caller raises it).
         pin_key: a live session's; its requests go to one core, which keeps their blocks pinned (unpin)."""

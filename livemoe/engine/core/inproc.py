@@ -59,10 +59,10 @@ class InprocClient(EngineCoreClient):
         if self.dead is not None:
             raise EngineDeadError(f"the engine loop has stopped: {self.dead}")
 
-    def add(self, request_id, prompt, prompt_ids, params, stream, pin_key=None) -> concurrent.futures.Future:
+    def add(self, request_id, prompt, prompt_ids, params, stream, pin_key=None, media=None) -> concurrent.futures.Future:
         accepted: concurrent.futures.Future = concurrent.futures.Future()
         self.check_alive()
-        self.commands.put((m.AddRequest(request_id, prompt_ids, params, prompt, pin_key), stream, accepted))
+        self.commands.put((m.AddRequest(request_id, prompt_ids, params, prompt, pin_key, media), stream, accepted))
         if not self.thread.is_alive():  # stopped meanwhile: nobody will apply the command
             settle(accepted, EngineDeadError(f"the engine loop has stopped: {self.dead}"))
         return accepted

@@ -129,9 +129,12 @@ class MPClient(EngineCoreClient):
             raise EngineDeadError(f"every engine core has stopped: {self.replicas[0].error}")
 
     def add(self, request_id: str, prompt_text, prompt_ids: list[int], params, stream,
-            pin_key: str | None = None) -> concurrent.futures.Future:
+            pin_key: str | None = None, media=None) -> concurrent.futures.Future:
         """Sends a request to a replica (a pin key's replica while it lives); the future settles when the core
         accepted or refused it."""
+        if media:
+            raise RequestError("media inputs need the in-thread engine core (engine_core='thread'): their tensors "
+                               "are not sent to engine-core processes")
         # the core validates against the vocabulary; what AddRequest's list[int] cannot carry (a bool or a float
         # would fail the core's decoding, a huge int the encoder) is refused here
         unsendable = [t for t in prompt_ids if type(t) is not int or not MSGPACK_INT_MIN <= t <= MSGPACK_INT_MAX]

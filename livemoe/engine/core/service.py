@@ -121,7 +121,7 @@ class CoreService:
         try:
             if self.llm.sleep_level:
                 raise EngineSleepingError("the engine is asleep (wake_up() first)")
-            self.llm.core.add_request(add.request_id, add.prompt, add.prompt_token_ids, add.params)
+            self.llm.core.add_request(add.request_id, add.prompt, add.prompt_token_ids, add.params, media=add.media)
             if add.pin_key is not None:  # (the block manager exists: the add reserved the KV cache)
                 holder = self.pins.setdefault(add.pin_key, PinHolder())
                 self.llm.core.block_manager.pin_on_finish(add.request_id, holder)

@@ -201,7 +201,7 @@ class BlockManager:
         best = None
         for block_id, tokens in self.pinned_tails.get(self.blocks[hits[-1]].hash if hits else None, ()):
             if (start + len(tokens) < len(seq) and self.blocks[block_id].ref_count == 1
-                    and tuple(seq.token_ids[start:start + len(tokens)]) == tokens
+                    and tuple(seq.cache_keys(start, start + len(tokens))) == tokens
                     and (best is None or len(tokens) > len(best[1]))):
                 best = (block_id, tokens)
         return best
@@ -241,7 +241,8 @@ class BlockManager:
         tail_key = None
         if has_tail:
             tail_key = seq.block_hashes[num_full - 1] if num_full else None
-            self.pinned_tails.setdefault(tail_key, []).append((block_ids[-1], tuple(seq.token_ids[num_full * self.block_size:n])))
+            self.pinned_tails.setdefault(tail_key, []).append((block_ids[-1],
+                                                               tuple(seq.cache_keys(num_full * self.block_size, n))))
         return Pin(self, block_ids, num_full * self.block_size + (n % self.block_size if has_tail else 0),
                    tail_key if has_tail else False)
 

@@ -43,14 +43,27 @@ class EngineConfig:
     # livemoe.engine.decoder.spec: {"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...} (a dict or
     # its JSON; parsed into a SpeculativeConfig here)
     speculative_config: str | dict | SpeculativeConfig | None = None
+    # media (a Qwen3-Omni-MoE thinker; livemoe.engine.multimodal): per-item limits, video sampling, encoder cache
+    max_audio_seconds: float = 300.0
+    max_image_pixels: int = 1280 * 32 * 32  # larger images are scaled down to this many pixels
+    video_fps: float = 2.0  # frames sampled per second of an animated image
+    max_video_frames: int = 128
+    max_video_pixels: int = 256 * 32 * 32  # per frame
+    encoder_cache_bytes: int = 256 * 2**20  # encoder outputs kept for reuse (LRU)
 
     def __post_init__(self):
         def fail(msg):
             raise EngineConfigError(f"EngineConfig: {msg}")
 
         check_positive_ints(self, ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes",
-                                   "max_graph_batch_size", "max_running_seqs_per_request", "tensor_parallel_size"),
-                            fail)
+                                   "max_graph_batch_size", "max_running_seqs_per_request", "tensor_parallel_size",
+                                   "max_image_pixels", "max_video_frames", "max_video_pixels"), fail)
+        for name in ("max_audio_seconds", "video_fps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                fail(f"{name} must be a number > 0, got {value!r}")
+        if not isinstance(self.encoder_cache_bytes, int) or self.encoder_cache_bytes < 0:
+            fail(f"encoder_cache_bytes must be an integer >= 0, got {self.encoder_cache_bytes!r}")
         check_positive_ints(self, [n for n in ("max_model_len", "num_kv_blocks") if getattr(self, n) is not None],
                             fail)
         if self.block_size & (self.block_size - 1):

@@ -21,7 +21,7 @@ import torch
 
 from livemoe.engine.decoder.block_manager import BlockManager
 from livemoe.engine.decoder.config import EngineConfig, resolve_max_model_len
-from livemoe.engine.decoder.input_processor import InputProcessor
+from livemoe.engine.decoder.input_processor import InputProcessor, check_media
 from livemoe.engine.decoder.model_runner import ModelRunner
 from livemoe.engine.decoder.output_processor import OutputProcessor
 from livemoe.engine.decoder.prompt_logprobs import PromptLogprobs
@@ -33,6 +33,7 @@ from livemoe.engine.errors import EngineDeadError, RequestError, RequestFailedEr
 from livemoe.engine.model import flops
 from livemoe.engine.model.qwen3 import Qwen3ForCausalLM
 from livemoe.engine.decoder.weight_update import WeightUpdate
+from livemoe.engine.multimodal.layout import MediaLayout
 from livemoe.engine.outputs import RequestOutput
 from livemoe.engine.sampling.params import SamplingParams
 from livemoe.engine.sampling.sampler import SampleResult, Sampler
@@ -149,6 +150,7 @@ class EngineCore:
     def reset_prefix_cache(self) -> None:
         if self.block_manager is not None:
             self.block_manager.reset_prefix_cache()
+        self.runner.encoder_cache.clear()  # what the encoders made may be stale too
         self.num_prefix_cache_resets += 1
 
     def _param_version(self) -> int:
@@ -162,14 +164,17 @@ class EngineCore:
             pass
         return rid
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """RequestError for a request this engine cannot serve as asked (it changes nothing)."""
+    def validate(self, prompt_ids: list[int], params: SamplingParams, media=None) -> None:
+        """RequestError for a request this engine cannot serve as asked (it changes nothing). media: the prompt's
+        PlacedMedia (livemoe.engine.multimodal)."""
         if self.closed:
             raise EngineDeadError("the engine is closed (close() was called): start a new one")
         if self.scheduler is None:
             self.reserve_kv_cache()
         assert self.block_manager is not None  # reserved just above
         self.input_processor.validate(prompt_ids, params, self.block_manager.num_blocks * self.config.block_size)
+        if media:
+            check_media(prompt_ids, media, self.model.config.omni)
         if params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
             # the lm_head is split over the ranks, which would all have to join the log-probs' pass
             raise RequestError(f"prompt_logprobs is not supported with tensor_parallel_size="
@@ -181,20 +186,25 @@ class EngineCore:
             raise RequestError(why)
 
     def add_request(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
-                    validated: bool = False) -> None:
+                    validated: bool = False, media=None) -> None:
         """Queues a tokenized request, validated first unless the caller just did (a bad one raises RequestError
-        and changes nothing)."""
+        and changes nothing). media: the prompt's PlacedMedia over its placeholder tokens."""
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in flight")
         if not validated:
-            self.validate(prompt_ids, params)
+            self.validate(prompt_ids, params, media)
+        omni = self.model.config.omni
+        layout = None
+        if media:
+            assert omni is not None, "validate() refuses media for a text model"
+            layout = MediaLayout(media, len(prompt_ids), omni)
         if params.return_routed_experts and not self.runner.capture_routing:
             # the blocks cached so far hold no routing: a hit on them would return garbage ids
             self.reset_prefix_cache()
             self.runner.enable_routing_capture()
         now = time.perf_counter()
-        seqs = [Sequence(prompt_ids, params, request_id, i, None if params.seed is None else params.seed + i, now)
-                for i in range(params.n)]
+        seqs = [Sequence(prompt_ids, params, request_id, i, None if params.seed is None else params.seed + i, now,
+                         layout) for i in range(params.n)]
         if params.structured is not None:
             for seq in seqs:
                 seq.grammar = self.input_processor.grammars().state(params.structured, prompt_ids)
@@ -543,6 +553,8 @@ class EngineCore:
             num_preemptions=sched.num_preemptions if sched else 0,
             num_eager_fallbacks=self.runner.num_eager_fallbacks,
             num_graph_replays=self.runner.num_graph_replays,
+            encoder_cache_hits=self.runner.encoder_cache.hits,  # media items (the Omni thinker)
+            encoder_cache_misses=self.runner.encoder_cache.misses,
             num_steps=self.num_steps,
             num_failed_requests=self.num_failed_requests,
             num_nonfinite_logits_steps=self.num_nonfinite_logits_steps,

@@ -71,3 +71,22 @@ class InputProcessor:
         `field`. AsyncLLM calls it off the event loop before a request reaches the engine loop, which then only
         looks it up."""
         return self.grammars().compile(spec, field)
+
+
+def check_media(ids: list[int], media: list, omni) -> None:
+    """A prompt's PlacedMedia against its ids and the model: RequestError naming what does not fit."""
+    if omni is None:
+        raise RequestError("this model takes text only; media need a Qwen3-Omni-MoE thinker")
+    pad_of = {"audio": omni.audio_token_id, "image": omni.image_token_id, "video": omni.video_token_id}
+    end = 0
+    for placed in sorted(media, key=lambda m: m.offset):
+        item = placed.item
+        if item.kind not in pad_of:
+            raise RequestError(f"{item.name or 'a media item'}: unknown kind {item.kind!r}")
+        if placed.offset < end or placed.end > len(ids) or item.num_tokens < 1:
+            raise RequestError(f"{item.name or item.kind}: its tokens [{placed.offset}, {placed.end}) overlap "
+                               f"another item or leave the prompt of {len(ids)} tokens")
+        if any(t != pad_of[item.kind] for t in ids[placed.offset:placed.end]):
+            raise RequestError(f"{item.name or item.kind}: the prompt's tokens there are not its placeholder "
+                               f"{pad_of[item.kind]}")
+        end = placed.end

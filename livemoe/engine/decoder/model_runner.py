@@ -23,8 +23,10 @@ from livemoe.engine.decoder.weight_update import WeightUpdate, stage_update
 from livemoe.engine.errors import EngineConfigError
 from livemoe.engine.model.attention import Attention
 from livemoe.engine.model.context import StepContext
+from livemoe.engine.model.omni.thinker import MediaPiece, OmniThinkerForCausalLM
 from livemoe.engine.model.qwen3 import Qwen3ForCausalLM
 from livemoe.engine.model.weights import Staged, stage_weights
+from livemoe.engine.multimodal.encoder_cache import EncoderCache
 from livemoe.engine.routed_experts import routed_dtype
 from livemoe.kernels._ext import sm_count
 from livemoe.kernels.attention import choose_num_splits
@@ -69,6 +71,8 @@ class ModelRunner:
         self.last_hidden: torch.Tensor | None = None
         self.capture_routing = False  # enable_routing_capture(): store routed experts per KV slot
         self.routing: torch.Tensor | None = None  # [num_blocks * block_size, MoE layers, k], made at first use
+        self.multimodal = model.config.omni is not None  # an Omni thinker: media in its steps
+        self.encoder_cache = EncoderCache(config.encoder_cache_bytes)  # media encoder outputs
         self.receiver: Any = None  # this rank's end of a trainer's weight-update group (join_weight_group)
 
     # -- weights ------------------------------------------------------------------------------------
@@ -162,11 +166,14 @@ class ModelRunner:
         bs = self.block_size
         seqs = out.seqs
         is_decode = out.is_decode_only
+        mrope = media = None
         if is_decode:  # the common step: one token per sequence (row i is seq i)
             positions = [seq.num_computed_tokens for seq in seqs]
             input_ids = [seq.token_ids[p] for seq, p in zip(seqs, positions)]
             slots = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions)]
             context_lens = [p + 1 for p in positions]
+            if self.multimodal:  # past media, a token's rotary position is its index + the sequence's rope_delta
+                positions = [p + seq.rope_delta for seq, p in zip(seqs, positions)]
             cu = list(range(len(seqs) + 1))
             # a row samples when its token is the sequence's last (not a 1-token prefill chunk)
             sample_rows = [i for i, (seq, n) in enumerate(zip(seqs, context_lens)) if n == len(seq.token_ids)]
@@ -179,6 +186,8 @@ class ModelRunner:
                 positions.extend(range(start, end))
                 table = seq.block_table
                 slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+                if seq.media is not None or mrope is not None:
+                    mrope, media = self._plan_media(seqs[:i + 1], out.num_new_tokens, cu, mrope, media)
                 cu.append(cu[-1] + n)
                 context_lens.append(end)
                 if end == len(seq):  # the last token's row, after those of its drafts being verified (if any)
@@ -192,7 +201,32 @@ class ModelRunner:
         return StepPlan(longs=array.array("q", input_ids + positions + slots), ints=array.array("i", ints),
                         sample_rows=sample_rows, num_seqs=len(seqs), width=width,
                         max_seqlen_q=max(out.num_new_tokens), is_decode=is_decode,
-                        max_context_len=max(context_lens), sampling_seqs=sampling_seqs)
+                        max_context_len=max(context_lens), sampling_seqs=sampling_seqs,
+                        mrope=None if mrope is None else array.array("q", [p for row in mrope for p in row]),
+                        media=media)
+
+    @staticmethod
+    def _plan_media(seqs, num_new_tokens, cu, mrope, media):
+        """The multimodal rotary rows and media pieces of a prefill step, brought up to the last of `seqs` (cu: the
+        rows before it). Made at the first sequence with media; those before it get their text positions."""
+        if mrope is None:
+            mrope, media = [[], [], []], []
+            for seq, n in zip(seqs[:-1], num_new_tokens):
+                start = seq.num_computed_tokens
+                for row in mrope:
+                    row.extend(range(start + seq.rope_delta, start + n + seq.rope_delta))
+        seq, n = seqs[-1], num_new_tokens[len(seqs) - 1]
+        start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+        if seq.media is None:
+            for row in mrope:
+                row.extend(range(start, end))
+            return mrope, media
+        for row, values in zip(mrope, seq.media.positions_of(start, end, seq.rope_delta).tolist()):
+            row.extend(values)
+        for placed in seq.media.overlapping(start, end):
+            lo, hi = max(placed.offset, start), min(placed.end, end)
+            media.append((cu[-1] + lo - start, placed, lo - placed.offset, hi - placed.offset))
+        return mrope, media
 
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, StepContext, list[int], list[int]]:
         """(input_ids [N], positions [N], StepContext, the rows that sample (indices into N), the seqs they belong
@@ -234,7 +268,9 @@ class ModelRunner:
         assert self.kv_cache is not None, "no KV cache: reserve_kv_cache() first"
         input_ids, positions, ctx = self.step_inputs(plan)
         sample_rows = plan.sample_rows
-        if ctx.is_decode and self.use_cuda_graphs:
+        if plan.mrope is not None:
+            hidden = self._run_multimodal(input_ids, plan, ctx)
+        elif ctx.is_decode and self.use_cuda_graphs:
             hidden = self._run_decode_graph(input_ids, positions, ctx)
         else:
             hidden = self._run_eager(input_ids, positions, ctx)
@@ -249,6 +285,23 @@ class ModelRunner:
             return self.model.forward_hidden(input_ids[None], positions[None], step=ctx)[0]
         hidden, router_logits = self.model.forward_hidden(input_ids[None], positions[None], step=ctx,
                                                           return_router_logits=True)
+        self._routing_buffer()[ctx.slot_mapping] = self._routed_ids(router_logits)
+        return hidden[0]
+
+    def _run_multimodal(self, input_ids, plan: StepPlan, ctx: StepContext) -> torch.Tensor:
+        """A prefill step with media: each item's encoder output (cached, or encoded now, before the LM step) spliced
+        over its placeholders, and the multimodal rotary positions."""
+        model = self.model
+        assert plan.mrope is not None and plan.media is not None and isinstance(model, OmniThinkerForCausalLM)
+        positions = self._to_device(plan.mrope, torch.long).view(3, 1, -1)
+        pieces = [MediaPiece(flat, self.encoder_cache.get(model, placed.item, self.device), lo, hi)
+                  for flat, placed, lo, hi in plan.media]
+        embeds, deepstack = model.media_inputs(input_ids[None], pieces)
+        out = model.forward_hidden(input_ids[None], positions, step=ctx, inputs_embeds=embeds, deepstack=deepstack,
+                                        return_router_logits=self.capture_routing)
+        if not self.capture_routing:
+            return out[0]
+        hidden, router_logits = out
         self._routing_buffer()[ctx.slot_mapping] = self._routed_ids(router_logits)
         return hidden[0]
 

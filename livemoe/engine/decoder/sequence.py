@@ -10,6 +10,7 @@ from itertools import count
 
 import torch
 
+from livemoe.engine.multimodal.layout import MediaLayout
 from livemoe.engine.sampling.params import SamplingParams
 from livemoe.engine.sampling.structured import GrammarState
 from livemoe.engine.text.detokenizer import IncrementalDetokenizer
@@ -25,7 +26,7 @@ class Sequence:
     _ids = count()
 
     def __init__(self, token_ids: list[int], params: SamplingParams, request_id: str = "", index: int = 0,
-                 seed: int | None = None, arrival_time: float | None = None):
+                 seed: int | None = None, arrival_time: float | None = None, media: MediaLayout | None = None):
         assert token_ids, "a sequence needs at least one prompt token"
         self.seq_id = next(Sequence._ids)
         self.request_id = request_id
@@ -59,6 +60,10 @@ class Sequence:
         self.num_draft_computed = 0  # draft_model: tokens whose K/V the draft model has written (spec/draft_model.py)
         self.spec_skip_steps = 0  # decode steps to go without drafting (backoff after misses)
         self.routed_experts = None  # return_routed_experts: read from the runner as the sequence finishes
+        # media over placeholder tokens (a Qwen3-Omni-MoE thinker): their items, rotary positions and cache keys
+        self.media = media
+        # what a token's position adds to its index past the prompt (multimodal rotary; 0 for text)
+        self.rope_delta = 0 if media is None else media.rope_delta
         # metrics
         self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None
@@ -88,7 +93,14 @@ class Sequence:
         return (n + block_size - 1) // block_size
 
     def block_tokens(self, i: int, block_size: int) -> list[int]:
-        return self.token_ids[i * block_size:(i + 1) * block_size]
+        """Block i's prefix-cache key: its tokens, with media placeholders standing for their item's content."""
+        return self.cache_keys(i * block_size, (i + 1) * block_size)
+
+    def cache_keys(self, start: int, end: int) -> list[int]:
+        keys = self.token_ids[start:end]
+        if self.media is not None:
+            self.media.overlay_keys(keys, start)
+        return keys
 
     def append_token(self, token_id: int, now: float | None = None) -> None:
         now = time.perf_counter() if now is None else now

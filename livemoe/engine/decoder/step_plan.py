@@ -20,6 +20,10 @@ class StepPlan:
     is_decode: bool
     max_context_len: int
     sampling_seqs: list[int] | None = None  # indices into the scheduled seqs (rank 0 only: not sent)
+    # a prefill step of sequences with media (the Omni thinker, one rank only: not sent): multimodal rotary positions
+    # [3 * N] (time, height, width rows) and the media pieces [(flat row, PlacedMedia, lo, hi)] the step computes
+    mrope: array.array | None = None
+    media: list | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -14,7 +14,9 @@ Events are one interval's list of {"type", "user", "text"} dicts, one line each:
     comment @amy: what is the price of link 3?      gift @bob: rocket          join @carl
     transcript host: link 3 is now 29 yuan.          frame: the host holds up the pork zongzi.
     meta: viewers 120.
-Audio and video enter as text in this release (transcript from ASR, frame captions).
+Audio and video enter as text (transcript from ASR, frame captions), or, on a Qwen3-Omni-MoE thinker, as themselves:
+`audio` and `video` events (livemoe.engine.live.media) put a line in the text and their placeholder tokens between
+the interval's text and its <|im_end|> (interval_segments' two halves).
 """
 from livemoe.engine.errors import RequestError
 
@@ -74,7 +76,12 @@ def memory_segment(notes: list) -> str:
 
 def interval_segment(events_text: str, after_decision: bool) -> str:
     """The interval's user turn and the assistant header (after a decision, the "\\n" that ends it)."""
-    return ("\n" if after_decision else "") + f"<|im_start|>user\n{events_text}<|im_end|>\n<|im_start|>assistant\n"
+    return "".join(interval_segments(events_text, after_decision))
+
+
+def interval_segments(events_text: str, after_decision: bool) -> tuple[str, str]:
+    """interval_segment cut where an interval's media go: after its text, before its <|im_end|>."""
+    return ("\n" if after_decision else "") + f"<|im_start|>user\n{events_text}", "<|im_end|>\n<|im_start|>assistant\n"
 
 
 def encode(tokenizer, text: str) -> list:

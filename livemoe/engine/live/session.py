@@ -32,7 +32,11 @@ from livemoe.engine.async_llm import AsyncLLM
 from livemoe.engine.errors import DecisionFormatError, RequestError
 from livemoe.engine.live.decision import (MAX_MESSAGE_CHARS, TASKS, Decision, decision_regex, max_decision_chars,
                                           parse_decision)
-from livemoe.engine.live.layout import encode, interval_segment, memory_segment, render_events, system_segment
+from livemoe.engine.live.layout import (encode, interval_segment, interval_segments, memory_segment, render_event,
+                                        render_events, system_segment)
+from livemoe.engine.live.media import is_media_event, media_item
+from livemoe.engine.multimodal.chat import placeholder_ids
+from livemoe.engine.multimodal.media import MultimodalPrompt, PlacedMedia, split_media
 from livemoe.engine.sampling.params import SamplingParams
 from livemoe.engine.sampling.structured import StructuredOutput
 
@@ -43,8 +47,10 @@ class LiveSession:
     def __init__(self, llm, system: str, *, interval_s: float = 10.0, tasks=TASKS,
                  max_message_chars: int = MAX_MESSAGE_CHARS, max_context: int | None = None,
                  keep_intervals: int = 4, temperature: float = 0.0, seed: int | None = None,
-                 session_id: str | None = None):
-        """llm: an LLM (step, or astep through an AsyncLLM over it), or an AsyncLLM (astep only; any engine core)."""
+                 session_id: str | None = None, local_media_root: str | None = "/"):
+        """llm: an LLM (step, or astep through an AsyncLLM over it), or an AsyncLLM (astep only; any engine core).
+        local_media_root: where `audio` / `video` events may name files (None: nowhere; the server's
+        --allowed-local-media-path for its sessions)."""
         if llm.tokenizer is None:
             raise RequestError("a live session needs a tokenizer, and this checkpoint has none")
         if not isinstance(system, str) or not system.strip():
@@ -79,6 +85,8 @@ class LiveSession:
         self.ids: list = list(self.system_ids)  # the context as the model has it (what the next step extends)
         self.records: list = []  # per interval: (events text, decision token ids with the end token)
         self.notes: list = []  # MEM notes: the session's memory, kept through compactions
+        self.media: list = []  # PlacedMedia in self.ids (audio / video events since the last compaction)
+        self.local_media_root = local_media_root
         self.pin = None  # livemoe.engine.decoder.block_manager.Pin of the blocks kept between steps (set by the block manager)
         self.num_compactions = 0
         self.num_dropped_notes = 0  # MEM notes a compaction had no room for (the oldest)
@@ -161,21 +169,56 @@ class LiveSession:
             raise RequestError(f"live session {self.id} is closed")
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t >= 0):
             raise RequestError(f"t must be a number of seconds >= 0, got {t!r}")
-        text = render_events(events, (len(self.records) + 1) * self.interval_s if t is None else t)
-        tok = self.llm.tokenizer
-        new = encode(tok, interval_segment(text, after_decision=bool(self.records)))
+        t = (len(self.records) + 1) * self.interval_s if t is None else t
+        items = []
+        if isinstance(events, (list, tuple)) and any(is_media_event(e) for e in events):
+            lines = []
+            for i, e in enumerate(events):
+                if is_media_event(e):
+                    item, line = media_item(e, f"events[{i}]", self.media_processor, self.local_media_root)
+                    items.append(item)
+                    lines.append(line)
+                else:
+                    lines.append(render_event(e, f"events[{i}]"))
+            events = "\n".join(lines)
+        text = render_events(events, t)
+        new, placed = self._interval_ids(text, bool(self.records), items)
         compacted = False
         if len(self.ids) + len(new) + self.params.max_tokens > self.max_context:
-            self.ids, kept = self._compacted(text)
-            new = encode(tok, interval_segment(text, after_decision=kept > 0))
+            self.ids, kept = self._compacted(text, len(new) - len(encode(self.llm.tokenizer,
+                                                                         interval_segment(text, True))))
+            self.media = []  # a compaction keeps the intervals' text and MEM notes, not their media
+            new, placed = self._interval_ids(text, kept > 0, items)
             compacted = True
-        return text, self.ids + new, compacted
+        media = self.media + placed
+        return text, MultimodalPrompt(self.ids + new, media) if media else self.ids + new, compacted
 
-    def _compacted(self, text: str) -> tuple:
-        """The compacted context (system, MEM notes, the most recent intervals that fit) and how many
-        intervals it keeps."""
+    def _interval_ids(self, text: str, after_decision: bool, items: list) -> tuple[list, list]:
+        """An interval's token ids (after the context so far) and its media placed in the whole prompt."""
         tok = self.llm.tokenizer
-        room = self.max_context - self.params.max_tokens - len(encode(tok, interval_segment(text, True)))
+        if not items:
+            return encode(tok, interval_segment(text, after_decision)), []
+        before, after = interval_segments(text, after_decision)
+        ids, placed = encode(tok, before), []
+        omni = self.llm.model.config.omni if not self.on_async_engine else self.llm.llm.model.config.omni
+        for item in items:
+            block = placeholder_ids(omni, item)
+            placed.append(PlacedMedia(item, len(self.ids) + len(ids) + 1))
+            ids += block
+        return ids + encode(tok, after), placed
+
+    @property
+    def media_processor(self):
+        """The engine's MediaProcessor (None: a text model, or an engine in other processes)."""
+        llm = self.llm.llm if self.on_async_engine else self.llm
+        return None if llm is None else llm.media_processor
+
+    def _compacted(self, text: str, media_tokens: int = 0) -> tuple:
+        """The compacted context (system, MEM notes, the most recent intervals that fit) and how many
+        intervals it keeps. media_tokens: what this interval's media add to its text."""
+        tok = self.llm.tokenizer
+        room = (self.max_context - self.params.max_tokens - len(encode(tok, interval_segment(text, True)))
+                - media_tokens)
         if len(self.system_ids) > room:
             raise RequestError(f"live session {self.id}: the system prompt ({len(self.system_ids)} tokens) and this "
                                f"interval do not fit in max_context {self.max_context} with a decision's budget")
@@ -201,6 +244,7 @@ class LiveSession:
     def _finish(self, text: str, prompt: list, token_ids: list, out_text: str, metrics, compacted: bool,
                 latency: float) -> Decision:
         """Takes the decision in: its tokens join the context, its MEM note the memory."""
+        prompt, media = split_media(prompt)
         ids = list(token_ids)
         completion_tokens = len(ids)
         if not ids or ids[-1] not in self.eos_token_ids:
@@ -211,6 +255,7 @@ class LiveSession:
             raise RuntimeError(f"live session {self.id}: the decoder wrote {out_text!r}, which the decision "
                                f"grammar should have excluded ({e})") from None
         self.ids = prompt + ids
+        self.media = media or []
         self.records.append((text, ids))
         if d.kind == "MEM":
             self.notes.append(d.message)

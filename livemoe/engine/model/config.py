@@ -8,8 +8,9 @@ import os
 from dataclasses import dataclass, field, fields
 
 from livemoe.engine.errors import CheckpointError
+from livemoe.engine.model.omni.config import OMNI_MODEL_TYPES, OmniConfig, parse_omni, thinker_dict
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe") + OMNI_MODEL_TYPES
 _REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
 _REQUIRED_MOE = ("num_experts_per_tok", "moe_intermediate_size")
 
@@ -41,6 +42,8 @@ class ModelConfig:
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
     dtype: str | None = None
+    # the Qwen3-Omni-MoE thinker's encoders, placeholders and multimodal rotary layout (None: a text model)
+    omni: OmniConfig | None = None
     raw: dict = field(default_factory=dict, repr=False)
 
     def is_moe_layer(self, layer_idx: int) -> bool:
@@ -62,6 +65,20 @@ class ModelConfig:
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             fail(f"unknown model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        if model_type in OMNI_MODEL_TYPES:  # the thinker's text model is a Qwen3-MoE one
+            text, omni = parse_omni(raw, fail)
+            cfg = cls._parse(text, "qwen3_moe", fail)
+            cfg.model_type, cfg.omni, cfg.raw = model_type, omni, dict(raw)
+            if cfg.dtype is None:
+                cfg.dtype = raw.get("dtype", raw.get("torch_dtype"))
+            cfg.validate(fail)
+            return cfg
+        cfg = cls._parse(raw, model_type, fail)
+        cfg.validate(fail)
+        return cfg
+
+    @classmethod
+    def _parse(cls, raw: dict, model_type: str, fail) -> "ModelConfig":
         moe = model_type == "qwen3_moe"
         num_experts = raw.get("num_experts", raw.get("num_local_experts"))  # v5 writes num_local_experts
         for key in _REQUIRED + (_REQUIRED_MOE if moe else ("intermediate_size",)):
@@ -74,13 +91,13 @@ class ModelConfig:
         if raw.get("use_sliding_window"):
             fail("use_sliding_window=true is not supported")
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))  # mrope_section: OmniConfig's
         if rope_type != "default":
             fail(f"rope type {rope_type!r} is not supported (only 'default')")
         rope_theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
         hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
         head_dim = raw.get("head_dim") or (128 if model_type == "qwen3" else hidden // heads)
-        cfg = cls(
+        return cls(
             model_type=model_type, vocab_size=raw["vocab_size"], hidden_size=hidden,
             num_hidden_layers=raw["num_hidden_layers"], num_attention_heads=heads,
             num_key_value_heads=raw["num_key_value_heads"], head_dim=head_dim,
@@ -98,8 +115,6 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"), eos_token_id=raw.get("eos_token_id"),
             pad_token_id=raw.get("pad_token_id"), dtype=raw.get("dtype", raw.get("torch_dtype")), raw=dict(raw),
         )
-        cfg.validate(fail)
-        return cfg
 
     def validate(self, fail) -> None:
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -124,10 +139,18 @@ class ModelConfig:
         """The raw dict as it came, with the typed fields written over the keys of the same name: a field changed
         after loading (a benchmark cutting num_hidden_layers) is saved as changed, not as loaded."""
         out = dict(self.raw)
+        text = out
+        if self.omni is not None:  # the text model's fields live in the thinker's text_config
+            thinker = dict(thinker_dict(out))
+            text = thinker["text_config"] = dict(thinker["text_config"])
+            if out.get("model_type") == "qwen3_omni_moe":
+                out["thinker_config"] = thinker
+            else:
+                out = thinker
         for f in fields(self):
-            key = "num_local_experts" if f.name == "num_experts" and "num_local_experts" in out else f.name
-            if key in out and key not in ("raw", "dtype"):
-                out[key] = getattr(self, f.name)
+            key = "num_local_experts" if f.name == "num_experts" and "num_local_experts" in text else f.name
+            if key in text and key not in ("raw", "dtype", "model_type", "omni"):
+                text[key] = getattr(self, f.name)
         return out
 
 

@@ -22,15 +22,31 @@ class RotaryEmbedding(nn.Module):
     """Default (unscaled) RoPE with the rotate-half convention; cos/sin computed in fp32.
 
     Returns (cos, signed_sin) [B, T, 1, D]: signed_sin is sin with its first half negated (what
-    livemoe.kernels.norm's rotation takes; see rotate_half_reference)."""
+    livemoe.kernels.norm's rotation takes; see rotate_half_reference).
 
-    def __init__(self, head_dim: int, theta: float):
+    mrope_section (t, h, w): the multimodal rotary of Qwen3-Omni (interleaved MRoPE). Positions may then come as
+    [3, B, T] (time, height, width): frequency i takes the height position when i % 3 == 1 and i < 3h, the width
+    position when i % 3 == 2 and i < 3w, the time position otherwise. Positions [B, T] are the same on all three
+    axes, which is plain RoPE, so text and decode steps take the plain path unchanged."""
+
+    def __init__(self, head_dim: int, theta: float, mrope_section: list[int] | None = None):
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        axis = None
+        if mrope_section is not None:
+            axis = torch.zeros(head_dim // 2, dtype=torch.long)
+            for dim in (1, 2):
+                axis[dim:3 * mrope_section[dim]:3] = dim
+        self.register_buffer("mrope_axis", axis, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[..., None, None].float() * self.inv_freq.float()  # [B, T, 1, D/2]
+        if positions.dim() == 3 and positions.shape[0] == 3 and self.mrope_axis is not None:
+            per_axis = positions[..., None].float() * self.inv_freq.float()  # [3, B, T, D/2]
+            index = self.mrope_axis.view(1, 1, 1, -1).expand(1, *per_axis.shape[1:])
+            freqs = per_axis.gather(0, index)[0][..., None, :]  # [B, T, 1, D/2]
+        else:
+            freqs = positions[..., None, None].float() * self.inv_freq.float()  # [B, T, 1, D/2]
         cos, sin = freqs.cos(), freqs.sin()
         return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
 

@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 from livemoe.engine.errors import CheckpointError
 from livemoe.engine.model.config import ModelConfig, load_config
-from livemoe.engine.model.layers import RotaryEmbedding
+from livemoe.engine.model.omni.thinker import OmniThinkerForCausalLM
 from livemoe.engine.model.qwen3 import Qwen3ForCausalLM
 from livemoe.engine.model.tensor_parallel import Shard, TensorParallel, check_tensor_parallel
 
@@ -28,6 +28,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
 _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+# the whole Qwen3-Omni-MoE checkpoint: the thinker's tensors under thinker.*, the speech output (out of scope) beside
+_OMNI_SKIPPED = ("talker.", "code2wav.")
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 
@@ -51,10 +53,14 @@ def resolve_device(device) -> torch.device:
     return torch.device(device)
 
 
+def model_class(cfg: ModelConfig) -> type[Qwen3ForCausalLM]:
+    return OmniThinkerForCausalLM if cfg.omni is not None else Qwen3ForCausalLM
+
+
 def meta_model(cfg: ModelConfig, tp: TensorParallel | None = None) -> Qwen3ForCausalLM:
     """The model's (or a tensor-parallel rank's) modules with no storage: shapes only."""
     with torch.device("meta"):
-        return Qwen3ForCausalLM(cfg, tp)
+        return model_class(cfg)(cfg, tp)
 
 
 def empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
@@ -64,7 +70,7 @@ def empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
     model = meta_model(cfg, tp)
     model.to(dtype)  # on meta: free; storage is allocated once, in the final dtype
     model.to_empty(device=device)
-    model.model.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta).to(device)  # buffers were meta
+    model.init_nonpersistent_buffers(device)  # buffers were meta
     return model
 
 
@@ -154,6 +160,7 @@ class WeightTargets:
             f"{prefix}.{name}" if prefix else name: shard for prefix, module in model.named_modules()
             for name, shard in getattr(module, "shards", {}).items()}
         self.tied = model.config.tie_word_embeddings
+        self.omni = model.config.omni is not None
         self.needed = {n: (2 * p.shape[0] if n.endswith("gate_up_proj") else p.shape[0])
                        if n.endswith(("experts.gate_up_proj", "experts.down_proj")) else 1
                        for n, p in self.params.items()}
@@ -170,6 +177,10 @@ class WeightTargets:
     def locate(self, key: str):
         """-> (param name, the key's region of the full parameter, part id) or None for keys to ignore. The region
         is (start, length, kept) per dim of the full parameter; kept=False: the key has no such dim (one expert)."""
+        if self.omni:
+            if key.startswith(_OMNI_SKIPPED):
+                return None
+            key = key.removeprefix("thinker.")
         if _IGNORED.search(key) or (self.tied and key == "lm_head.weight"):
             return None
         m = _PER_EXPERT.match(key)

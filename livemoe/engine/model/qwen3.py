@@ -59,6 +59,7 @@ class DecoderLayer(nn.Module):
                                       cfg.num_experts_per_tok, cfg.norm_topk_prob, tp)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, tp)
+        self.layer_idx = layer_idx
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -73,6 +74,12 @@ FUSABLE_MODULES = (nn.ModuleList, DecoderLayer, SelfAttention, Attention, RMSNor
                    Experts)
 
 
+def add_rows(x: torch.Tensor, flat_index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x [B, T, H] with rows [n, H] added at flattened B*T positions flat_index [n] (out of place: autograd-safe)."""
+    flat = x.reshape(-1, x.shape[-1]).index_add(0, flat_index, rows.to(x.dtype))
+    return flat.view_as(x)
+
+
 class Qwen3Model(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
         super().__init__()
@@ -80,7 +87,11 @@ class Qwen3Model(nn.Module):
                              else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+        self.rotary_emb = rotary_embedding(cfg)
+
+
+def rotary_embedding(cfg: ModelConfig) -> RotaryEmbedding:
+    return RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.omni.mrope_section if cfg.omni is not None else None)
 
 
 class Qwen3ForCausalLM(nn.Module):
@@ -106,21 +117,31 @@ class Qwen3ForCausalLM(nn.Module):
         [V/N padded, H] rows under tensor parallel)."""
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    def init_nonpersistent_buffers(self, device) -> None:
+        """Rebuilds the buffers a checkpoint does not hold (a model made on the meta device has none)."""
+        self.model.rotary_emb = rotary_embedding(self.config).to(device)
+
     def forward_hidden(self, input_ids, positions=None, attention_mask=None, return_router_logits=False,
-                       step: StepContext | None = None, routed_experts: torch.Tensor | None = None):
+                       step: StepContext | None = None, routed_experts: torch.Tensor | None = None,
+                       inputs_embeds: torch.Tensor | None = None, deepstack=None):
         """input_ids [B, T] -> final hidden states [B, T, H] (after the last norm); with
         return_router_logits, also a tuple of router logits [B*T, E], one per MoE layer. `step`: the decoder's
         step (livemoe.engine.model.context; input_ids then one flattened row [1, N]); None is the plain causal forward.
         routed_experts [B, T, L, k] (L = the MoE layers, in order): routing replay (R3), each MoE layer runs
-        these experts with weights from its own router logits (livemoe.kernels.moe.routing)."""
+        these experts with weights from its own router logits (livemoe.kernels.moe.routing).
+        Multimodal (the Omni thinker): positions [3, B, T] (time, height, width; see RotaryEmbedding),
+        inputs_embeds [B, T, H] in place of the token embeddings (media spliced in), and deepstack
+        (flat_index [n], [embeds [n, H], ...]): added to the hidden states at those flattened B*T rows after layers
+        0, 1, ... (the vision encoder's intermediate features)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
         replay = self._replay_ids(input_ids, routed_experts)
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        x = self.model.embed_tokens(input_ids)
+        x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self.model.rotary_emb(positions, x.dtype)
-        if replay is None and not return_router_logits and fused_decode.serves(self, x, step, FUSABLE_MODULES):
+        if replay is None and deepstack is None and not return_router_logits \
+                and fused_decode.serves(self, x, step, FUSABLE_MODULES):
             assert step is not None  # serves() says so
             return self.model.norm(fused_decode.run_layers(self, x, cos, sin, step))
         router_logits = []
@@ -133,6 +154,8 @@ class Qwen3ForCausalLM(nn.Module):
                 x, logits = layer(x, cos, sin, attention_mask, step, ids)
             if logits is not None:
                 router_logits.append(logits)
+            if deepstack is not None and layer.layer_idx < len(deepstack[1]):
+                x = add_rows(x, deepstack[0], deepstack[1][layer.layer_idx])
         hidden = self.model.norm(x)
         return (hidden, tuple(router_logits)) if return_router_logits else hidden
 

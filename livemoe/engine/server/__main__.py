@@ -40,6 +40,7 @@ NONE_MEANS = {
     "num_kv_blocks": "sized by --kv-cache-bytes (CPU) or --gpu-memory-utilization (GPU)",
     "api_key": f"none (or the {API_KEY_ENV} environment variable)",
     "allowed_hosts": "loopback names when bound to loopback, else any",
+    "allowed_local_media_path": "none (media content parts as data URLs only)",
     "speculative_config": 'off (JSON: {"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...})',
 }
 

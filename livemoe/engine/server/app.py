@@ -57,6 +57,8 @@ from livemoe.engine.server.protocol import ChatCompletionRequest, CompletionRequ
 from livemoe.engine.server.responses import Run
 from livemoe.engine.server.responses_api import ResponseShape, ResponsesRequest
 from livemoe.engine.server.tokenizer_routes import tokenizer_router
+from livemoe.engine.multimodal.chat import media_chat_prompt
+from livemoe.engine.multimodal.media import split_media
 from livemoe.engine.text.prompts import chat_prompt_ids
 from livemoe.engine.text.reasoning import REASONING_PARSERS, think_token_ids
 
@@ -380,18 +382,33 @@ class OpenAIServer:
         return await self.respond(receive, chat, [ids], params, chat=True,
                                   shape=lambda run: ResponseShape(run, body, count))
 
+    def media_processor(self):
+        """The engine's MediaProcessor (None: a text model); media need the engine in this process."""
+        llm = self.engine.llm
+        if llm is None:
+            raise RequestError("media content parts need the in-thread engine core (--engine-core thread): their "
+                               "tensors are not sent to engine-core processes")
+        return llm.media_processor
+
     async def prepare_chat(self, body: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
         """A chat body's prompt ids and sampling params, checked against the server's limits, its constraint
         compiled."""
         self.check_model(body.model)
         self.check_available()
         messages = [m.as_template_input() for m in body.messages]
-        self.check_text_fits(sum(len(m["content"]) for m in messages))
+        self.check_text_fits(sum(len(m["content"]) if isinstance(m["content"], str)
+                                 else sum(len(p.get("text", "")) for p in m["content"]) for m in messages))
         # the template renders the tools (Qwen3's lists them in the system turn)
         tools = [{"type": "function", "function": f} for f in body.tool_functions()] \
             if body.tool_mode() != "none" else None
-        ids = await self.off_loop(lambda: chat_prompt_ids(self.tokenizer, messages, body.special_tokens_in_content,
-                                                          tools))
+        if any(isinstance(m["content"], list) for m in messages):  # media parts: decoded off the loop
+            processor = self.media_processor()
+            ids = await self.off_loop(lambda: media_chat_prompt(
+                self.tokenizer, messages, processor, self.config.allowed_local_media_path,
+                body.special_tokens_in_content, tools))
+        else:
+            ids = await self.off_loop(lambda: chat_prompt_ids(self.tokenizer, messages,
+                                                              body.special_tokens_in_content, tools))
         params = self.answer_only_constraint(body.sampling_params(room=self.room(ids)))
         self.check_limits(params, [ids])
         await self.compile_constraint(body)
@@ -412,7 +429,7 @@ class OpenAIServer:
             for s in streams:
                 s.abort()
             raise  # a RequestError becomes a 400
-        run = Run(self, rid, body, params, streams, prompts, chat)
+        run = Run(self, rid, body, params, streams, [split_media(p)[0] for p in prompts], chat)
         answer = run if shape is None else shape(run)
         if body.stream:
             return SSEResponse(answer.events(), run.close, media_type="text/event-stream")

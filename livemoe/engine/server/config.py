@@ -31,6 +31,8 @@ class ServerConfig:
     # off unless enabled here or an api_key is set (they then need the key)
     enable_admin_routes: bool = False
     max_live_sessions: int = 256  # live sessions open at once (each pins KV blocks); a 429 past it
+    # media content parts may name local files under this directory (None: data URLs only)
+    allowed_local_media_path: str | None = None
 
     def __post_init__(self):
         for f in fields(self):

@@ -96,8 +96,8 @@ def live_router(server, idle_timeout_s: float | None = None) -> APIRouter:
         if isinstance(events, str):
             server.check_text_fits(len(events))
         else:
-            server.check_text_fits(sum(len(v) for e in events if isinstance(e, dict) for v in e.values()
-                                       if isinstance(v, str)))
+            server.check_text_fits(sum(len(v) for e in events if isinstance(e, dict) for k, v in e.items()
+                                       if k in ("user", "text") and isinstance(v, str)))  # not media data
 
     @router.post("")
     async def create(body: SessionRequest):
@@ -114,7 +114,7 @@ def live_router(server, idle_timeout_s: float | None = None) -> APIRouter:
             session = await asyncio.to_thread(lambda: LiveSession(
                 engine, body.system, interval_s=body.interval_s, max_message_chars=body.max_message_chars,
                 max_context=body.max_context, keep_intervals=body.keep_intervals, temperature=body.temperature,
-                seed=body.seed))
+                seed=body.seed, local_media_root=server.config.allowed_local_media_path))
         finally:
             creating.discard(token)
         open_sessions[session.id] = _Open(session)

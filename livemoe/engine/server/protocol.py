@@ -18,7 +18,7 @@ limits (ServerConfig) are checked by the app. On chat, `special_tokens_in_conten
 reads special tokens written in a message as tokens rather than text (livemoe.engine.text.prompts).
 """
 import re
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
@@ -218,6 +218,41 @@ class TextPart(StrictModel):
     text: str
 
 
+# media content parts (a Qwen3-Omni-MoE thinker; livemoe.engine.multimodal.chat), as OpenAI and vLLM spell them
+class InputAudio(StrictModel):
+    data: str  # base64 WAV (16 kHz)
+    format: str = "wav"
+
+
+class InputAudioPart(StrictModel):
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+class MediaUrl(StrictModel):
+    url: str  # a data URL, or a path under the server's --allowed-local-media-path
+    detail: str | None = None  # OpenAI's image detail: accepted, the image's own size decides (max_image_pixels)
+
+
+class AudioUrlPart(StrictModel):
+    type: Literal["audio_url"]
+    audio_url: MediaUrl
+
+
+class ImageUrlPart(StrictModel):
+    type: Literal["image_url"]
+    image_url: MediaUrl
+
+
+class VideoUrlPart(StrictModel):
+    type: Literal["video_url"]
+    video_url: MediaUrl
+
+
+ContentPart = Annotated[TextPart | InputAudioPart | AudioUrlPart | ImageUrlPart | VideoUrlPart,
+                        Field(discriminator="type")]
+
+
 class FunctionCall(StrictModel):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
@@ -235,7 +270,7 @@ ROLE_ALIASES = {"developer": "system", "function": "tool"}
 
 class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None  # given to the chat template with the message
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     function_call: FunctionCall | None = None  # the same in the legacy functions API (one call)
@@ -243,8 +278,9 @@ class ChatMessage(StrictModel):
 
     def as_template_input(self) -> dict:
         content = self.content
-        if isinstance(content, list):
-            content = "".join(part.text for part in content)
+        if isinstance(content, list):  # text parts joined; with media, the parts (livemoe.engine.multimodal.chat)
+            text_only = all(isinstance(part, TextPart) for part in content)
+            content = "".join(p.text for p in content) if text_only else [p.model_dump() for p in content]
         message = {"role": ROLE_ALIASES.get(self.role, self.role), "content": content or ""}
         if self.name is not None:
             message["name"] = self.name

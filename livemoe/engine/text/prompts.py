@@ -5,6 +5,7 @@ as plain text, so a user cannot forge turns of another role; only the chat templ
 tokens are special. A caller that means them opts in with `special_tokens_in_content=True`.
 Text that is not valid Unicode (a lone surrogate from a JSON `\\ud800` escape) is a RequestError.
 """
+import re
 import uuid
 
 from livemoe.engine.errors import RequestError
@@ -36,9 +37,10 @@ def check_unicode(text: str, what: str) -> None:
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict], special_tokens_in_content: bool = False,
-                    tools: list[dict] | None = None) -> list[int]:
+                    tools: list[dict] | None = None, markers: dict[str, list[int]] | None = None) -> list[int]:
     """The token ids of `messages` under the tokenizer's chat template, with the generation prompt (the
-    template writes any special tokens itself: none are added); `tools` go to the template."""
+    template writes any special tokens itself: none are added); `tools` go to the template. markers: strings the
+    contents hold (unique, plain text) that become the given ids, not text (a media item's placeholders)."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise RequestError("this model has no chat template (use a completions prompt)")
     for k, m in enumerate(messages):
@@ -48,7 +50,7 @@ def chat_prompt_ids(tokenizer, messages: list[dict], special_tokens_in_content: 
     forged = [k for k, m in enumerate(messages)
               if isinstance(m.get("content"), str) and any(s in m["content"] for s in specials)]
     if special_tokens_in_content or not forged:
-        return tokenizer.encode(_render(tokenizer, messages, tools), add_special_tokens=False)
+        return _encode(tokenizer, _render(tokenizer, messages, tools), markers)
     # render with a marker in place of each such content, then encode those contents as plain text
     markers = {k: f"livemoe{uuid.uuid4().hex}m{k}" for k in forged}
     text = _render(tokenizer, [{**m, "content": markers[k]} if k in markers else m for k, m in enumerate(messages)],
@@ -59,10 +61,22 @@ def chat_prompt_ids(tokenizer, messages: list[dict], special_tokens_in_content: 
         if at < 0 or text.count(marker) != 1:
             raise RequestError(f"message {k}'s content holds special tokens and the chat template transforms it, "
                                "so it cannot be kept as text; set special_tokens_in_content to use them as tokens")
-        ids += tokenizer.encode(text[pos:at], add_special_tokens=False)
-        ids += tokenizer.encode(messages[k]["content"], add_special_tokens=False, split_special_tokens=True)
+        ids += _encode(tokenizer, text[pos:at], markers)
+        ids += _encode(tokenizer, messages[k]["content"], markers, split_special_tokens=True)
         pos = at + len(marker)
-    return ids + tokenizer.encode(text[pos:], add_special_tokens=False)
+    return ids + _encode(tokenizer, text[pos:], markers)
+
+
+def _encode(tokenizer, text: str, markers: dict[str, list[int]] | None, **kw) -> list[int]:
+    if not markers:
+        return tokenizer.encode(text, add_special_tokens=False, **kw)
+    ids: list[int] = []
+    for piece in re.split("(" + "|".join(map(re.escape, markers)) + ")", text):
+        if piece in markers:
+            ids += markers[piece]
+        elif piece:
+            ids += tokenizer.encode(piece, add_special_tokens=False, **kw)
+    return ids
 
 
 def _render(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> str:
