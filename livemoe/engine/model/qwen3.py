@@ -12,6 +12,7 @@ from torch import nn
 from livemoe.engine.model.attention import Attention
 from livemoe.engine.model.config import ModelConfig
 from livemoe.engine.model.context import StepContext
+from livemoe.engine.model.linear import Linear, linear
 from livemoe.engine.model.layers import MLP, RMSNorm, RotaryEmbedding, SparseMoeBlock, qk_norm_rotary
 from livemoe.engine.model.moe_loss import load_balancing_loss
 from livemoe.engine.model.tensor_parallel import (ParallelLMHead, TensorParallel, VocabParallelEmbedding, column_linear,
@@ -89,7 +90,7 @@ class Qwen3ForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = (nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if tp is None
+            self.lm_head = (Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if tp is None
                             else ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp))
         self.gradient_checkpointing = False
 
@@ -150,7 +151,7 @@ class Qwen3ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., V] (the full vocab on every rank under tensor parallel)."""
-        logits = torch.nn.functional.linear(hidden, self.lm_head_weight)
+        logits = linear(hidden, self.lm_head_weight)
         tp = self.tensor_parallel
         return logits if tp is None else gather_logits(logits, tp, self.config.vocab_size)
 

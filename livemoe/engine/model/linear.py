@@ -1,0 +1,19 @@
+"""The model's linear layers: nn.Linear, whose forward takes the batch-invariant kernel in the exact mode
+(livemoe.kernels.batch_invariant), and `linear`, the same choice for a bare weight (the lm_head's logits)."""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from livemoe.kernels import batch_invariant
+from livemoe.kernels.batch_invariant import ops as exact_ops
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if batch_invariant.enabled():
+        return exact_ops.exact(exact_ops.linear_forward, F.linear, x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
