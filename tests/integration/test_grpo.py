@@ -244,3 +244,19 @@ def test_speculative_rollouts_give_the_same_run(student, tmp_path):
     assert trainer.rollouts.llm.stats()["spec_drafted_tokens"] > 0
     ra, rb = read_metrics(str(plain / "metrics.jsonl")), read_metrics(str(fast / "metrics.jsonl"))
     assert [r["reward/mean"] for r in rb] == [r["reward/mean"] for r in ra]
+
+
+@pytest.mark.parametrize("bf16", ["false", "true"])
+def test_exact_rollouts_leave_no_mismatch(student, tmp_path, bf16):
+    """Issue 32, item 5: with --exact_rollouts the decoder's log-probs are the trainer's to the bit and every token is
+    routed alike, so the step's mismatch is exactly 0 and R3 and the rollout correction have nothing to correct
+    (weights exactly 1, none cut), in fp32 and with bf16 weights."""
+    out = tmp_path / f"exact_{bf16}"
+    assert main(args(student, out, "--bf16", bf16, "--exact_rollouts", "true", "--routing_replay", "R3",
+                     "--rollout_rs", "1.0001", "--max_steps", "1")) == 0
+    row = read_metrics(str(out / "metrics.jsonl"))[0]
+    assert row["logprob_diff/mean"] == 0.0 and row["logprob_diff/max"] == 0.0 and row["mismatch/k3_kl"] == 0.0
+    assert row["mismatch/routing_disagreement"] == 0.0 and row["mismatch/ppl_ratio"] == 1.0
+    assert row["rollout_is/weight_mean"] == 1.0 and row["rollout_is/weight_max"] == 1.0
+    assert row["rollout_is/over_threshold_frac"] == 0.0 and row["rollout_rs/rejected_frac"] == 0.0
+    assert row["grad_norm"] > 0
