@@ -5,6 +5,7 @@ Each function here takes tensors of any leading shape and returns what the ordin
 computation that looks at one row (attention: one query and its context) in one fixed order.
 """
 import torch
+import torch.nn.functional as F
 
 OPS = torch.ops.livemoe
 
@@ -109,8 +110,6 @@ def linear_logprobs(hidden, weight, targets, temperature: float, active=None):
     [N], with the logits and log-softmax of the exact kernels (the decoder's raw log-probs, bit for bit) and the
     ordinary gradients; rows where `active` [N] is False give 0. Builds the [N, V] logits: the exact mode pays
     that memory for the bits."""
-    import torch.nn.functional as F
-
     logits = exact(linear_forward, F.linear, hidden, weight)
     scaled = scale_logits(logits, torch.full((hidden.shape[0], 1), temperature, dtype=torch.float32,
                                              device=hidden.device))
