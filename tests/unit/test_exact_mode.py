@@ -315,3 +315,22 @@ def test_options_are_validated_where_they_are_set(tmp_path_factory):
         model = load_model(path, dtype=torch.float32)
         with batch_invariant_mode(), torch.no_grad():
             model.forward_hidden(torch.ones(1, 4, dtype=torch.long), attention_mask=torch.tensor([[0, 1, 1, 1]]))
+
+
+def test_gradient_checkpointing_recomputes_in_exact_mode():
+    """A checkpointed layer's recompute runs in the backward, outside the caller's batch_invariant_mode: it takes
+    the kernels its forward took (else torch's checkpoint finds other saved tensors and fails), and the gradients
+    are those without checkpointing."""
+    model = load_model(STUDENT, dtype=torch.float32)
+    model.train()
+    ids = torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(4))
+    grads = []
+    for checkpointing in (False, True):
+        model.gradient_checkpointing = checkpointing
+        model.zero_grad(set_to_none=True)
+        with batch_invariant_mode():
+            hidden = model.forward_hidden(ids)
+        hidden.square().mean().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) == len(list(model.parameters())) - 1  # no lm_head
+    assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])

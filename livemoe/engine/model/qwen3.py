@@ -6,18 +6,28 @@ per-expert layout onto it. Built with a livemoe.train.parallel.TensorParallel, t
 the model (livemoe.engine.model.tensor_parallel): the same keys over smaller tensors, the same forward, whose
 collectives leave every rank with the same hidden states and full-vocab logits.
 """
+import contextlib
+import functools
+
 import torch
 from torch import nn
 
 from livemoe.engine.model.attention import Attention
 from livemoe.engine.model.config import ModelConfig
 from livemoe.engine.model.context import StepContext
-from livemoe.engine.model.linear import Linear, linear
 from livemoe.engine.model.layers import MLP, RMSNorm, RotaryEmbedding, SparseMoeBlock, qk_norm_rotary
+from livemoe.engine.model.linear import Linear, linear
 from livemoe.engine.model.moe_loss import load_balancing_loss
 from livemoe.engine.model.tensor_parallel import (ParallelLMHead, TensorParallel, VocabParallelEmbedding, column_linear,
                                                   gather_logits, row_linear)
+from livemoe.kernels import batch_invariant
 from livemoe.kernels.moe.routing import check_replay
+
+
+def checkpoint_contexts(exact: bool):
+    """torch.utils.checkpoint's context_fn: nothing around the forward, the forward's kernel choice around the
+    recompute (the backward runs outside the caller's batch_invariant_mode)."""
+    return contextlib.nullcontext(), batch_invariant.batch_invariant_mode(exact)
 
 
 class SelfAttention(nn.Module):
@@ -115,11 +125,13 @@ class Qwen3ForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(positions, x.dtype)
         router_logits = []
+        # the recompute of a checkpointed layer takes the kernels its forward took (exact mode or not)
+        recompute = functools.partial(checkpoint_contexts, batch_invariant.enabled())
         for layer in self.model.layers:
             ids = replay[len(router_logits)] if replay is not None and layer.mlp_is_moe else None
             if self.gradient_checkpointing and self.training:
                 x, logits = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, attention_mask, step, ids,
-                                                              use_reentrant=False)
+                                                              use_reentrant=False, context_fn=recompute)
             else:
                 x, logits = layer(x, cos, sin, attention_mask, step, ids)
             if logits is not None:
