@@ -8,8 +8,8 @@
   hits, gives each sequence the same tokens, log-probs and routed experts in every batch; and the trainer's
   forward (GRPO's: forward_hidden + fused_linear_logprobs) over those sequences in batches of 1, 7 and 64 gives
   log-probs equal to the decoder's (|dlogp| max 0.0) and routes every token alike (disagreement 0).
-- With it, R3 changes no bit of the log-probs nor of the gradients, and the rollout correction's weights are all
-  exactly 1 (nothing truncated, masked or rejected).
+- With it, R3 changes no bit of the log-probs (nor of the gradients, where the rows the decoder never ran replay
+  the trainer's own choice), and the rollout correction's weights are all exactly 1 (nothing cut or rejected).
 - The trainer's gradients in the exact mode are the ordinary ones (close to the default kernels', rtol 1e-4), with
   and without gradient checkpointing (equal); 2 threads give the bits of 1.
 - The options are validated where they are set.
