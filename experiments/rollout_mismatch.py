@@ -7,7 +7,7 @@ decoder and the trainer disagreeing as a bf16 inference engine and an fp32 train
 - R3 + TIS;
 - exact: the exact on-policy mode (`--exact_rollouts`), bf16 rollouts and a trainer whose forward also runs in bf16
   (fp32 master weights), every op batch-invariant on both sides, so the mismatch is 0 by construction (the trainer
-  cannot compute in fp32 and agree with a bf16 decoder bit for bit).
+  cannot compute in fp32 and agree with a bf16 decoder bit for bit); on the CPU, where its kernels are.
 Reported: the mismatch metrics (livemoe/train/mismatch.py) averaged over the steps, the reward over the last steps,
 the held-out rows."""
 from experiments.common import (FULL_GRPO, GRPO_SIZE_NOTE, TINY_GRPO, TINY_RFT, ExperimentArgs, logged, plot_panels,
@@ -24,7 +24,7 @@ PLAIN = ["--old_logprobs", "decoder", "--rollout_is", "none"]
 ARMS = [("plain", "plain", [*MISMATCHED, *PLAIN]), ("TIS (token, truncate 2.0)", "tis", MISMATCHED),
         ("R3", "r3", [*MISMATCHED, *PLAIN, "--routing_replay", "R3"]),
         ("R3 + TIS", "r3_tis", [*MISMATCHED, "--routing_replay", "R3"]),
-        ("exact (bf16 both sides)", "exact", ["--bf16", "true", "--exact_rollouts", "true"])]
+        ("exact (bf16 both sides)", "exact", ["--bf16", "true", "--exact_rollouts", "true", "--device", "cpu"])]
 COLUMNS = ["Arm", "Seeds", "mean abs dlogp", "max abs dlogp", "k3 KL", "Routing disagreement",
            "Reward, last 5 steps (min-max over seeds)", "Largest grad norm", "Correct.", "Helpful.", "TPR"]
 DECIMALS = {"mean abs dlogp": 4, "max abs dlogp": 3, "k3 KL": 6, "Routing disagreement": 4, "Largest grad norm": 2}
