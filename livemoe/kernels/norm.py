@@ -8,7 +8,8 @@ decode step is a CUDA graph, so dispatch costs nothing there).
 import torch
 import torch.nn.functional as F
 
-from livemoe.kernels import _ext
+from livemoe.kernels import _ext, batch_invariant
+from livemoe.kernels.batch_invariant import ops as exact_ops
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -31,6 +32,9 @@ _BUILT = {name: _ext.has_op(name) for name in ("rms_norm", "qk_norm_rope")}  # l
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """rms_norm_reference's result; the C++ op where it serves (weight [D] of x's dtype)."""
+    if batch_invariant.enabled():
+        return exact_ops.exact(lambda x, w: exact_ops.rms_norm_forward(x, w, eps),
+                               lambda x, w: rms_norm_reference(x, w, eps), x, weight)
     if _BUILT["rms_norm"] and weight.dim() == 1 and weight.dtype == x.dtype and _ext.cpu_inference(x, weight):
         return torch.ops.livemoe.rms_norm(x, weight, eps)
     return rms_norm_reference(x, weight, eps)
@@ -41,6 +45,9 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
     """Per-head RMSNorm of q [..., Hq, D] and k [..., Hkv, D] (weights [D]), then RoPE with cos / signed_sin
     [..., 1, D] (see rotate_half_reference). Each head row is normalised on its own, so the bits are those of
     norming q and k apart; in PyTorch the heads of both are normed and rotated at once (2 ops, not 4)."""
+    if batch_invariant.enabled():  # the exact RMSNorm; the rotation is products and sums, exact per element
+        return (rotate_half_reference(rms_norm(q, q_weight, eps), cos, signed_sin),
+                rotate_half_reference(rms_norm(k, k_weight, eps), cos, signed_sin))
     if _BUILT["qk_norm_rope"] and q.dtype == k.dtype == q_weight.dtype == k_weight.dtype == cos.dtype == \
             signed_sin.dtype and _ext.cpu_inference(q, k, q_weight, k_weight):
         return torch.ops.livemoe.qk_norm_rope(q, k, q_weight, k_weight, cos, signed_sin, eps)

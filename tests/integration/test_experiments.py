@@ -106,12 +106,16 @@ def test_moe_vs_dense(student, tmp_path):
 
 
 def test_rollout_mismatch_from_a_given_start(student, tmp_path):
-    """bf16 rollouts against an fp32 trainer, four arms: the mismatch is measured in each, non-zero."""
+    """bf16 rollouts against an fp32 trainer, four arms: the mismatch is measured in each, non-zero; the exact
+    mode's fifth arm has none (|dlogp| max and routing disagreement exactly 0)."""
     results, out, _ = run_tiny("rollout_mismatch", student, tmp_path, "--start", student)
     rows = results["rows"]
     assert [r[0] for r in rows[1:]] == [label for label, _, _ in rollout_mismatch.ARMS]
-    assert all(r[1] == 1 and r[2] > 0 and r[4] >= 0 for r in rows[1:])  # one seed; |dlogp|: bf16 vs fp32 differ
+    mismatched, exact = rows[1:-1], rows[-1]
+    assert all(r[1] == 1 and r[2] > 0 and r[4] >= 0 for r in mismatched)  # one seed; |dlogp|: bf16 vs fp32 differ
+    assert exact[1] == 1 and exact[2] == 0.0 and exact[3] == 0.0 and exact[5] == 0.0
     arms = results["arms"]
     assert "--rollout_dtype bfloat16" in arms["plain_seed0"] and "--routing_replay R3" in arms["r3_seed0"]
+    assert "--exact_rollouts true" in arms["exact_seed0"] and "--rollout_dtype" not in arms["exact_seed0"]
     assert (out / "rollout_mismatch.png").stat().st_size > 0
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from livemoe.engine.model.loader import load_model
+from livemoe.kernels.batch_invariant import unavailable_reason
 from fixtures import assert_stopped_on_nonfinite
 from test_rollout import make_student
 from livemoe.train.config import ConfigError, parse_config
@@ -431,3 +432,20 @@ def test_prompt_sharing_gives_the_unshared_update(student, tmp_path):
     for k in plain:
         scale = float(plain[k].abs().max())
         torch.testing.assert_close(shared[k], plain[k], rtol=1e-4, atol=1e-5 * scale + 1e-9, msg=k)
+
+
+@pytest.mark.skipif(unavailable_reason() is not None, reason=f"exact mode: {unavailable_reason()}")
+@pytest.mark.parametrize("bf16", ["false", "true"])
+def test_exact_rollouts_leave_no_mismatch(student, tmp_path, bf16):
+    """Issue 32, item 5: with --exact_rollouts the decoder's log-probs are the trainer's to the bit and every token is
+    routed alike, so the step's mismatch is exactly 0 and R3 and the rollout correction have nothing to correct
+    (weights exactly 1, none cut), in fp32 and with bf16 weights."""
+    out = tmp_path / f"exact_{bf16}"
+    assert main(args(student, out, "--device", "cpu", "--bf16", bf16, "--exact_rollouts", "true", "--routing_replay", "R3",
+                     "--rollout_rs", "1.0001", "--max_steps", "1")) == 0
+    row = read_metrics(str(out / "metrics.jsonl"))[0]
+    assert row["logprob_diff/mean"] == 0.0 and row["logprob_diff/max"] == 0.0 and row["mismatch/k3_kl"] == 0.0
+    assert row["mismatch/routing_disagreement"] == 0.0 and row["mismatch/ppl_ratio"] == 1.0
+    assert row["rollout_is/weight_mean"] == 1.0 and row["rollout_is/weight_max"] == 1.0
+    assert row["rollout_is/over_threshold_frac"] == 0.0 and row["rollout_rs/rejected_frac"] == 0.0
+    assert row["grad_norm"] > 0

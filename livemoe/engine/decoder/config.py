@@ -50,6 +50,9 @@ class EngineConfig:
     max_video_frames: int = 128
     max_video_pixels: int = 256 * 32 * 32  # per frame
     encoder_cache_bytes: int = 256 * 2**20  # encoder outputs kept for reuse (LRU)
+    # exact mode (livemoe.kernels.batch_invariant): every forward op batch-invariant, so a token's log-probs have
+    # the same bits in any batch, prefill chunk or cache hit, and equal a trainer's forward in that mode (CPU)
+    batch_invariant: bool = False
 
     def __post_init__(self):
         def fail(msg):
@@ -79,6 +82,11 @@ class EngineConfig:
             fail(f"seed must be an integer, got {self.seed!r}")
         if not isinstance(self.enable_expert_parallel, bool):
             fail(f"enable_expert_parallel must be a bool, got {self.enable_expert_parallel!r}")
+        if not isinstance(self.batch_invariant, bool):
+            fail(f"batch_invariant must be a bool, got {self.batch_invariant!r}")
+        if self.batch_invariant and self.tensor_parallel_size > 1:
+            fail("batch_invariant runs in one process: its kernels have no tensor-parallel split (a sharded "
+                 "matmul's all-reduce adds in another order); use tensor_parallel_size=1")
         if self.enable_expert_parallel and self.tensor_parallel_size == 1:
             fail("enable_expert_parallel needs tensor_parallel_size > 1 (it splits the experts over those ranks)")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)

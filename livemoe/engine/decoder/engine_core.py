@@ -29,7 +29,7 @@ from livemoe.engine.decoder.scheduler import Scheduler
 from livemoe.engine.decoder.sequence import Request, Sequence
 from livemoe.engine.decoder.spec.speculator import Speculator
 from livemoe.engine.decoder.spec.verify import verified_tokens
-from livemoe.engine.errors import EngineDeadError, RequestError, RequestFailedError
+from livemoe.engine.errors import EngineConfigError, EngineDeadError, RequestError, RequestFailedError
 from livemoe.engine.model import flops
 from livemoe.engine.model.qwen3 import Qwen3ForCausalLM
 from livemoe.engine.decoder.weight_update import WeightUpdate
@@ -37,6 +37,7 @@ from livemoe.engine.multimodal.layout import MediaLayout
 from livemoe.engine.outputs import RequestOutput
 from livemoe.engine.sampling.params import SamplingParams
 from livemoe.engine.sampling.sampler import SampleResult, Sampler
+from livemoe.kernels.batch_invariant import batch_invariant_mode, unavailable_reason
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,8 @@ class EngineCore:
             self._finalizer = weakref.finalize(self, workers.close)
         mc = model.config
         self.max_model_len = resolve_max_model_len(config, mc)
+        if config.batch_invariant and (reason := unavailable_reason(model.lm_head_weight.device)):
+            raise EngineConfigError(f"EngineConfig: batch_invariant: {reason}")
         self.vocab_size = mc.vocab_size
         self.eos_token_ids = set(mc.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -260,6 +263,10 @@ class EngineCore:
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """Runs one scheduled step; returns an output for each request that got tokens or finished (cumulative;
         `finished` says whether it is the last), or with finished_only only for those that finished."""
+        with batch_invariant_mode(self.config.batch_invariant):  # the forward and the sampler's log-probs
+            return self._step(finished_only)
+
+    def _step(self, finished_only: bool) -> list[RequestOutput]:
         pending, self.pending = self.pending, []
         if not self.requests:
             return pending

@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from livemoe.engine.model.context import StepContext
+from livemoe.kernels import batch_invariant
+from livemoe.kernels.batch_invariant import ops as exact_ops
 from livemoe.kernels.attention import paged_decode_attention, paged_prefill_attention, store_kvcache
 
 
@@ -26,9 +28,26 @@ class Attention(nn.Module):
     def forward(self, q, k, v, attention_mask=None, step: StepContext | None = None):
         """q [B, T, Hq, D], k/v [B, T, Hkv, D] -> [B, T, Hq, D]. attention_mask [B, T]: 1 = real token (causal); or
         [B, T, T]: True where query t sees key s (the whole pattern, causality included)."""
+        if batch_invariant.enabled():
+            return self.exact_forward(q, k, v, attention_mask, step)
         if step is None:
             return causal_attention(q, k, v, self.scale, attention_mask)
         return self.paged_forward(q, k, v, step)
+
+    def exact_forward(self, q, k, v, attention_mask=None, step: StepContext | None = None):
+        """The exact mode's attention (livemoe.kernels.batch_invariant): one per-query kernel, over the paged cache
+        (decode and prefill alike) or over the batch's own K/V; gradients are causal_attention's."""
+        if step is not None:
+            k_cache, v_cache = step.kv_caches[self.layer_idx]
+            store_kvcache(k[0], v[0], k_cache, v_cache, step.slot_mapping, step.backend)
+            return exact_ops.paged_attention_forward(q[0], k_cache, v_cache, None if step.is_decode else step.cu_seqlens_q,
+                                                     step.context_lens, step.block_tables, self.scale)[None]
+        # right padding only: each real token then sees the real tokens before it, as in the decoder
+        if attention_mask is not None and not bool((attention_mask.cumprod(-1) == attention_mask).all()):
+            raise ValueError("exact (batch-invariant) attention takes right-padded batches only: attention_mask must "
+                             "be ones, then zeros, on every row")
+        return exact_ops.exact(lambda *t: exact_ops.causal_attention_forward(*t, self.scale),
+                               lambda *t: causal_attention(*t, self.scale, attention_mask), q, k, v)
 
     def paged_forward(self, q, k, v, step: StepContext):
         assert q.shape[0] == 1, f"the paged path takes one flattened row of tokens, got batch {q.shape[0]}"

@@ -3,7 +3,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from livemoe.engine.model.linear import Linear
 from livemoe.engine.model.tensor_parallel import TensorParallel, column_linear, parallel_experts, row_linear
+from livemoe.kernels import batch_invariant
+from livemoe.kernels.batch_invariant import ops as exact_ops
 from livemoe.kernels.moe import fused_moe
 from livemoe.kernels.norm import qk_norm_rope, rms_norm
 
@@ -41,6 +44,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("mrope_axis", axis, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if batch_invariant.enabled():  # cos/sin by scalar libm calls: the same bits at any tensor size
+            if positions.dim() == 3 and self.mrope_axis is not None:
+                raise ValueError("exact mode (batch_invariant) does not cover multimodal rotary positions (the Omni "
+                                 "thinker): run it without exact mode")
+            return exact_ops.rope_forward(positions, self.inv_freq, dtype)
         if positions.dim() == 3 and positions.shape[0] == 3 and self.mrope_axis is not None:
             per_axis = positions[..., None].float() * self.inv_freq.float()  # [3, B, T, D/2]
             index = self.mrope_axis.view(1, 1, 1, -1).expand(1, *per_axis.shape[1:])
@@ -70,7 +78,13 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_ids=None) -> tuple[torch.Tensor, None]:
         assert topk_ids is None, "a dense MLP has no routing to replay"
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)), None
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x))), None
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    if batch_invariant.enabled():
+        return exact_ops.exact(exact_ops.silu_mul_forward, lambda g, u: F.silu(g) * u, gate, up)
+    return F.silu(gate) * up
 
 
 class Experts(nn.Module):
@@ -101,7 +115,7 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, intermediate_size: int, top_k: int, norm_topk_prob: bool,
                  tp: TensorParallel | None = None):
         super().__init__()
-        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.gate = Linear(hidden_size, num_experts, bias=False)
         if tp is None:
             self.experts = Experts(num_experts, hidden_size, intermediate_size)
         else:

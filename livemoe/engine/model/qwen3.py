@@ -6,6 +6,9 @@ per-expert layout onto it. Built with a livemoe.train.parallel.TensorParallel, t
 the model (livemoe.engine.model.tensor_parallel): the same keys over smaller tensors, the same forward, whose
 collectives leave every rank with the same hidden states and full-vocab logits.
 """
+import contextlib
+import functools
+
 import torch
 from torch import nn
 
@@ -14,11 +17,18 @@ from livemoe.engine.model.attention import Attention
 from livemoe.engine.model.config import ModelConfig
 from livemoe.engine.model.context import StepContext
 from livemoe.engine.model.layers import MLP, Experts, RMSNorm, RotaryEmbedding, SparseMoeBlock, qk_norm_rotary
+from livemoe.engine.model.linear import Linear, linear
 from livemoe.engine.model.moe_loss import load_balancing_loss
 from livemoe.engine.model.tensor_parallel import (ParallelLMHead, TensorParallel, VocabParallelEmbedding, column_linear,
                                                   gather_logits, row_linear)
-from livemoe.kernels.linear import linear
+from livemoe.kernels import batch_invariant
 from livemoe.kernels.moe.routing import check_replay
+
+
+def checkpoint_contexts(exact: bool):
+    """torch.utils.checkpoint's context_fn: nothing around the forward, the forward's kernel choice around the
+    recompute (the backward runs outside the caller's batch_invariant_mode)."""
+    return contextlib.nullcontext(), batch_invariant.batch_invariant_mode(exact)
 
 
 class SelfAttention(nn.Module):
@@ -70,8 +80,8 @@ class DecoderLayer(nn.Module):
 
 
 # what livemoe.engine.model.fused_decode's C++ layer computes exactly: a layer made of only these, hook-free
-FUSABLE_MODULES = (nn.ModuleList, DecoderLayer, SelfAttention, Attention, RMSNorm, nn.Linear, MLP, SparseMoeBlock,
-                   Experts)
+FUSABLE_MODULES = (nn.ModuleList, DecoderLayer, SelfAttention, Attention, RMSNorm, nn.Linear, Linear, MLP,
+                   SparseMoeBlock, Experts)
 
 
 def add_rows(x: torch.Tensor, flat_index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -107,7 +117,7 @@ class Qwen3ForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = (nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if tp is None
+            self.lm_head = (Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if tp is None
                             else ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp))
         self.gradient_checkpointing = False
 
@@ -140,16 +150,18 @@ class Qwen3ForCausalLM(nn.Module):
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self.model.rotary_emb(positions, x.dtype)
-        if replay is None and deepstack is None and not return_router_logits \
+        if replay is None and deepstack is None and not return_router_logits and not batch_invariant.enabled() \
                 and fused_decode.serves(self, x, step, FUSABLE_MODULES):
             assert step is not None  # serves() says so
             return self.model.norm(fused_decode.run_layers(self, x, cos, sin, step))
         router_logits = []
+        # the recompute of a checkpointed layer takes the kernels its forward took (exact mode or not)
+        recompute = functools.partial(checkpoint_contexts, batch_invariant.enabled())
         for layer in self.model.layers:
             ids = replay[len(router_logits)] if replay is not None and layer.mlp_is_moe else None
             if self.gradient_checkpointing and self.training:
                 x, logits = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, attention_mask, step, ids,
-                                                              use_reentrant=False)
+                                                              use_reentrant=False, context_fn=recompute)
             else:
                 x, logits = layer(x, cos, sin, attention_mask, step, ids)
             if logits is not None:

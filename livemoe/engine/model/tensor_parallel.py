@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from livemoe.engine.model.config import ModelConfig
+from livemoe.engine.model.linear import Linear
 from livemoe.kernels.moe import fused_experts, fused_moe, route
 
 
@@ -170,14 +171,14 @@ def column_linear(in_features: int, out_features: int, bias: bool, tp: TensorPar
                   rows: Shard | None = None) -> nn.Linear:
     """nn.Linear in one process; else this rank's rows (`rows`, default an even split of out_features)."""
     if tp is None:
-        return nn.Linear(in_features, out_features, bias=bias)
+        return Linear(in_features, out_features, bias=bias)
     return ColumnParallelLinear(in_features, rows or tp.split(out_features), bias)
 
 
 def row_linear(in_features: int, out_features: int, bias: bool, tp: TensorParallel | None,
                cols: Shard | None = None) -> nn.Linear:
     if tp is None:
-        return nn.Linear(in_features, out_features, bias=bias)
+        return Linear(in_features, out_features, bias=bias)
     return RowParallelLinear(cols or tp.split(in_features), out_features, bias, tp)
 
 

@@ -13,6 +13,8 @@ import torch
 
 from livemoe.engine.sampling.logits_processors import process_logits
 from livemoe.engine.sampling.params import SamplingParams
+from livemoe.kernels import batch_invariant
+from livemoe.kernels.batch_invariant import ops as exact_ops
 
 
 @dataclass(slots=True)
@@ -90,8 +92,8 @@ class Sampler:
         device = logits.device
         # greedy rows (temperature below MIN_TEMPERATURE) are divided by 1: their raw logprobs are log_softmax(logits)
         divisor = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)[:, None]
-        scaled = logits / divisor
-        raw_scaled = raw_logits.float() / divisor if any_processing else scaled
+        scaled = exact_ops.scale_logits(logits, divisor)  # the trainer's division too (exact mode)
+        raw_scaled = exact_ops.scale_logits(raw_logits, divisor) if any_processing else scaled
         any_filter = any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params)
         if any_filter:
             filtered = filter_logits(
@@ -136,10 +138,10 @@ class Sampler:
             return out
         token_ids = tokens.tolist()
         pick = (lambda t: t) if len(rows) == B else (lambda t: t[rows])  # a rollout batch asks on every row
-        raw = pick(d.raw_scaled).log_softmax(-1)
+        raw = log_softmax(pick(d.raw_scaled))
         dist = raw
         if d.changed:
-            processed = pick(d.filtered).log_softmax(-1)
+            processed = log_softmax(pick(d.filtered))
             use_raw = torch.tensor([params[i].logprobs_mode == "raw" for i in rows], device=raw.device)
             dist = torch.where(use_raw[:, None], raw, processed)
         # the chosen tokens' logprobs in one gather (a rollout asks for them at every step)
@@ -155,6 +157,11 @@ class Sampler:
                     entry.setdefault(t, lp)
             out[i] = entry
         return out
+
+
+def log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """Log-probs of fp32 logits [B, V]; in the exact mode the batch-invariant kernel's (the trainer's bits)."""
+    return exact_ops.log_softmax(logits) if batch_invariant.enabled() else logits.log_softmax(-1)
 
 
 @dataclass(slots=True)

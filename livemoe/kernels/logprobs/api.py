@@ -4,6 +4,8 @@ import os
 
 import torch
 
+from livemoe.kernels import batch_invariant
+from livemoe.kernels.batch_invariant import ops as exact_ops
 from livemoe.kernels.logprobs.from_logits import LogprobsFromLogits
 from livemoe.kernels.logprobs.fused import FusedLinearLogprobs, LogprobsOptions
 
@@ -103,8 +105,14 @@ def fused_linear_logprobs(hidden, weight, targets, temperature: float = 1.0, *, 
     opts = LogprobsOptions(backend, chunk_tokens, chunk_vocab, fp32_accumulation, return_entropy, vocab_splits)
     weight = weight.contiguous()
 
-    with torch.autocast(hidden.device.type, enabled=False):  # the kernels choose their own precision
-        outs = _apply(h2, weight, t2, float(temperature), opts, mask, ignore_index, return_entropy)
+    if batch_invariant.enabled():  # the exact mode: the decoder's raw log-probs to the bit
+        active = None if mask is None else mask.reshape(-1).bool()
+        if ignore_index is not None:
+            active = (t2 != ignore_index) if active is None else active & (t2 != ignore_index)
+        outs = exact_ops.linear_logprobs(h2, weight, t2, float(temperature), active)
+    else:
+        with torch.autocast(hidden.device.type, enabled=False):  # the kernels choose their own precision
+            outs = _apply(h2, weight, t2, float(temperature), opts, mask, ignore_index, return_entropy)
     logprobs, lse, entropy = outs
     logprobs = logprobs.view(shape)
     if not (return_lse or return_entropy):

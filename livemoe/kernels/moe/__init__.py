@@ -11,11 +11,13 @@ Block sizes: configs.py (heuristic, per-GPU JSON cache, autotune; `python -m liv
 """
 import torch
 
+from livemoe.kernels import batch_invariant
+from livemoe.kernels.batch_invariant import ops as exact_ops
 from livemoe.kernels.moe.align import moe_align
 from livemoe.kernels.moe.align_reference import moe_align_reference, num_align_blocks
 from livemoe.kernels.moe.configs import MoEConfig
 from livemoe.kernels.moe.reference import experts_reference, fused_moe_reference
-from livemoe.kernels.moe.routing import check_top_k, route, select_experts
+from livemoe.kernels.moe.routing import check_replay, check_top_k, route, select_experts
 from livemoe.kernels.moe.sorted_moe import cpu_inference
 
 BACKENDS = ("triton", "sorted", "reference")
@@ -73,12 +75,29 @@ def fused_moe(hidden_states, w_gate_up, w_down, router_logits, top_k: int, renor
     """
     hidden_states, w_gate_up, w_down = _autocast_inputs(hidden_states, w_gate_up, w_down)
     check_inputs(hidden_states, w_gate_up, w_down, router_logits)
+    if batch_invariant.enabled():
+        return fused_moe_exact(hidden_states, w_gate_up, w_down, router_logits, top_k, renormalize, topk_ids)
     backend = _check_backend(backend, hidden_states.device)
     if backend == "sorted" and topk_ids is None and cpu_inference(hidden_states, w_gate_up, w_down, router_logits):
         check_top_k(top_k, router_logits.shape[1])  # the ValueError route() raises
         return torch.ops.livemoe.moe_forward(hidden_states, w_gate_up, w_down, router_logits, top_k, renormalize)
     topk_weights, topk_ids = route(router_logits, top_k, renormalize, topk_ids)
     return fused_experts(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, backend=backend, config=config)
+
+
+def fused_moe_exact(hidden_states, w_gate_up, w_down, router_logits, top_k: int, renormalize: bool,
+                    topk_ids: torch.Tensor | None = None):
+    """fused_moe in the exact mode (livemoe.kernels.batch_invariant): the routing and the experts' values of the
+    batch-invariant kernels (the same weights for replayed experts that the router would pick itself), the
+    gradients of route and fused_experts."""
+    check_top_k(top_k, router_logits.shape[1])
+    if topk_ids is not None:
+        check_replay(topk_ids, router_logits.shape[0], top_k, router_logits.shape[1])
+    ids = exact_ops.route(router_logits, top_k, renormalize, topk_ids)[1]
+    weights = exact_ops.exact(lambda x: exact_ops.route(x, top_k, renormalize, ids)[0],
+                              lambda x: route(x, top_k, renormalize, ids)[0], router_logits)
+    return exact_ops.exact(lambda *t: exact_ops.experts_forward(*t, ids),
+                           lambda *t: fused_experts(*t, ids, backend="sorted"), hidden_states, w_gate_up, w_down, weights)
 
 
 def fused_experts(hidden_states, w_gate_up, w_down, topk_weights, topk_ids, *, backend: str | None = None,

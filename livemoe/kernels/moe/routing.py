@@ -10,6 +10,9 @@ the model's norm_topk_prob says; so the router still gets gradients through them
 """
 import torch
 
+from livemoe.kernels import batch_invariant
+from livemoe.kernels.batch_invariant import ops as exact_ops
+
 
 def check_top_k(top_k: int, num_experts: int) -> None:
     if not 1 <= top_k <= num_experts:
@@ -19,6 +22,8 @@ def check_top_k(top_k: int, num_experts: int) -> None:
 def select_experts(router_logits: torch.Tensor, top_k: int) -> torch.Tensor:
     """router_logits [T, E] -> topk_ids [T, k] int64: the experts route() picks (no weights, no gradient)."""
     check_top_k(top_k, router_logits.shape[-1])
+    if batch_invariant.enabled():  # the experts the exact mode runs (ties: the lower id), whatever the batch
+        return exact_ops.route(router_logits, top_k, False)[1]
     return torch.topk(torch.softmax(router_logits.detach(), dim=-1, dtype=torch.float32), top_k, dim=-1).indices
 
 

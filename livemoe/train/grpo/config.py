@@ -96,6 +96,10 @@ class GRPOConfig(RunConfig):
                                                                    "| decoder (the sampled tokens' raw logprobs)"})
     routing_replay: str = field(default="none", metadata={"help": "none | R3: the policy's and reference's forward "
                                                                   "run the rollout's routed experts (MoE)"})
+    exact_rollouts: bool = field(default=False, metadata={
+        "help": "exact on-policy mode: the decoder and the trainer's forwards run the batch-invariant kernels, so the "
+                "rollout's log-probs equal the trainer's bit for bit (R3 and the rollout correction change nothing); "
+                "CPU, one process, the in-process decoder in the trainer's dtype"})
     # TIS at verl's recommended token truncation 2.0 (livemoe/train/mismatch.py; docs/training.md says why)
     rollout_correction: RolloutCorrectionConfig = nested(
         RolloutCorrectionConfig,
@@ -152,6 +156,12 @@ class GRPOConfig(RunConfig):
             raise ConfigError("--rollout_is / --rollout_rs weigh the trainer's old log-probs against the rollout's; "
                               "with --old_logprobs decoder the policy ratio is against the rollout's already: use "
                               "--old_logprobs trainer, or --rollout_is none --rollout_rs 0")
+        if self.exact_rollouts and self.rollout_url:
+            raise ConfigError("--exact_rollouts needs the in-process decoder (the trainer's own kernels); leave out "
+                              "--rollout_url")
+        if self.exact_rollouts and self.rollout_dtype != "auto":
+            raise ConfigError("--exact_rollouts: the decoder runs the trainer's module in the trainer's dtype; leave "
+                              "--rollout_dtype auto")
         check_choice("weight_sync", self.weight_sync, ("distributed", "disk"))
         if self.rollout_speculative_config:
             if self.rollout_url:

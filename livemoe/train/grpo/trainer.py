@@ -14,6 +14,7 @@ import torch
 from livemoe.engine.model import flops
 from livemoe.engine.model.loader import load_model, load_tokenizer
 from livemoe.engine.model.saver import save_model
+from livemoe.kernels.batch_invariant import batch_invariant_mode, unavailable_reason
 from livemoe.kernels.logprobs import fused_linear_logprobs
 from livemoe.train import distributed
 from livemoe.train.advantages import ZERO_STD, group_advantages, multi_turn_advantages, token_advantages
@@ -89,6 +90,9 @@ class GRPOTrainer:
         rollout_dtype = self.dtype if cfg.rollout_dtype == "auto" else getattr(torch, cfg.rollout_dtype)
         if not self.dist.mesh.distributed and self.dtype != torch.float32:
             self.master = MasterWeights(self.model, self.dtype)
+        if cfg.exact_rollouts and (self.dist.mesh.distributed or (reason := unavailable_reason(self.device))):
+            raise ConfigError("--exact_rollouts: " + ("one process only (the batch-invariant kernels have no sharded "
+                                                      "version)" if self.dist.mesh.distributed else reason))
         if self.dist.mesh.distributed or rollout_dtype != self.dtype:  # refreshed after each optimizer step
             self.infer = self.dist.inference_copy(self.model, rollout_dtype)
         self.tokenizer = load_tokenizer(model_path) or load_tokenizer(self.start_model)
@@ -121,7 +125,7 @@ class GRPOTrainer:
         else:
             self.rollouts = Rollouts(self.infer or self.model, self.tokenizer, num_generations=cfg.num_generations,
                                      max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, return_routed_experts=routed,
-                                     **self._sampling())
+                                     batch_invariant=cfg.exact_rollouts, **self._sampling())
         n = len(self.train_records)
         self.total_steps = cfg.max_steps or math.ceil(cfg.epochs * n / cfg.batch_size)
         # what the optimizer updates and clipping reads: the fp32 masters under bf16
@@ -350,13 +354,14 @@ class GRPOTrainer:
     # -- the update ---------------------------------------------------------------------------------
     def _logprobs(self, model, mb, entropy: bool = False):
         replay = mb.get("routed_experts") if self.cfg.routing_replay == "R3" else None  # the empty micro-batch: none
-        if mb.get("shared") is not None:  # one forward per prompt (livemoe/train/shared_prefix.py)
-            hidden, router_logits = forward_shared(model, mb["shared"])
-        else:
-            hidden, router_logits = model.forward_hidden(mb["input_ids"], attention_mask=mb["attention_mask"],
-                                                         return_router_logits=True, routed_experts=replay)
-        out = fused_linear_logprobs(hidden[:, :-1], model.lm_head_weight, mb["targets"], self.rollouts.temperature,
-                                    mask=mb["completion_mask"] > 0, return_entropy=entropy)
+        with batch_invariant_mode(self.cfg.exact_rollouts):  # the decoder's kernels: its log-probs to the bit
+            if mb.get("shared") is not None:  # one forward per prompt (livemoe/train/shared_prefix.py)
+                hidden, router_logits = forward_shared(model, mb["shared"])
+            else:
+                hidden, router_logits = model.forward_hidden(mb["input_ids"], attention_mask=mb["attention_mask"],
+                                                             return_router_logits=True, routed_experts=replay)
+            out = fused_linear_logprobs(hidden[:, :-1], model.lm_head_weight, mb["targets"], self.rollouts.temperature,
+                                        mask=mb["completion_mask"] > 0, return_entropy=entropy)
         return out, router_logits
 
     def _micro_batches(self, batch) -> list:
@@ -439,7 +444,8 @@ class GRPOTrainer:
                 (lp, ent), router_logits = self._logprobs(model, mb, entropy=True)
                 mask = mb["completion_mask"]
                 if it == 0:  # the trainer's log-probs at the start of the step: measured, and old for every pass
-                    mismatch.add(lp, mb, router_logits, model.config.num_experts_per_tok)
+                    with batch_invariant_mode(cfg.exact_rollouts):  # the top-k the exact decoder takes
+                        mismatch.add(lp, mb, router_logits, model.config.num_experts_per_tok)
                     if cfg.old_logprobs == "trainer":
                         mb["old_logprobs"] = lp.detach()
                     if cfg.rollout_correction.enabled:
