@@ -8,17 +8,20 @@ flow back through the gather into the one shared prompt.
 
 GRPO's prompts are most of a row on short-answer tasks (the demo: ~170 prompt tokens, ~10-token answers, K = 8),
 so the update computes about K times fewer positions. The pattern is a dense [T, T] mask per packed row (the
-attention's masked path); a micro-batch whose masks would exceed `max_mask_elements` runs unshared."""
+attention's masked path), and a packed row is as long as its prompt and all its completions: so a micro-batch
+runs unshared when its packed attention would cost more than its padded rows' (G x Tp^2 > B x T^2: long completions
+of a short prompt) or its masks would pass `max_mask_elements`."""
 import torch
 
-MAX_MASK_ELEMENTS = 64 * 2**20  # of the [G, T, T] pattern: beyond it the dense mask costs more than it saves
+MAX_MASK_ELEMENTS = 16 * 2**20  # of the [G, Tp, Tp] pattern (the attention may hold it as floats: 4 bytes each)
 
 
 def pack_prompts(input_ids, attention_mask, prompt_lens, pad_id: int = 0,
                  max_mask_elements: int = MAX_MASK_ELEMENTS) -> dict | None:
     """input_ids, attention_mask [B, T] (right-padded rows), prompt_lens [B] -> {"input_ids", "positions" [G, Tp],
     "mask" [G, Tp, Tp] bool, "index" [B, T]: each row position's flat index into the packed [G * Tp]}; None when no
-    two rows share a prompt or the pattern would exceed max_mask_elements."""
+    two rows share a prompt, when the packed attention would cost more than the rows' (G x Tp^2 > B x T^2), or when
+    the pattern would exceed max_mask_elements."""
     B, T = input_ids.shape
     lengths = attention_mask.sum(1).tolist()
     plens = [int(p) for p in prompt_lens.tolist()]
@@ -29,7 +32,7 @@ def pack_prompts(input_ids, attention_mask, prompt_lens, pad_id: int = 0,
         return None
     sizes = [len(key) + sum(lengths[i] - len(key) for i in rows) for key, rows in groups.items()]
     G, Tp = len(groups), max(sizes)
-    if G * Tp * Tp > max_mask_elements:
+    if G * Tp * Tp > min(B * T * T, max_mask_elements):
         return None
     device = input_ids.device
     packed = torch.full((G, Tp), pad_id, dtype=input_ids.dtype, device=device)

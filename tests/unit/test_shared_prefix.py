@@ -20,9 +20,10 @@ def model(tmp_path_factory):
 
 
 def rows(vocab: int, seed: int):
-    """Two prompts (lengths 7 and 5) with 3 and 2 completions of odd lengths, shuffled, right-padded."""
+    """Two prompts (lengths 30 and 25) with 3 and 2 completions of 1-9 tokens, shuffled, right-padded (prompts long
+    enough for sharing to pay: pack_prompts runs unshared otherwise)."""
     rng = random.Random(seed)
-    prompts = [[rng.randrange(1, vocab) for _ in range(n)] for n in (7, 5)]
+    prompts = [[rng.randrange(1, vocab) for _ in range(n)] for n in (30, 25)]
     seqs = [(p, p + [rng.randrange(1, vocab) for _ in range(rng.randint(1, 9))]) for p, k in zip(prompts, (3, 2))
             for _ in range(k)]
     rng.shuffle(seqs)
@@ -77,3 +78,10 @@ def test_no_shared_prompt_or_too_large_a_pattern_runs_unshared():
     same = torch.tensor([[1, 2, 3, 0], [1, 2, 6, 7]])
     assert pack_prompts(same, (same > 0).long(), torch.tensor([2, 2])) is not None
     assert pack_prompts(same, (same > 0).long(), torch.tensor([2, 2]), max_mask_elements=10) is None
+    # long completions of a short prompt: one packed row of 2 + 8 x 30 tokens attends more than 8 rows of 32
+    long = torch.cat([torch.tensor([[1, 2]]).expand(8, 2), torch.arange(3, 3 + 8 * 30).reshape(8, 30)], dim=1)
+    assert pack_prompts(long, torch.ones_like(long), torch.full((8,), 2)) is None
+    short = long[:, :6]  # 2 prompt tokens + 4 each: one row of 34 attends more (34^2) than 8 rows of 6 (8 x 6^2)
+    assert pack_prompts(short, torch.ones_like(short), torch.full((8,), 2)) is None
+    shared_prompt = torch.cat([torch.arange(1, 41).expand(8, 40), torch.arange(41, 41 + 16).reshape(8, 2)], dim=1)
+    assert pack_prompts(shared_prompt, torch.ones_like(shared_prompt), torch.full((8,), 40)) is not None  # 56^2 < 8 x 42^2

@@ -26,6 +26,7 @@ update; bench/bench_rollout_weights.py measures it against decoding through the 
 joined for the advantages, and the loss is normalised over the global batch; checkpoints are sharded.
 
 config.py holds its options (GRPOConfig), start.py where a run starts (the checkpoint, the records),
-trainer.py the trainer (GRPOTrainer: the rollout phase, the update phase, evaluation, the loop), and
-__main__.py the command.
+trainer.py the trainer (GRPOTrainer: the rollout phase, the update phase, evaluation, the loop),
+async_rollouts.py the producer of --async_rollouts (rollouts of later steps while a step trains, with bounded
+staleness and partial rollouts), and __main__.py the command.
 """
