@@ -29,6 +29,7 @@ class _DraftView:
     num_computed_tokens: int
     block_table: list[int]
     num_draft_tokens: int = 0
+    media: None = None  # the draft is a text model: a target's media placeholders reach it as plain tokens
 
     def __len__(self) -> int:
         return len(self.token_ids)
