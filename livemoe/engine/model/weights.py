@@ -60,7 +60,8 @@ def copy_weights_from_disk(model, path: str) -> int:
         raise CheckpointError(f"{path}: not a directory (a weight update reads a checkpoint directory holding "
                               "config.json and safetensors files)")
     cfg = load_config(path)
-    if cfg.model_type != model.config.model_type:
+    same_thinker = cfg.omni is not None and model.config.omni is not None  # a whole Omni checkpoint or its thinker
+    if cfg.model_type != model.config.model_type and not same_thinker:
         raise CheckpointError(f"{path}: model_type {cfg.model_type!r}, but the loaded model is "
                               f"{model.config.model_type!r}")
     files = weight_files(path)
