@@ -6,9 +6,18 @@ PY := $(VENV)/bin/python
 # GRPO 3.2 -> 2.0 min, the same numbers); the trainers' own default is 1, for a machine shared with other jobs
 DEMO_THREADS ?= 2
 
-.PHONY: setup demo test test-fast lint plain-install bench gpu-check clean
+.PHONY: setup demo test test-fast lint plain-install bench gpu-check clean system-tools
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed system-tools
+
+# Debian's espeak-ng speaks the heard live world's host lines (livemoe/train/live/media_world.py): installed where
+# apt-get runs as root (each apt step capped at 2 minutes: a machine without package mirrors must not hang setup);
+# elsewhere its tests skip, saying so
+system-tools:
+	@command -v espeak-ng >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  { timeout 120 apt-get install -y -q espeak-ng >/dev/null 2>&1 || \
+	    { timeout 120 apt-get update -q >/dev/null 2>&1 && timeout 120 apt-get install -y -q espeak-ng >/dev/null 2>&1; }; }; } || \
+	  echo "== espeak-ng is not installed (apt-get install espeak-ng): the heard live world's speech tests skip"
 
 # pip runs with -q, so each step says first what it does and how long it takes: the C++ build prints
 # nothing for minutes otherwise and looks hung.

@@ -33,7 +33,9 @@ from livemoe.engine.decoder.engine_core import IN_FLIGHT_MODES
 from livemoe.engine.decoder.input_processor import tokenize_prompt
 from livemoe.engine.errors import GrammarCompileTimeout, RequestError
 from livemoe.engine.llm import LLM
+from livemoe.engine.model.config import load_config
 from livemoe.engine.model.loader import load_tokenizer
+from livemoe.engine.multimodal.processor import MediaProcessor
 from livemoe.engine.multimodal.media import split_media
 from livemoe.engine.outputs import RequestOutput
 from livemoe.engine.sampling.params import SamplingParams
@@ -117,6 +119,8 @@ class AsyncLLM:
         if engine_core not in ENGINE_CORES:
             raise ValueError(f"engine_core must be one of {ENGINE_CORES}, got {engine_core!r}")
         self._ids = count()
+        self._media: tuple = (None, None)  # (OmniConfig, EngineConfig) of an engine in other processes
+        self._media_processor: MediaProcessor | None = None
         # compiles with a time budget wait here (a compile past it runs on: its thread stays taken until it ends)
         self._compile_pool = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="livemoe-grammar")
         self._slow_compiles: set[str] = set()  # specs whose compile ran past a budget and has not ended yet
@@ -137,6 +141,19 @@ class AsyncLLM:
             raise ValueError(f"devices: {len(devices)} given for data_parallel_size {data_parallel_size}")
         self.client = MPClient(model_path, dict(options, dtype=dtype, device=device), load_tokenizer(model_path),
                                data_parallel_size, devices, on_core_death, logging.getLogger().level)
+        self._media = (load_config(model_path).omni, config)  # media are processed here, encoded in the cores
+
+    @property
+    def media_processor(self) -> MediaProcessor | None:
+        """Turns media into what the model's encoders take, in this process (None: a text model)."""
+        if self.client.llm is not None:
+            return self.client.llm.media_processor
+        omni, config = self._media
+        if omni is None:
+            return None
+        if self._media_processor is None:
+            self._media_processor = MediaProcessor(omni, config)
+        return self._media_processor
 
     @classmethod
     def from_llm(cls, llm: LLM) -> "AsyncLLM":

@@ -96,3 +96,31 @@ def test_live_session_steps_take_audio_and_video(served):
     assert status == 400 and "outside the allowed media directory" in second["error"]["message"], second
     status, third = http_json(step, {"events": [{"type": "audio", "data": wav_b64(0.5, seed=1)}]})
     assert status == 200 and third["metrics"]["cached_prompt_tokens"] >= first["metrics"]["prompt_tokens"] - 16
+
+
+def test_media_reach_engine_core_processes(served):
+    """AsyncLLM(engine_core="process"): media are processed in the caller's process and their tensors pickled to the
+    core, which encodes them; the tokens are the in-thread engine's."""
+    import asyncio
+
+    from livemoe.engine.multimodal.chat import media_chat_prompt
+
+    _, path, _, options = served
+    parts = [{"type": "input_audio", "input_audio": {"data": wav_b64(0.8, seed=5)}},
+             {"type": "image_url", "image_url": {"url": image_url(6)}}, {"type": "text", "text": "so?"}]
+    params = SamplingParams(temperature=0, max_tokens=5)
+    llm = LLM(path, **options)
+    want = llm.chat([{"role": "user", "content": parts}], params)[0].outputs[0].token_ids
+    engine = AsyncLLM(path, engine_core="process", use_tqdm=False, **options)
+    try:
+        prompt = media_chat_prompt(engine.tokenizer, [{"role": "user", "content": parts}], engine.media_processor)
+
+        async def run():
+            ids = []
+            async for delta in engine.generate(prompt, params):
+                ids += delta.token_ids
+            return ids
+
+        assert asyncio.run(run()) == want
+    finally:
+        engine.shutdown()

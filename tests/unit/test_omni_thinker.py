@@ -135,6 +135,11 @@ def test_hub_layout_loads_and_skips_the_talker(tmp_path):
     ids = torch.randint(3, 180, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (model(ids) - hf(input_ids=ids, attention_mask=torch.ones_like(ids)).logits).abs().max() <= 1e-4
+    # saved, it is a thinker alone (no talker was loaded), which our loader and transformers' thinker read
+    saved = engine.save_model(model, str(tmp_path / "saved"))
+    assert engine.load_config(saved).model_type == "qwen3_omni_moe_thinker"
+    with torch.no_grad():
+        assert torch.equal(engine.load_model(saved, device="cpu")(ids), model(ids))
 
 
 def test_text_only_rotary_is_plain_rope(pair):
@@ -155,3 +160,35 @@ def test_bad_omni_config_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(CheckpointError, match="mrope_section"):
         engine.load_config(str(tmp_path))
+
+
+def test_save_and_load_round_trip(pair, tmp_path):
+    """save_model writes the thinker in transformers' thinker layout (encoders included); loading it back, and
+    transformers loading it, give the same logits."""
+    from transformers import Qwen3OmniMoeThinkerForConditionalGeneration
+
+    model, hf = pair
+    path = engine.save_model(model, str(tmp_path / "saved"))
+    again = engine.load_model(path, device="cpu")
+    g = torch.Generator().manual_seed(11)
+    ids, spans = build_prompt(g, PROMPTS["image_text"])
+    _, audio, images, videos = reference_logits(hf, ids, spans, g)
+    assert torch.equal(our_logits(model, ids, spans, audio, images, videos),
+                       our_logits(again, ids, spans, audio, images, videos))
+    theirs = Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(path).eval()
+    x = torch.tensor([ids[:6]])
+    with torch.no_grad():
+        assert (theirs(input_ids=x, attention_mask=torch.ones_like(x)).logits - again(x)).abs().max() <= 1e-4
+
+
+def test_weights_update_from_a_saved_thinker(tmp_path):
+    """A thinker loaded from the whole model's layout takes a saved thinker's weights (update_weights_from_disk)."""
+    from livemoe import LLM
+
+    path, _ = make_omni_checkpoint(tmp_path / "whole", seed=5, layout="hub")
+    other, _ = make_omni_checkpoint(tmp_path / "other", seed=6)
+    llm = LLM(path, device="cpu", num_kv_blocks=16)
+    ids = torch.randint(3, 180, (1, 7), generator=torch.Generator().manual_seed(0))
+    assert llm.update_weights_from_disk(other) > len(list(llm.model.named_parameters()))  # per-expert keys
+    with torch.no_grad():
+        assert torch.equal(llm.model(ids), engine.load_model(other, device="cpu")(ids))

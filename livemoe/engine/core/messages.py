@@ -32,8 +32,7 @@ class AddRequest(Message):
     # a live session's key: when the request finishes, its KV blocks stay pinned for the session's next step
     # (CoreService keeps one pin per key, released by the call `unpin`)
     pin_key: str | None = None
-    # the prompt's media (livemoe.engine.multimodal.media.PlacedMedia): in-thread cores only, their tensors do not
-    # travel to engine-core processes (MPClient refuses them)
+    # the prompt's media (livemoe.engine.multimodal.media.PlacedMedia, with their tensors; a pickle on the wire)
     media: Any = None
 
 

@@ -132,9 +132,6 @@ class MPClient(EngineCoreClient):
             pin_key: str | None = None, media=None) -> concurrent.futures.Future:
         """Sends a request to a replica (a pin key's replica while it lives); the future settles when the core
         accepted or refused it."""
-        if media:
-            raise RequestError("media inputs need the in-thread engine core (engine_core='thread'): their tensors "
-                               "are not sent to engine-core processes")
         # the core validates against the vocabulary; what AddRequest's list[int] cannot carry (a bool or a float
         # would fail the core's decoding, a huge int the encoder) is refused here
         unsendable = [t for t in prompt_ids if type(t) is not int or not MSGPACK_INT_MIN <= t <= MSGPACK_INT_MAX]
@@ -162,7 +159,9 @@ class MPClient(EngineCoreClient):
             self.tracked[request_id] = Tracked(r, stream, params, output, accepted)
             self.router.add(request_id, r, prompt_ids, len(prompt_ids) + params.n * params.max_tokens)
             # sent under the lock, so an abort from another thread cannot overtake it
-            self.replicas[r].send(self.send_codec, m.AddRequest(request_id, prompt_ids, params, None, pin_key))
+            # media (PlacedMedia with their tensors) go as one pickle: msgpack would turn the dataclasses into dicts
+            self.replicas[r].send(self.send_codec, m.AddRequest(request_id, prompt_ids, params, None, pin_key,
+                                                                m.pickled(media) if media else None))
         return accepted
 
     def abort(self, request_id: str) -> None:

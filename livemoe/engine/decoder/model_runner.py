@@ -298,7 +298,7 @@ class ModelRunner:
                   for flat, placed, lo, hi in plan.media]
         embeds, deepstack = model.media_inputs(input_ids[None], pieces)
         out = model.forward_hidden(input_ids[None], positions, step=ctx, inputs_embeds=embeds, deepstack=deepstack,
-                                        return_router_logits=self.capture_routing)
+                                   return_router_logits=self.capture_routing)
         if not self.capture_routing:
             return out[0]
         hidden, router_logits = out

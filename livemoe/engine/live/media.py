@@ -26,8 +26,7 @@ def media_item(event: dict, name: str, processor, local_root: str | None) -> tup
     """-> (the event's item, its line in the interval's text)."""
     kind = event["type"]
     if processor is None:
-        raise RequestError(f"{name}: {kind} events need a model that takes media (a Qwen3-Omni-MoE thinker) on the "
-                           "in-thread engine core")
+        raise RequestError(f"{name}: {kind} events need a model that takes media (a Qwen3-Omni-MoE thinker)")
     unknown = sorted(set(event) - _FIELDS[kind] - {"type"})
     given = sorted(set(event) & _FIELDS[kind])
     if unknown or len(given) != 1:

@@ -200,7 +200,7 @@ class LiveSession:
             return encode(tok, interval_segment(text, after_decision)), []
         before, after = interval_segments(text, after_decision)
         ids, placed = encode(tok, before), []
-        omni = self.llm.model.config.omni if not self.on_async_engine else self.llm.llm.model.config.omni
+        omni = self.media_processor.omni  # there are items: media_item had a processor
         for item in items:
             block = placeholder_ids(omni, item)
             placed.append(PlacedMedia(item, len(self.ids) + len(ids) + 1))
@@ -209,9 +209,8 @@ class LiveSession:
 
     @property
     def media_processor(self):
-        """The engine's MediaProcessor (None: a text model, or an engine in other processes)."""
-        llm = self.llm.llm if self.on_async_engine else self.llm
-        return None if llm is None else llm.media_processor
+        """The engine's MediaProcessor (None: a text model)."""
+        return self.llm.media_processor
 
     def _compacted(self, text: str, media_tokens: int = 0) -> tuple:
         """The compacted context (system, MEM notes, the most recent intervals that fit) and how many

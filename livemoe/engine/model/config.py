@@ -140,13 +140,10 @@ class ModelConfig:
         after loading (a benchmark cutting num_hidden_layers) is saved as changed, not as loaded."""
         out = dict(self.raw)
         text = out
-        if self.omni is not None:  # the text model's fields live in the thinker's text_config
-            thinker = dict(thinker_dict(out))
-            text = thinker["text_config"] = dict(thinker["text_config"])
-            if out.get("model_type") == "qwen3_omni_moe":
-                out["thinker_config"] = thinker
-            else:
-                out = thinker
+        if self.omni is not None:  # the thinker alone (what the engine holds and saves), its LM in text_config
+            out = dict(thinker_dict(out), model_type="qwen3_omni_moe_thinker")
+            out.setdefault("architectures", ["Qwen3OmniMoeThinkerForConditionalGeneration"])
+            text = out["text_config"] = dict(out["text_config"])
         for f in fields(self):
             key = "num_local_experts" if f.name == "num_experts" and "num_local_experts" in text else f.name
             if key in text and key not in ("raw", "dtype", "model_type", "omni"):

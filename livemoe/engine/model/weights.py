@@ -117,7 +117,8 @@ def checkpoint_shapes(model, path: str) -> tuple[dict[str, tuple], dict[str, str
         raise CheckpointError(f"{path}: not a directory (a weight update reads a checkpoint directory holding "
                               "config.json and safetensors files)")
     cfg = load_config(path)
-    if cfg.model_type != model.config.model_type:
+    same_thinker = cfg.omni is not None and model.config.omni is not None  # a whole Omni checkpoint or its thinker
+    if cfg.model_type != model.config.model_type and not same_thinker:
         raise CheckpointError(f"{path}: model_type {cfg.model_type!r}, but the loaded model is "
                               f"{model.config.model_type!r}")
     shapes, where = {}, {}

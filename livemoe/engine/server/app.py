@@ -382,14 +382,6 @@ class OpenAIServer:
         return await self.respond(receive, chat, [ids], params, chat=True,
                                   shape=lambda run: ResponseShape(run, body, count))
 
-    def media_processor(self):
-        """The engine's MediaProcessor (None: a text model); media need the engine in this process."""
-        llm = self.engine.llm
-        if llm is None:
-            raise RequestError("media content parts need the in-thread engine core (--engine-core thread): their "
-                               "tensors are not sent to engine-core processes")
-        return llm.media_processor
-
     async def prepare_chat(self, body: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
         """A chat body's prompt ids and sampling params, checked against the server's limits, its constraint
         compiled."""
@@ -402,7 +394,7 @@ class OpenAIServer:
         tools = [{"type": "function", "function": f} for f in body.tool_functions()] \
             if body.tool_mode() != "none" else None
         if any(isinstance(m["content"], list) for m in messages):  # media parts: decoded off the loop
-            processor = self.media_processor()
+            processor = self.engine.media_processor
             ids = await self.off_loop(lambda: media_chat_prompt(
                 self.tokenizer, messages, processor, self.config.allowed_local_media_path,
                 body.special_tokens_in_content, tools))

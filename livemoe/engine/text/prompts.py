@@ -37,9 +37,9 @@ def check_unicode(text: str, what: str) -> None:
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict], special_tokens_in_content: bool = False,
-                    tools: list[dict] | None = None, markers: dict[str, list[int]] | None = None) -> list[int]:
+                    tools: list[dict] | None = None, media_markers: dict[str, list[int]] | None = None) -> list[int]:
     """The token ids of `messages` under the tokenizer's chat template, with the generation prompt (the
-    template writes any special tokens itself: none are added); `tools` go to the template. markers: strings the
+    template writes any special tokens itself: none are added); `tools` go to the template. media_markers: strings the
     contents hold (unique, plain text) that become the given ids, not text (a media item's placeholders)."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise RequestError("this model has no chat template (use a completions prompt)")
@@ -50,21 +50,22 @@ def chat_prompt_ids(tokenizer, messages: list[dict], special_tokens_in_content: 
     forged = [k for k, m in enumerate(messages)
               if isinstance(m.get("content"), str) and any(s in m["content"] for s in specials)]
     if special_tokens_in_content or not forged:
-        return _encode(tokenizer, _render(tokenizer, messages, tools), markers)
+        return _encode(tokenizer, _render(tokenizer, messages, tools), media_markers)
     # render with a marker in place of each such content, then encode those contents as plain text
     markers = {k: f"livemoe{uuid.uuid4().hex}m{k}" for k in forged}
     text = _render(tokenizer, [{**m, "content": markers[k]} if k in markers else m for k, m in enumerate(messages)],
                    tools)
-    ids, pos = [], 0
+    ids: list[int] = []
+    pos = 0
     for k, marker in markers.items():
         at = text.find(marker, pos)
         if at < 0 or text.count(marker) != 1:
             raise RequestError(f"message {k}'s content holds special tokens and the chat template transforms it, "
                                "so it cannot be kept as text; set special_tokens_in_content to use them as tokens")
-        ids += _encode(tokenizer, text[pos:at], markers)
-        ids += _encode(tokenizer, messages[k]["content"], markers, split_special_tokens=True)
+        ids += _encode(tokenizer, text[pos:at], media_markers)
+        ids += _encode(tokenizer, messages[k]["content"], media_markers, split_special_tokens=True)
         pos = at + len(marker)
-    return ids + _encode(tokenizer, text[pos:], markers)
+    return ids + _encode(tokenizer, text[pos:], media_markers)
 
 
 def _encode(tokenizer, text: str, markers: dict[str, list[int]] | None, **kw) -> list[int]:

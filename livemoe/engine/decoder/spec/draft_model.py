@@ -29,7 +29,8 @@ class _DraftView:
     num_computed_tokens: int
     block_table: list[int]
     num_draft_tokens: int = 0
-    media: None = None  # the draft is a text model: a target's media placeholders reach it as plain tokens
+    media = None  # a draft model reads text only: its steps take no media
+    rope_delta = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)
