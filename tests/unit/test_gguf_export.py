@@ -77,7 +77,9 @@ def test_llama_cpp_decodes_our_greedy_tokens(which, dtype, random_moe, tmp_path)
     new = 16
     ours = [o.outputs[0].token_ids for o in
             llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))]
-    peer = llamacpp_peer.LlamaCppPeer(dst, n_threads=1, n_seq=len(prompts), n_ctx_per_seq=64, kv_f16=dtype == "f16")
+    # f32: without llama.cpp's CPU flash attention, which rounds q/k/v to f16
+    peer = llamacpp_peer.LlamaCppPeer(dst, n_threads=1, n_seq=len(prompts), n_ctx_per_seq=64, kv_f16=dtype == "f16",
+                                      flash_attn=False if dtype == "f32" else None)
     try:
         theirs, _ = peer.greedy(prompts, new)
     finally:

@@ -120,9 +120,10 @@ class Qwen3ForCausalLM(nn.Module):
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(positions, x.dtype)
-        if replay is None and not return_router_logits and fused_decode.serves(self, x, step, FUSABLE_MODULES):
-            assert step is not None  # serves() says so
-            return self.model.norm(fused_decode.run_layers(self, x, cos, sin, step))
+        calls = None if replay is not None or return_router_logits else fused_decode.plan(self, x, step, FUSABLE_MODULES)
+        if calls is not None:
+            assert step is not None  # plan() says so
+            return self.model.norm(fused_decode.run_layers(self, calls, x, cos, sin, step))
         router_logits = []
         for layer in self.model.layers:
             ids = replay[len(router_logits)] if replay is not None and layer.mlp_is_moe else None
