@@ -199,8 +199,38 @@ def test_decode_gpu(benchmark, bench_mode):
 # Greedy tokens are compared before anything is timed. Decode tok/s = batch x (new - 1) tokens over the steps after
 # every sequence has its first token, on both sides; ratios are medians of alternated runs.
 PEER_MODELS = {"committed student": None, "small MoE": MODELS["small MoE"]}
-PEER_CASES_FULL = [(b, dtype, threads) for dtype in ("f32", "f16") for threads in (1, 2) for b in (1, 8, 64)]
+PEER_CASES_FULL = [(b, dtype, 1) for dtype in ("f32", "f16") for b in (1, 8, 64)]
+# --benchmark-full: 2 threads as well (on a shared 2-core machine, OpenMP spin-waits make these minutes long)
+PEER_CASES_LONG = [(b, dtype, threads) for dtype in ("f32", "f16") for threads in (1, 2) for b in (1, 8, 64)]
 PEER_CASES_QUICK = [(1, "f32", 1)]
+# f32: where llama.cpp's greedy token differs from ours, ours is at a near-tie: of its two top logits there, or of
+# an MoE router's k-th and (k+1)-th expert at that token or an earlier one (the two sides sum in other orders, so a
+# near-tied router picks other experts, and the continuations part). Random prompts on random weights meet one
+# within ~10-60 tokens; a real difference in the computation parts without any.
+PEER_TIE = 1e-3
+
+
+def tie_gaps(model, prompts, ours, theirs, common) -> list[float]:
+    """For each sequence where the two parted: the smallest of our top-2 logit gap there and, for MoE layers, the
+    k-th minus (k+1)-th router logit at every token up to there (a plain forward over the prompt and the prefix)."""
+    gaps = []
+    k = model.config.num_experts_per_tok
+    with torch.inference_mode():
+        for prompt, a, b, i in zip(prompts, ours, theirs, common):
+            if i >= min(len(a), len(b)):
+                continue
+            hidden, routers = model.forward_hidden(torch.tensor([prompt + a[:i]]), return_router_logits=True)
+            logits = model.compute_logits(hidden[0, -1]).float()
+            gap = float(logits[a[i]] - logits[b[i]])
+            for r in routers:
+                top = r.float().topk(k + 1, dim=-1).values
+                gap = min(gap, float((top[:, k - 1] - top[:, k]).min()))
+            gaps.append(gap)
+    return gaps
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def ours_greedy_decode(llm, prompts, new_tokens) -> tuple[list[list[int]], float]:
@@ -233,12 +263,12 @@ def peer_checkpoint(model: str, tmp_path_factory) -> str:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU comparison with llama.cpp")
 @pytest.mark.skipif(llamacpp_peer.available() is not None, reason=str(llamacpp_peer.available()))
 @pytest.mark.parametrize("model", list(PEER_MODELS))
-def test_decode_vs_llama_cpp(benchmark, bench_mode, tmp_path_factory, model):
+def test_decode_vs_llama_cpp(benchmark, bench_mode, bench_long, tmp_path_factory, model):
     from livemoe.engine.llm import LLM
     from livemoe.engine.model.gguf_export import export_gguf
 
     path = peer_checkpoint(model, tmp_path_factory)
-    cases = PEER_CASES_FULL if bench_mode == "full" else PEER_CASES_QUICK
+    cases = PEER_CASES_LONG if bench_long else PEER_CASES_FULL if bench_mode == "full" else PEER_CASES_QUICK
     new, prompt_len = (64, 32) if bench_mode == "full" else (8, 16)
     reps = 3 if bench_mode == "full" else 1
     out_dir = tmp_path_factory.mktemp("gguf")
@@ -252,15 +282,21 @@ def test_decode_vs_llama_cpp(benchmark, bench_mode, tmp_path_factory, model):
             for threads in dict.fromkeys(t for _, d, t in cases if d == dtype):
                 torch.set_num_threads(threads)
                 peer = llamacpp_peer.LlamaCppPeer(gguf, threads, n_seq=64, n_ctx_per_seq=prompt_len + new + 8,
-                                                  kv_f16=dtype == "f16")
+                                                  kv_f16=dtype == "f16")  # llama.cpp's defaults: what is timed
+                # the tokens are checked without its flash attention, which rounds f32 q/k/v to f16
+                exact = llamacpp_peer.LlamaCppPeer(gguf, threads, n_seq=64, n_ctx_per_seq=prompt_len + new + 8,
+                                                   flash_attn=False) if dtype == "f32" else peer
                 try:
                     for batch in [b for b, d, t in cases if d == dtype and t == threads]:
                         prompts = random_prompts(batch, prompt_len, prompt_len, vocab, seed=batch)
                         ours_tokens, _ = ours_greedy_decode(llm, prompts, new)  # also the warm-up
-                        peer_tokens, _ = peer.greedy(prompts, new)
-                        agree = sum(a == b for a, b in zip(ours_tokens, peer_tokens))
-                        if dtype == "f32":  # fp32 both sides: the same tokens (16-bit rounds activations differently)
-                            assert agree == batch, f"{model} f32 batch {batch}: greedy tokens differ from llama.cpp's"
+                        peer_tokens, _ = (exact if dtype == "f32" else peer).greedy(prompts, new)
+                        common = [common_prefix(a, b) for a, b in zip(ours_tokens, peer_tokens)]
+                        if dtype == "f32":  # fp32 both sides: the same tokens, or a near-tie where they part
+                            gaps = tie_gaps(llm.model, prompts, ours_tokens, peer_tokens, common)
+                            assert max(gaps, default=0.0) <= PEER_TIE, (
+                                f"{model} f32 batch {batch}: greedy tokens differ from llama.cpp's where ours are not "
+                                f"near-tied (logit gaps {gaps}, common prefixes {common})")
                         if (batch, dtype, threads) == cases[0]:
                             benchmark.pedantic(lambda: ours_greedy_decode(llm, prompts, new), rounds=1, iterations=1)
                         t_ours, _, t_peer, _ = median_pair(lambda: ours_greedy_decode(llm, prompts, new)[::-1],
@@ -269,10 +305,12 @@ def test_decode_vs_llama_cpp(benchmark, bench_mode, tmp_path_factory, model):
                         record(suite=SUITE, case=f"{model}, {dtype}, {threads} thread(s), batch {batch}",
                                metric="decode tok/s", ours=tokens / t_ours, baseline=tokens / t_peer,
                                baseline_name="llama.cpp (llama-cpp-python)", higher_is_better=True,
-                               extra={"ours_s": t_ours, "baseline_s": t_peer, "greedy_agree": f"{agree}/{batch}",
+                               extra={"ours_s": t_ours, "baseline_s": t_peer,
+                                      "greedy_common_prefix_mean": sum(common) / batch,
                                       "new_tokens": new, "prompt_len": prompt_len})
                 finally:
                     peer.close()
+                    exact.close()
             llm.close()
     finally:
         torch.set_num_threads(threads_before)

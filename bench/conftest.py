@@ -20,6 +20,8 @@ from fixtures import apply_device_markers, one_thread  # noqa: E402,F401  (share
 def pytest_addoption(parser):
     parser.addoption("--benchmark", action="store_true", default=False,
                      help="run the benchmark suites at full size (default: quick smoke mode)")
+    parser.addoption("--benchmark-full", action="store_true", default=False,
+                     help="--benchmark plus the long cases (e.g. llama.cpp at 2 threads)")
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects
@@ -37,13 +39,25 @@ def pytest_configure(config):
     from bench.common import OUT_DIR
     from bench.progress import SuiteProgress
 
-    mode = "full" if config.getoption("--benchmark") else "quick"
-    config.pluginmanager.register(SuiteProgress(mode, OUT_DIR), "bench_progress")
+    config.pluginmanager.register(SuiteProgress(_mode(config), OUT_DIR), "bench_progress")
+
+
+def _mode(config) -> str:
+    if config.getoption("benchmark_full", default=False):
+        return "full+long"
+    return "full" if config.getoption("--benchmark") else "quick"
 
 
 @pytest.fixture(scope="session")
 def bench_mode(request) -> str:
-    return "full" if request.config.getoption("--benchmark") else "quick"
+    """quick (plain `pytest bench/`) or full (--benchmark, and --benchmark-full)."""
+    return "quick" if _mode(request.config) == "quick" else "full"
+
+
+@pytest.fixture(scope="session")
+def bench_long(request) -> bool:
+    """--benchmark-full: the long cases too."""
+    return _mode(request.config) == "full+long"
 
 
 @pytest.fixture(scope="session")
@@ -67,7 +81,7 @@ def ceilings(device, bench_mode):
 def pytest_sessionfinish(session, exitstatus):
     from bench.common import write_results
 
-    mode = "full" if session.config.getoption("--benchmark") else "quick"
+    mode = "quick" if _mode(session.config) == "quick" else "full"
     paths = write_results(mode)
     if paths:
         tr = session.config.pluginmanager.get_plugin("terminalreporter")

@@ -17,9 +17,11 @@ def available() -> str | None:
 
 
 class LlamaCppPeer:
-    """One GGUF model and one context for up to `n_seq` sequences of `n_ctx_per_seq` tokens each."""
+    """One GGUF model and one context for up to `n_seq` sequences of `n_ctx_per_seq` tokens each; flash_attn None is
+    llama.cpp's default."""
 
-    def __init__(self, gguf_path: str, n_threads: int, n_seq: int, n_ctx_per_seq: int, kv_f16: bool = False):
+    def __init__(self, gguf_path: str, n_threads: int, n_seq: int, n_ctx_per_seq: int, kv_f16: bool = False,
+                 flash_attn: bool | None = None):
         import llama_cpp as L
         import numpy as np
 
@@ -39,6 +41,9 @@ class LlamaCppPeer:
         cp.n_threads = cp.n_threads_batch = n_threads
         cp.kv_unified = True  # every sequence in one cache, as batched-bench runs
         cp.no_perf = True
+        # None: llama.cpp's default (auto: on, on the CPU); its CPU flash attention rounds q/k/v to f16, so an
+        # f32 model's logits move by ~1e-1 (off: ~1e-5 from ours)
+        cp.flash_attn_type = -1 if flash_attn is None else int(flash_attn)
         cp.type_k = cp.type_v = 1 if kv_f16 else 0  # GGML_TYPE_F16 / F32: the KV in the weights' dtype, as ours
         self.ctx = L.llama_init_from_model(self.model, cp)
         if not self.ctx:

@@ -313,6 +313,14 @@ struct Avx2Kernels {
             _mm256_storeu_ps(dst + h * hs + j * d + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16)));
           }
       }
+    } else if constexpr (std::is_same_v<T, c10::Half>) {  // fp16: F16C's exact conversion, 8 lanes at a time
+      for (int64_t j = 0; j < n; ++j) {
+        const T* row = src + off[j];
+        for (int64_t h = 0; h < heads; ++h)
+          for (int64_t i = 0; i < d; i += 8)
+            _mm256_storeu_ps(dst + h * hs + j * d + i,
+                             _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + h * d + i))));
+      }
     } else {
       PortableKernels::widen(src, off, n, heads, d, dst, hs);
     }

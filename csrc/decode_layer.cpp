@@ -58,12 +58,35 @@ const auto& linear_op() {
 }
 
 // Rows up to this many take livemoe::linear for 16-bit weights (fp32 accumulation, the weights read as stored);
-// fp32 keeps at::linear, so its bits stay those of the module path
+// fp32 keeps ATen's GEMM, so its bits stay those of the module path
 constexpr int64_t kSkinnyRows = 32;
 
+// x [..., K] @ w.T: for fp32 the mm at::linear ends in (it folds x to 2-D and calls mm on w.t()), without the
+// linear -> matmul -> reshape calls around it
 at::Tensor lin(const at::Tensor& x, const at::Tensor& w) {
-  if (w.scalar_type() != at::kFloat && x.numel() <= kSkinnyRows * x.size(-1)) return linear_op().call(x, w);
-  return at::linear(x, w);
+  const int64_t K = x.size(-1);
+  if (w.scalar_type() != at::kFloat && x.numel() <= kSkinnyRows * K) return linear_op().call(x, w);
+  if (!x.is_contiguous() || w.scalar_type() != at::kFloat) return at::linear(x, w);
+  auto out = at::mm(x.view({-1, K}), w.t());
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = w.size(0);
+  return out.view(shape);
+}
+
+// a + b for same-shaped contiguous tensors: fp32 elementwise as at::add does it (an IEEE add is an IEEE add), without
+// TensorIterator's set-up, which costs more than the add at a decode step's sizes
+at::Tensor add_fp32(const at::Tensor& a, const at::Tensor& b) {
+  if (a.scalar_type() != at::kFloat || b.scalar_type() != at::kFloat || !a.is_contiguous() || !b.is_contiguous() ||
+      a.sizes() != b.sizes())
+    return at::add(a, b);
+  auto out = at::empty_like(a);
+  const float* pa = a.data_ptr<float>();
+  const float* pb = b.data_ptr<float>();
+  float* po = out.data_ptr<float>();
+  const int64_t n = a.numel();
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) po[i] = pa[i] + pb[i];
+  return out;
 }
 
 // weights, in this order: input_layernorm, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, post_attention_layernorm,
@@ -91,7 +114,7 @@ at::Tensor decode_layer_cpu(const at::Tensor& x, const TensorList& w, const at::
   auto k0 = std::get<1>(qk).select(0, 0);
   store_kvcache_op().call(k0, v.select(0, 0), k_cache, v_cache, slot_mapping);
   auto attn = paged_attention_op().call(q0, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale);
-  auto out = at::add(x, lin(attn.unsqueeze(0).reshape({1, N, -1}), w[kO]));
+  auto out = add_fp32(x, lin(attn.unsqueeze(0).reshape({1, N, -1}), w[kO]));
   // the MLP: SparseMoeBlock.forward (router, then the routed experts) or MLP.forward
   auto h2 = rms_norm_op().call(out, w[kPostNorm], eps);
   at::Tensor mlp;
@@ -102,7 +125,7 @@ at::Tensor decode_layer_cpu(const at::Tensor& x, const TensorList& w, const at::
   } else {
     mlp = lin(at::mul(at::silu(lin(h2, w[kMlp0])), lin(h2, w[kMlp1])), w[kMlp2]);
   }
-  return at::add(out, mlp);
+  return add_fp32(out, mlp);
 }
 
 }  // namespace

@@ -70,16 +70,16 @@ def test_fused_layers_not_taken_with_grad(checkpoint):
     step = StepContext(kv_caches=[], slot_mapping=torch.zeros(0), context_lens=torch.zeros(0),
                        block_tables=torch.zeros(0))
     with torch.enable_grad():
-        assert not fused_decode.serves(model, x, step, FUSABLE_MODULES)  # the trainers' forward keeps its autograd
+        assert fused_decode.plan(model, x, step, FUSABLE_MODULES) is None  # the trainers' forward keeps its autograd
     with torch.inference_mode():
-        assert fused_decode.serves(model, x, step, FUSABLE_MODULES)
+        assert fused_decode.plan(model, x, step, FUSABLE_MODULES) is not None
         handle = model.model.layers[-1].mlp.register_forward_hook(lambda *a: None)  # a caller watching a layer
-        assert not fused_decode.serves(model, x, step, FUSABLE_MODULES)
+        assert fused_decode.plan(model, x, step, FUSABLE_MODULES) is None
         handle.remove()
         model.model.layers[0].self_attn.q_proj = Wrapped(model.model.layers[0].self_attn.q_proj)  # a LoRA-like wrapper
-        assert not fused_decode.serves(model, x, step, FUSABLE_MODULES)
+        assert fused_decode.plan(model, x, step, FUSABLE_MODULES) is None
         step.backend = "reference"
-        assert not fused_decode.serves(model, x, step, FUSABLE_MODULES)
+        assert fused_decode.plan(model, x, step, FUSABLE_MODULES) is None
 
 
 class Wrapped(torch.nn.Module):

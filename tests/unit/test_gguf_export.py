@@ -1,6 +1,6 @@
 """`livemoe export-gguf`: the file's metadata and tensors read back with the gguf package, and the file loaded by
 llama.cpp (llama-cpp-python) decoding the same greedy tokens as our engine, on the committed student and a random
-MoE, f32 and f16."""
+MoE, and a dense model with tied embeddings (qwen3, no output tensor), f32 and f16."""
 import os
 
 import numpy as np
@@ -58,9 +58,15 @@ def test_export_refuses_what_llama_cpp_computes_otherwise(tmp_path):
         export_gguf(path, str(tmp_path / "m.gguf"), "q4")
 
 
-@pytest.mark.parametrize("which", ["student", "random_moe"])
+@pytest.fixture(scope="module")
+def dense_tied(tmp_path_factory):
+    path, _ = make_checkpoint(tmp_path_factory.mktemp("gguf") / "dense", moe=False, seed=5, tie_word_embeddings=True)
+    return path
+
+
+@pytest.mark.parametrize("which", ["student", "random_moe", "dense_tied"])
 @pytest.mark.parametrize("dtype", ["f32", "f16"])
-def test_llama_cpp_decodes_our_greedy_tokens(which, dtype, random_moe, tmp_path):
+def test_llama_cpp_decodes_our_greedy_tokens(which, dtype, random_moe, dense_tied, tmp_path):
     from bench import llamacpp_peer
 
     if llamacpp_peer.available() is not None:
@@ -68,7 +74,7 @@ def test_llama_cpp_decodes_our_greedy_tokens(which, dtype, random_moe, tmp_path)
     from livemoe.engine.llm import LLM
     from livemoe.engine.sampling.params import SamplingParams
 
-    src = STUDENT if which == "student" else random_moe
+    src = {"student": STUDENT, "random_moe": random_moe, "dense_tied": dense_tied}[which]
     dst = export_gguf(src, str(tmp_path / "m.gguf"), dtype)
     llm = LLM(src, dtype=torch.float32 if dtype == "f32" else torch.float16, device="cpu", use_tqdm=False)
     vocab = llm.model.config.vocab_size
@@ -77,7 +83,9 @@ def test_llama_cpp_decodes_our_greedy_tokens(which, dtype, random_moe, tmp_path)
     new = 16
     ours = [o.outputs[0].token_ids for o in
             llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))]
-    peer = llamacpp_peer.LlamaCppPeer(dst, n_threads=1, n_seq=len(prompts), n_ctx_per_seq=64, kv_f16=dtype == "f16")
+    # f32: without llama.cpp's CPU flash attention, which rounds q/k/v to f16
+    peer = llamacpp_peer.LlamaCppPeer(dst, n_threads=1, n_seq=len(prompts), n_ctx_per_seq=64, kv_f16=dtype == "f16",
+                                      flash_attn=False if dtype == "f32" else None)
     try:
         theirs, _ = peer.greedy(prompts, new)
     finally:

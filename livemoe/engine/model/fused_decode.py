@@ -16,34 +16,56 @@ BUILT = _ext.has_op("decode_layer")
 ENABLED = True  # tests turn it off to compare against the module path
 
 
-def layer_weights(layer) -> list[torch.Tensor]:
-    """The order csrc/decode_layer.cpp takes them in."""
-    attn, mlp = layer.self_attn, layer.mlp
-    w = [layer.input_layernorm.weight, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.o_proj.weight,
-         attn.q_norm.weight, attn.k_norm.weight, layer.post_attention_layernorm.weight]
+def _plain(m, plain_types: tuple[type, ...]) -> bool:
+    return type(m) in plain_types and not m._forward_hooks and not m._forward_pre_hooks
+
+
+def layer_call(layer, plain_types: tuple[type, ...]) -> tuple[list[torch.Tensor], int, bool] | None:
+    """(weights in the order csrc/decode_layer.cpp takes them, top_k (0: dense MLP), renormalize), or None where a
+    module the op stands in for is not one of plain_types (a LoRA wrapper around a linear, a subclass), has a forward
+    hook (a caller watching or changing it), a bias, or experts spread over ranks. Reads the modules' dicts directly:
+    this runs every step."""
+    sub = layer._modules
+    attn, mlp = sub["self_attn"], sub["mlp"]
+    a, m = attn._modules, mlp._modules
+    norms = [sub["input_layernorm"], a["q_norm"], a["k_norm"], sub["post_attention_layernorm"]]
+    linears = [a["q_proj"], a["k_proj"], a["v_proj"], a["o_proj"]]
     if layer.mlp_is_moe:
-        w += [mlp.gate.weight, mlp.experts.gate_up_proj, mlp.experts.down_proj]
+        experts = m["experts"]
+        if experts.expert_parallel is not None or not _plain(experts, plain_types):
+            return None
+        linears.append(m["gate"])
+        tail = [experts._parameters["gate_up_proj"], experts._parameters["down_proj"]]
+        top_k, renormalize = mlp.top_k, bool(mlp.norm_topk_prob)
     else:
-        w += [mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
-    return w
+        linears += [m["gate_proj"], m["up_proj"], m["down_proj"]]
+        tail, top_k, renormalize = [], 0, False
+    for mod in (layer, attn, mlp, a["attn"], *norms, *linears):
+        if not _plain(mod, plain_types):
+            return None
+    for lin in linears:
+        if lin._parameters.get("bias") is not None:
+            return None
+    w = [mod._parameters["weight"] for mod in linears]
+    n = [mod._parameters["weight"] for mod in norms]
+    return [n[0], w[0], w[1], w[2], w[3], n[1], n[2], n[3], *w[4:], *tail], top_k, renormalize
 
 
-def serves(model, x: torch.Tensor, step: StepContext | None, plain_types: tuple[type, ...]) -> bool:
-    """Whether this forward can take the fused layers (else the modules run it). plain_types: the module classes the
-    C++ op computes exactly; a layer holding anything else (a LoRA wrapper around a linear, a subclass) or any forward
-    hook (a caller watching or changing a layer) runs through the modules."""
+def plan(model, x: torch.Tensor, step: StepContext | None, plain_types: tuple[type, ...]) -> list | None:
+    """Each layer's layer_call() where this forward can take the fused layers, else None (the modules run it)."""
     if not (BUILT and ENABLED and step is not None and step.backend == "auto" and x.device.type == "cpu"):
-        return False
+        return None
     if model.tensor_parallel is not None or torch.is_grad_enabled() or torch.is_autocast_enabled("cpu"):
-        return False
-    if model.config.attention_bias or _global_hooks():
-        return False
-    for m in model.model.layers.modules():
-        if type(m) not in plain_types or m._forward_hooks or m._forward_pre_hooks:
-            return False
-        if getattr(m, "expert_parallel", None) is not None:
-            return False
-    return model.model.norm.weight.dtype == x.dtype
+        return None
+    if _global_hooks() or model.model.norm.weight.dtype != x.dtype:
+        return None
+    calls = []
+    for layer in model.model.layers:
+        call = layer_call(layer, plain_types)
+        if call is None:
+            return None
+        calls.append(call)
+    return calls
 
 
 def _global_hooks() -> bool:
@@ -52,17 +74,15 @@ def _global_hooks() -> bool:
     return bool(module._global_forward_hooks or module._global_forward_pre_hooks)
 
 
-def run_layers(model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: StepContext) -> torch.Tensor:
-    """x [1, N, H] through every decoder layer, one C++ call each."""
-    cfg = model.config
+def run_layers(model, calls: list, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               step: StepContext) -> torch.Tensor:
+    """x [1, N, H] through every decoder layer, one C++ call each (calls: plan()'s)."""
+    eps = model.config.rms_norm_eps
     cu = None if step.is_decode else step.cu_seqlens_q
     op = torch.ops.livemoe.decode_layer
-    for layer in model.model.layers:
+    for layer, (weights, top_k, renormalize) in zip(model.model.layers, calls):
         attn = layer.self_attn
         k_cache, v_cache = step.kv_caches[attn.attn.layer_idx]
-        top_k = layer.mlp.top_k if layer.mlp_is_moe else 0
-        renorm = bool(layer.mlp.norm_topk_prob) if layer.mlp_is_moe else False
-        x = op(x, layer_weights(layer), k_cache, v_cache, step.slot_mapping, cu, step.context_lens,
-               step.block_tables, cos, sin, attn.num_heads, attn.num_kv_heads, cfg.rms_norm_eps, attn.attn.scale,
-               top_k, renorm)
+        x = op(x, weights, k_cache, v_cache, step.slot_mapping, cu, step.context_lens, step.block_tables, cos, sin,
+               attn.num_heads, attn.num_kv_heads, eps, attn.attn.scale, top_k, renormalize)
     return x

@@ -150,10 +150,11 @@ class Qwen3ForCausalLM(nn.Module):
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self.model.rotary_emb(positions, x.dtype)
-        if replay is None and deepstack is None and not return_router_logits and not batch_invariant.enabled() \
-                and fused_decode.serves(self, x, step, FUSABLE_MODULES):
-            assert step is not None  # serves() says so
-            return self.model.norm(fused_decode.run_layers(self, x, cos, sin, step))
+        calls = None if replay is not None or deepstack is not None or return_router_logits \
+            or batch_invariant.enabled() else fused_decode.plan(self, x, step, FUSABLE_MODULES)
+        if calls is not None:
+            assert step is not None  # plan() says so
+            return self.model.norm(fused_decode.run_layers(self, calls, x, cos, sin, step))
         router_logits = []
         # the recompute of a checkpointed layer takes the kernels its forward took (exact mode or not)
         recompute = functools.partial(checkpoint_contexts, batch_invariant.enabled())
