@@ -9,12 +9,11 @@ intervals. Measured here in quick mode (2-core shared CPU, ~820-token contexts, 
 decisions on both sides): 1.2x at 1 session (decode-bound), 2.7x at 8.
 On a GPU the same suite runs at the same sizes (bench/gpu_check.sh runs every suite).
 """
-import time
 
 import pytest
 import torch
 
-from bench.common import median_pair, record
+from bench.common import median_pair, play_live, record
 
 SUITE = "live"
 SMALL = dict(hidden_size=256, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=128,
@@ -28,25 +27,13 @@ EVENTS = [[{"type": "comment", "user": "amy", "text": "how much is link 3?"}],
 
 
 def _play(llm, num_sessions: int, warm: int, timed: int) -> tuple:
-    """(seconds per timed interval, mean prompt tokens, mean cached prompt tokens) of num_sessions sessions
-    played together: `warm` intervals untimed, then `timed` intervals."""
-    from livemoe.engine.live import LiveSession, step_sessions
+    """play_live over num_sessions sessions of the shopping stream."""
+    from livemoe.engine.live import LiveSession
 
     # greedy: both sides decide the same (up to float ties), so they decode the same number of tokens
     sessions = [LiveSession(llm, SYSTEM + f" room {i}.", temperature=0.0, max_message_chars=32)
                 for i in range(num_sessions)]
-    for i in range(warm):
-        step_sessions(llm, [(s, EVENTS[i % len(EVENTS)]) for s in sessions])
-    t0 = time.perf_counter()
-    decisions = []
-    for i in range(warm, warm + timed):
-        decisions += step_sessions(llm, [(s, EVENTS[i % len(EVENTS)]) for s in sessions])
-    dt = (time.perf_counter() - t0) / timed
-    for s in sessions:
-        s.close()
-    n = len(decisions)
-    return dt, tuple(sum(getattr(d.metrics, k) for d in decisions) / n
-                     for k in ("prompt_tokens", "cached_prompt_tokens", "completion_tokens"))
+    return play_live(sessions, lambda i: EVENTS[i % len(EVENTS)], warm, timed)
 
 
 @pytest.mark.parametrize("num_sessions", [1, 8, 32])

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from bench.bench_decode import MODELS, random_prompts
-from bench.common import median_pair, record
+from bench.common import median_pair, play_live, record
 from livemoe.engine.llm import LLM
 from livemoe.engine.sampling.params import SamplingParams
 
@@ -129,24 +129,13 @@ _plays = itertools.count()
 
 
 def play_media(llm: LLM, num_sessions: int, warm: int, timed: int):
-    from livemoe.engine.live import LiveSession, step_sessions
+    from livemoe.engine.live import LiveSession
 
     # a new system prompt each play: no play may hit blocks an earlier one left in the prefix cache
     play = next(_plays)
     sessions = [LiveSession(llm, f"you are the live assistant of room {i} (play {play}). decide each interval.",
                             max_message_chars=32) for i in range(num_sessions)]
-    for i in range(warm):
-        step_sessions(llm, [(s, media_events(i)) for s in sessions])
-    t0 = time.perf_counter()
-    decisions = []
-    for i in range(warm, warm + timed):
-        decisions += step_sessions(llm, [(s, media_events(i)) for s in sessions])
-    dt = (time.perf_counter() - t0) / timed
-    for s in sessions:
-        s.close()
-    n = len(decisions)
-    return dt, tuple(sum(getattr(d.metrics, k) for d in decisions) / n
-                     for k in ("prompt_tokens", "cached_prompt_tokens", "completion_tokens"))
+    return play_live(sessions, media_events, warm, timed)
 
 
 @pytest.mark.parametrize("num_sessions", [1, 8, 32])

@@ -86,6 +86,27 @@ def median_pair(ours, baseline, reps: int):
     return t_ours, r_ours, t_base, r_base
 
 
+def play_live(sessions: list, events, warm: int, timed: int) -> tuple:
+    """(seconds per timed interval, (mean prompt, cached prompt, completion tokens) per decision) of live sessions
+    played together (livemoe.engine.live.step_sessions): interval i brings each session events(i); `warm`
+    intervals untimed, then `timed`. Closes the sessions."""
+    from livemoe.engine.live import step_sessions
+
+    llm = sessions[0].llm
+    for i in range(warm):
+        step_sessions(llm, [(s, events(i)) for s in sessions])
+    t0 = time.perf_counter()
+    decisions = []
+    for i in range(warm, warm + timed):
+        decisions += step_sessions(llm, [(s, events(i)) for s in sessions])
+    dt = (time.perf_counter() - t0) / timed
+    for s in sessions:
+        s.close()
+    n = len(decisions)
+    return dt, tuple(sum(getattr(d.metrics, k) for d in decisions) / n
+                     for k in ("prompt_tokens", "cached_prompt_tokens", "completion_tokens"))
+
+
 def measure(fn, device="cpu", warmup: int = 1, reps: int = 5) -> float:
     """Median time of fn() in seconds: wall time on the CPU; on CUDA the stream's time between events around
     each call (no host sync between calls, whose cost would inflate a short kernel's figure)."""
