@@ -20,8 +20,8 @@ the rank's rollouts at seq_len, and the frozen reference model (bf16, sharded li
 reserve for the CUDA context and allocator fragmentation. GB = 1e9 bytes.
 
 Disaggregated GRPO (`--rollout_gpus N`: rollout servers on GPUs of their own, `--rollout_url`): the trainer GPUs
-hold no KV cache; they keep the gathered bf16 copy each rank refreshes after a step (rank 0 pushes it to the
-fleet; it is also what rank 0 evaluates), so `rollout_weights_bf16` stays. The rollout GPUs are planned apart,
+hold no KV cache, and the gathered bf16 copy only when rank 0 evaluates it (`gathered`; with `sharded` the push
+streams from the shards, one tensor at a time). The rollout GPUs are planned apart,
 `--rollout_tensor_parallel T` ranks per replica (N / T replicas): each holds its tensor-parallel share of the bf16
 weights (livemoe.engine.model.memory), a staged copy of that share while a weight update is applied (every rank
 stages, then all apply), and the KV cache of its replica's share of the rollouts in flight. With
