@@ -3,7 +3,8 @@ from a caller's tensors (rank 0 broadcasts them, each rank keeps its slices), fr
 slices) and from a trainer's broadcast (every rank joins the weight-update group), with and without expert parallel. After each, the greedy tokens
 and their logprobs are EQUAL to a fresh TP 2 engine's loaded with the new weights (the same shards, the same
 forward: bitwise). A refusal found by one worker alone (a NaN in its slice only) leaves every rank's weights whole.
-DP 2 x TP 2 serving joins one group as 4 ranks and learns the new weights on both replicas."""
+A server of DP 2 x TP 2 joins a trainer's group as 4 ranks (join_servers, over HTTP) and learns the new weights on
+both replicas."""
 import asyncio
 import threading
 
@@ -129,29 +130,32 @@ def test_trainer_broadcast_into_tp2_equals_a_fresh_tp2_engine(ckpts, tp2_on_a):
 
 
 @pytest.mark.slow
-def test_data_parallel_x_tensor_parallel_learns_from_one_broadcast(ckpts):
-    """DP 2 x TP 2: four processes hold weights, ranks 1..4 of the trainer's group; both replicas answer as b."""
+def test_data_parallel_x_tensor_parallel_server_learns_from_one_broadcast(ckpts):
+    """A server of DP 2 x TP 2 (four processes hold weights): the trainer's join_servers reads its 4 ranks from
+    /get_server_info, the group has 5, push_weights_to_servers broadcasts once, and both replicas answer as b."""
+    from fixtures import require_server_extras
+
+    require_server_extras()
+    from livemoe.engine.core.weight_sync import join_servers, push_weights_to_servers
+    from livemoe.engine.server import BackgroundServer, ServerConfig
+
     a, b, _, fresh = ckpts
     fresh = {name: fresh(name) for name in ("a", "b")}
     named = list(hub_state_dict(load_model(b, dtype=torch.float32, device="cpu")).items())
     engine = AsyncLLM(a, engine_core="process", data_parallel_size=2, tensor_parallel_size=2, **OPTIONS)
+    srv = BackgroundServer(engine, "tiny", config=ServerConfig(enable_admin_routes=True)).start()
     try:
         assert engine.weight_update_ranks == 4
-        port = free_port()
+        sender = join_servers([srv.url], "127.0.0.1", free_port(), timeout_s=60)
+        assert sender.group.size() == 5
+        push_weights_to_servers([srv.url], sender, named, timeout_s=60)
 
         async def main():
-            sender = asyncio.to_thread(WeightSender, "127.0.0.1", port, 5, "gloo", 60)
-            sender, _ = await asyncio.gather(sender, engine.init_weights_update_group("127.0.0.1", port, 1, 5,
-                                                                                      timeout_s=60))
-            meta = weights_metadata(named)
-            pushed = asyncio.to_thread(sender.broadcast, named)
-            count, _ = await asyncio.gather(engine.update_weights_from_distributed(**meta), pushed)
-            assert count == len(named)
-            return await asyncio.gather(*(collect_deltas(engine.generate(p, GREEDY))
-                                          for p in PROMPTS * 3))
+            return await asyncio.gather(*(collect_deltas(engine.generate(p, GREEDY)) for p in PROMPTS * 3))
 
         outs = asyncio.run(main())
         assert [tokens for tokens, _, _ in outs] == [tokens for tokens, _ in fresh["b"]] * 3
         assert min(engine.served_per_replica()) > 0  # both replicas answered
     finally:
+        srv.stop()
         engine.shutdown()
