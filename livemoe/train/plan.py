@@ -18,6 +18,17 @@ or activations; the update: no KV cache, which the trainer releases), the rollou
 step, as verl's hybrid engine; `sharded`: generation through the FSDP module, nothing extra), its KV cache for
 the rank's rollouts at seq_len, and the frozen reference model (bf16, sharded like the policy); and a fixed
 reserve for the CUDA context and allocator fragmentation. GB = 1e9 bytes.
+
+Disaggregated GRPO (`--rollout_gpus N`: rollout servers on GPUs of their own, `--rollout_url`): the trainer GPUs
+hold no KV cache, and the gathered bf16 copy only when rank 0 evaluates it (`gathered`; with `sharded` the push
+streams from the shards, one tensor at a time). The rollout GPUs are planned apart,
+`--rollout_tensor_parallel T` ranks per replica (N / T replicas): each holds its tensor-parallel share of the bf16
+weights (livemoe.engine.model.memory), a staged copy of that share while a weight update is applied (every rank
+stages, then all apply), and the KV cache of its replica's share of the rollouts in flight. With
+`--max_staleness S` (asynchronous GRPO) the rollouts of S steps are in flight while a step trains, so the fleet's
+KV cache holds S steps' sequences, and the trainer keeps S steps of finished rollouts (token ids, behaviour
+log-probs, routed experts) in host memory (`async_buffer_host`, not GPU memory). Colocated (`--rollout_gpus 0`)
+with S > 0 the two phases overlap on the same GPUs: their peak is the sum, not the larger one.
 """
 import argparse
 import json
@@ -51,6 +62,10 @@ class PlanConfig:
     gradient_checkpointing: bool = True
     rollout_weights: str = "gathered"
     reserve_gb: float = 4.0
+    rollout_gpus: int = 0  # grpo: GPUs of the rollout servers (0: the rollouts run on the trainer GPUs)
+    rollout_tensor_parallel: int = 1  # ranks per rollout replica
+    rollout_gpu_mem_gb: float = 0.0  # per rollout GPU (0: gpu_mem_gb)
+    max_staleness: int = 0  # steps of rollouts in flight while a step trains (asynchronous GRPO)
 
     def validate(self, cfg: ModelConfig) -> None:
         for name in ("gpus", "expert_parallel", "seq_len", "batch_size", "rollouts", "micro_batch_size"):
@@ -63,6 +78,23 @@ class PlanConfig:
             raise ValueError(f"--trainer must be one of {TRAINERS}, got {self.trainer!r}")
         if self.rollout_weights not in ROLLOUT_WEIGHTS:
             raise ValueError(f"--rollout_weights must be one of {ROLLOUT_WEIGHTS}, got {self.rollout_weights!r}")
+        if self.rollout_gpus < 0 or self.max_staleness < 0 or self.rollout_tensor_parallel < 1 or \
+                self.rollout_gpu_mem_gb < 0:
+            raise ValueError(f"--rollout_gpus {self.rollout_gpus}, --max_staleness {self.max_staleness} and "
+                             f"--rollout_gpu_mem_gb {self.rollout_gpu_mem_gb} must be >= 0, "
+                             f"--rollout_tensor_parallel {self.rollout_tensor_parallel} >= 1")
+        if (self.rollout_gpus or self.max_staleness) and self.trainer != "grpo":
+            raise ValueError("--rollout_gpus and --max_staleness plan GRPO's rollouts: pass --trainer grpo")
+        if self.rollout_gpus:
+            if self.rollout_gpus % self.rollout_tensor_parallel:
+                raise ValueError(f"--rollout_gpus {self.rollout_gpus} do not split into replicas of "
+                                 f"--rollout_tensor_parallel {self.rollout_tensor_parallel}")
+            from livemoe.engine.model.tensor_parallel import check_tensor_parallel
+
+            check_tensor_parallel(cfg, self.rollout_tensor_parallel, bool(cfg.num_experts)
+                                  and self.rollout_tensor_parallel > 1)
+        elif self.rollout_tensor_parallel != 1:
+            raise ValueError("--rollout_tensor_parallel is the rollout servers' layout: it needs --rollout_gpus")
         from livemoe.train.parallel import ParallelDims
 
         ParallelDims(world_size=self.gpus, expert_parallel=self.expert_parallel).check_experts(cfg.num_experts)
@@ -148,20 +180,30 @@ def plan(cfg: ModelConfig, run: PlanConfig) -> dict:
         "activations_no_checkpointing": BF16 * tokens * (sum(per_layer) + final),
         "activations_checkpointing": BF16 * tokens * (L * cfg.hidden_size + max(per_layer) + final),
     }
+    steps_in_flight = max(1, run.max_staleness)  # steps of rollouts generated at once
     if run.trainer == "grpo":
         per_gpu["rollout_weights_bf16"] = BF16 * total_params if run.rollout_weights == "gathered" else 0
         kv_per_token = 2 * L * cfg.num_key_value_heads * cfg.head_dim  # k and v, every layer
-        per_gpu["rollout_kv_cache_bf16"] = BF16 * run.sequences_per_rank * run.seq_len * kv_per_token
+        per_gpu["rollout_kv_cache_bf16"] = 0 if run.rollout_gpus else \
+            BF16 * steps_in_flight * run.sequences_per_rank * run.seq_len * kv_per_token
         per_gpu["reference_model_bf16"] = BF16 * numel
     per_gpu["reserve"] = int(run.reserve_gb * GB)
     activations = "activations_checkpointing" if run.gradient_checkpointing else "activations_no_checkpointing"
     counted = [k for k in per_gpu if not k.startswith("activations_")] + [activations]
     phases = {"step": counted}
-    if run.trainer == "grpo":  # livemoe.train.grpo never holds both: the peak is the larger phase
+    if run.trainer == "grpo" and not (run.max_staleness and not run.rollout_gpus):
+        # livemoe.train.grpo never holds both: the peak is the larger phase (unless async rollouts share the GPUs)
         phases = {"rollout": [k for k in counted if k not in ("gradients_fp32", "fsdp_gathered_bf16", activations)],
                   "update": [k for k in counted if k != "rollout_kv_cache_bf16"]}
     phase_bytes = {name: sum(per_gpu[k] for k in keys) for name, keys in phases.items()}
     total = max(phase_bytes.values())
+    host = {}
+    if run.max_staleness:
+        moe_layers = sum(cfg.is_moe_layer(i) for i in range(L))
+        # per token: its id (int64), behaviour log-prob and version-tagged mask (fp32 each), routed experts (uint8)
+        per_token = 8 + 4 + 4 + moe_layers * cfg.num_experts_per_tok
+        host["async_buffer_host"] = run.max_staleness * run.sequences_per_rank * run.seq_len * per_token
+    fleet = rollout_fleet(cfg, run, steps_in_flight) if run.rollout_gpus else None
     return {
         "model": {"params_total": total_params, "params_experts": expert_params, "num_experts": cfg.num_experts,
                   "layers": L},
@@ -176,8 +218,31 @@ def plan(cfg: ModelConfig, run: PlanConfig) -> dict:
         "total_bytes": total,
         "total_gb": round(total / GB, 2),
         "gpu_mem_gb": run.gpu_mem_gb,
-        "fits": total <= run.gpu_mem_gb * GB,
+        "host_bytes": host,
+        "rollout_fleet": fleet,
+        "fits": total <= run.gpu_mem_gb * GB and (fleet is None or fleet["fits"]),
     }
+
+
+def rollout_fleet(cfg: ModelConfig, run: PlanConfig, steps_in_flight: int) -> dict:
+    """One rollout GPU of the disaggregated layout: its replica's tensor-parallel share of the weights, the staged
+    copy of that share during a weight update, and the KV cache of its replica's share of the rollouts in flight
+    (prompt and completion within seq_len)."""
+    from livemoe.engine.model.memory import serving_memory
+
+    T = run.rollout_tensor_parallel
+    replicas = run.rollout_gpus // T
+    m = serving_memory(cfg, T, BF16)
+    weights = int(round(m["weights_gb_per_gpu"] * GB))
+    sequences = math.ceil(steps_in_flight * run.sequences_per_step / replicas)
+    per_gpu = {"weights_bf16": weights, "weight_update_staging_bf16": weights,
+               "kv_cache_bf16": sequences * run.seq_len * m["kv_bytes_per_token_per_gpu"],
+               "reserve": int(run.reserve_gb * GB)}
+    total = sum(per_gpu.values())
+    mem = run.rollout_gpu_mem_gb or run.gpu_mem_gb
+    return {"gpus": run.rollout_gpus, "replicas": replicas, "tensor_parallel": T,
+            "sequences_in_flight_per_replica": sequences, "per_gpu_bytes": per_gpu, "total_bytes": total,
+            "total_gb": round(total / GB, 2), "gpu_mem_gb": mem, "fits": total <= mem * GB}
 
 
 def format_table(report: dict) -> str:
@@ -193,6 +258,17 @@ def format_table(report: dict) -> str:
         lines.append("phases (the peak is the larger): " + ", ".join(
             f"{name} {b / GB:.2f}" for name, b in report["phase_bytes"].items()))
     lines.append(f"{'total':32}{report['total_gb']:>10.2f}  {verdict} in {report['gpu_mem_gb']} GB")
+    for key, value in report["host_bytes"].items():
+        lines.append(f"{key:32}{value / GB:>10.2f}  (host memory per rank)")
+    fleet = report["rollout_fleet"]
+    if fleet:
+        lines.append(f"per rollout GPU: {fleet['gpus']} GPUs, {fleet['replicas']} replica(s) of tensor parallel "
+                     f"{fleet['tensor_parallel']}, {fleet['sequences_in_flight_per_replica']} sequences in flight per "
+                     "replica")
+        for key, value in fleet["per_gpu_bytes"].items():
+            lines.append(f"{key:32}{value / GB:>10.2f}")
+        verdict = "fits" if fleet["fits"] else "does NOT fit"
+        lines.append(f"{'total':32}{fleet['total_gb']:>10.2f}  {verdict} in {fleet['gpu_mem_gb']} GB")
     return "\n".join(lines)
 
 
@@ -203,9 +279,12 @@ def main(argv=None) -> int:
     p.add_argument("--gpus", type=int, required=True)
     p.add_argument("--gpu_mem_gb", type=float, required=True)
     defaults = PlanConfig(gpus=1, gpu_mem_gb=1)
-    for name in ("expert_parallel", "seq_len", "batch_size", "rollouts", "micro_batch_size"):
+    for name in ("expert_parallel", "seq_len", "batch_size", "rollouts", "micro_batch_size", "rollout_gpus",
+                 "rollout_tensor_parallel", "max_staleness"):
         p.add_argument(f"--{name}", type=int, default=getattr(defaults, name))
     p.add_argument("--reserve_gb", type=float, default=defaults.reserve_gb)
+    p.add_argument("--rollout_gpu_mem_gb", type=float, default=defaults.rollout_gpu_mem_gb,
+                   help="per rollout GPU (default: --gpu_mem_gb)")
     p.add_argument("--trainer", default=defaults.trainer, help=" | ".join(TRAINERS))
     p.add_argument("--rollout_weights", default=defaults.rollout_weights, help=" | ".join(ROLLOUT_WEIGHTS))
     p.add_argument("--gradient_checkpointing", action=argparse.BooleanOptionalAction,

@@ -14,8 +14,10 @@ The servers get the trainer's weights once at the start too, so they decode the 
 whatever checkpoint they were started with (the architecture must match).
 
 Under torchrun every rank sends its own prompts to the servers; rank 0 alone (`main`) joins the weight-update
-group and pushes its gathered copy of the weights, broadcast once to every replica (or written once to disk),
-and the `barrier` after the push keeps every rank's next rollouts behind it. Multi-turn trajectories
+group and pushes the weights, broadcast once to every replica (or written once to disk), and the `barrier` after
+the push keeps every rank's next rollouts behind it. The weights come from `gather(model)`: a gathered copy's
+parameters, or (streamed, `push_dtype` given) the sharded model's tensors gathered one at a time on every rank
+(its collectives), rank 0 filling and sending the buckets as they come, so no rank holds the whole model. Multi-turn trajectories
 (generate_multi_turn) are one request per turn, seeded as the in-process decoder seeds them.
 """
 import concurrent.futures
@@ -27,6 +29,8 @@ import tempfile
 import urllib.error
 import urllib.parse
 import urllib.request
+
+import torch
 
 from livemoe.engine import routed_experts
 from livemoe.engine.core.weight_sync import join_servers, push_weights_to_servers
@@ -40,7 +44,8 @@ class RemoteRollouts:
     def __init__(self, urls: list[str], tokenizer, model, *, num_generations: int = 8, max_new_tokens: int = 256,
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1, seed: int = 0,
                  weight_sync: str = "distributed", api_key: str | None = None, timeout_s: float = 600.0,
-                 return_routed_experts: bool = False, main: bool = True, barrier=None):
+                 return_routed_experts: bool = False, main: bool = True, barrier=None, gather=None,
+                 push_dtype=None):
         import openai
 
         if weight_sync not in WEIGHT_SYNCS:
@@ -60,6 +65,8 @@ class RemoteRollouts:
         self.sender = None
         self.scratch = None
         self.main, self.barrier = main, barrier or (lambda: None)
+        self.gather, self.push_dtype = gather, push_dtype  # streamed: both given
+        self.host_model = None  # streamed to disk: rank 0's host copy, written as the checkpoint
         if not main:
             pass
         elif weight_sync == "distributed":
@@ -79,20 +86,45 @@ class RemoteRollouts:
         """Nothing to free here: the KV caches live in the servers."""
 
     def weights_updated(self, model) -> None:
-        """Pushes the model's weights to every server (after each optimizer step; rank 0 alone under torchrun,
-        whose `model` is its gathered copy), then waits at the barrier."""
+        """Pushes the model's weights to every server (after each optimizer step; rank 0 alone under torchrun, while
+        every rank runs the gather's collectives), then waits at the barrier."""
+        named = self.gather(model) if self.gather is not None else model.named_parameters()
         if self.main:
-            self._push(model)
+            self._push(model, named)
+        else:
+            for _ in named:  # this rank's part of the gather
+                pass
         self.barrier()
 
-    def _push(self, model) -> None:
+    def _metadata(self, model) -> dict | None:
+        """The streamed tensors' names, dtypes and full shapes, before any is gathered (None: not streamed)."""
+        if self.push_dtype is None:
+            return None
+        from livemoe.engine.core.weight_sync import dtype_name
+        from livemoe.engine.model.memory import param_shapes
+
+        shapes = param_shapes(model.config)
+        return dict(names=[n for n, _ in shapes], dtypes=[dtype_name(self.push_dtype)] * len(shapes),
+                    shapes=[list(s) for _, s in shapes])
+
+    def _push(self, model, named) -> None:
         if self.sender is not None:
-            push_weights_to_servers(self.urls, self.sender, list(model.named_parameters()), api_key=self.api_key,
-                                    timeout_s=self.timeout_s)
+            push_weights_to_servers(self.urls, self.sender, named, api_key=self.api_key, timeout_s=self.timeout_s,
+                                    metadata=self._metadata(model))
             return
         from livemoe.engine.model.saver import save_model
 
         assert self.scratch is not None
+        if self.push_dtype is not None:  # streamed: assembled on this host, tensor by tensor
+            if self.host_model is None:
+                from livemoe.engine.model.loader import empty_model
+
+                self.host_model = empty_model(model.config, self.push_dtype, "cpu")
+            target = dict(self.host_model.named_parameters())
+            with torch.no_grad():
+                for name, t in named:
+                    target[name].copy_(t)
+            model = self.host_model
         path = os.path.join(self.scratch, "model")
         save_model(model, path)
         for url in self.urls:

@@ -105,6 +105,9 @@ def test_multi_turn_with_a_rollout_url_gives_the_in_process_run(student, server,
     assert local[0]["tpr/max"] > 10  # more than one turn's tokens
 
 
+_ONE_PROCESS: dict = {}
+
+
 @pytest.fixture(scope="module")
 def two_replicas(student):
     engine = AsyncLLM(student, engine_core="process", data_parallel_size=2, dtype=torch.float32, device="cpu",
@@ -127,11 +130,14 @@ def test_two_trainer_ranks_with_two_rollout_replicas_equal_one_process(student, 
 
     engine, srv = two_replicas
     flags = [*REWARD, "--device", "cpu", "--rollout_is", "none"]
-    one, two = tmp_path / "one", tmp_path / "two"
-    assert main(args(student, one, *flags)) == 0
+    two = tmp_path / "two"
+    if "one" not in _ONE_PROCESS:  # the reference, once for both weight syncs
+        one = tmp_path / "one"
+        assert main(args(student, one, *flags)) == 0
+        _ONE_PROCESS["one"] = read_metrics(str(one / "metrics.jsonl"))
     res = torchrun_grpo(2, args(student, two, *flags, "--rollout_url", srv.url, "--weight_sync", sync))
     assert res.returncode == 0, res.stderr[-3000:]
-    ref_rows, rows = read_metrics(str(one / "metrics.jsonl")), read_metrics(str(two / "metrics.jsonl"))
+    ref_rows, rows = _ONE_PROCESS["one"], read_metrics(str(two / "metrics.jsonl"))
     assert [r["step"] for r in rows] == [r["step"] for r in ref_rows] == [1, 2]
     for key in ("reward/mean", "tpr/mean"):
         assert [r[key] for r in rows] == [r[key] for r in ref_rows], key

@@ -1,9 +1,10 @@
 """Weight updates into a tensor-parallel engine (TP 2 on the CPU over gloo; livemoe/engine/decoder/weight_update.py):
 from a caller's tensors (rank 0 broadcasts them, each rank keeps its slices), from disk (each rank reads only its
-slices) and from a trainer's broadcast (every rank joins the weight-update group). After each, the greedy tokens
+slices) and from a trainer's broadcast (every rank joins the weight-update group), with and without expert parallel. After each, the greedy tokens
 and their logprobs are EQUAL to a fresh TP 2 engine's loaded with the new weights (the same shards, the same
 forward: bitwise). A refusal found by one worker alone (a NaN in its slice only) leaves every rank's weights whole.
-DP 2 x TP 2 serving joins one group as 4 ranks and learns the new weights on both replicas."""
+A server of DP 2 x TP 2 joins a trainer's group as 4 ranks (join_servers, over HTTP) and learns the new weights on
+both replicas."""
 import asyncio
 import threading
 
@@ -47,14 +48,19 @@ def ckpts(tmp_path_factory):
     q = tensors["model.layers.0.self_attn.q_proj.weight"]
     q[q.shape[0] - 1, 0] = float("nan")
     save_file(tensors, f"{nan1}/model.safetensors", metadata={"format": "pt"})
-    fresh = {}
-    for name, path in (("a", a), ("b", b)):
-        llm = LLM(path, tensor_parallel_size=2, **OPTIONS)
-        try:
-            fresh[name] = answers(llm)
-        finally:
-            llm.close()
-    assert fresh["a"] != fresh["b"]
+    paths, cache = {"a": a, "b": b}, {}
+
+    def fresh(name, ep=False):
+        """The answers of a fresh TP 2 engine (expert parallel or not) loaded with checkpoint `name`."""
+        if (name, ep) not in cache:
+            llm = LLM(paths[name], tensor_parallel_size=2, enable_expert_parallel=ep, **OPTIONS)
+            try:
+                cache[name, ep] = answers(llm)
+            finally:
+                llm.close()
+        return cache[name, ep]
+
+    assert fresh("a") != fresh("b")
     return a, b, nan1, fresh
 
 
@@ -67,6 +73,7 @@ def tp2_on_a(ckpts):
 
 def test_tensors_and_disk_into_tp2_equal_a_fresh_tp2_engine(ckpts, tp2_on_a):
     a, b, nan1, fresh = ckpts
+    fresh = {name: fresh(name) for name in ("a", "b")}
     llm = tp2_on_a
     assert answers(llm) == fresh["a"]
     tensors = hub_state_dict(load_model(b, dtype=torch.float32, device="cpu"))
@@ -84,9 +91,27 @@ def test_tensors_and_disk_into_tp2_equal_a_fresh_tp2_engine(ckpts, tp2_on_a):
     assert answers(llm) == fresh["b"]
 
 
+def test_expert_parallel_updates_equal_a_fresh_tp2_ep_engine(ckpts):
+    """TP 2 + EP: each rank keeps its whole experts of the update (the per-expert keys of the other rank's experts
+    are not its to stage) and the shared attention slices."""
+    a, b, _, fresh = ckpts
+    fresh = {name: fresh(name, True) for name in ("a", "b")}  # (one TP engine per process at a time)
+    llm = LLM(a, tensor_parallel_size=2, enable_expert_parallel=True, **OPTIONS)
+    try:
+        assert answers(llm) == fresh["a"]
+        tensors = hub_state_dict(load_model(b, dtype=torch.float32, device="cpu"), "fused")
+        assert llm.update_weights(tensors) == len(tensors)
+        assert answers(llm) == fresh["b"]
+        assert llm.update_weights_from_disk(a) > 0
+        assert answers(llm) == fresh["a"]
+    finally:
+        llm.close()
+
+
 def test_trainer_broadcast_into_tp2_equals_a_fresh_tp2_engine(ckpts, tp2_on_a):
     """The trainer (rank 0, here a thread) broadcasts; the engine's rank 0 is rank 1, its worker rank 2."""
     a, b, _, fresh = ckpts
+    fresh = {name: fresh(name) for name in ("a", "b")}
     llm = tp2_on_a
     named = list(hub_state_dict(load_model(b, dtype=torch.float32, device="cpu")).items())
     port = free_port()
@@ -105,28 +130,32 @@ def test_trainer_broadcast_into_tp2_equals_a_fresh_tp2_engine(ckpts, tp2_on_a):
 
 
 @pytest.mark.slow
-def test_data_parallel_x_tensor_parallel_learns_from_one_broadcast(ckpts):
-    """DP 2 x TP 2: four processes hold weights, ranks 1..4 of the trainer's group; both replicas answer as b."""
+def test_data_parallel_x_tensor_parallel_server_learns_from_one_broadcast(ckpts):
+    """A server of DP 2 x TP 2 (four processes hold weights): the trainer's join_servers reads its 4 ranks from
+    /get_server_info, the group has 5, push_weights_to_servers broadcasts once, and both replicas answer as b."""
+    from fixtures import require_server_extras
+
+    require_server_extras()
+    from livemoe.engine.core.weight_sync import join_servers, push_weights_to_servers
+    from livemoe.engine.server import BackgroundServer, ServerConfig
+
     a, b, _, fresh = ckpts
+    fresh = {name: fresh(name) for name in ("a", "b")}
     named = list(hub_state_dict(load_model(b, dtype=torch.float32, device="cpu")).items())
     engine = AsyncLLM(a, engine_core="process", data_parallel_size=2, tensor_parallel_size=2, **OPTIONS)
+    srv = BackgroundServer(engine, "tiny", config=ServerConfig(enable_admin_routes=True)).start()
     try:
         assert engine.weight_update_ranks == 4
-        port = free_port()
+        sender = join_servers([srv.url], "127.0.0.1", free_port(), timeout_s=60)
+        assert sender.group.size() == 5
+        push_weights_to_servers([srv.url], sender, named, timeout_s=60)
 
         async def main():
-            sender = asyncio.to_thread(WeightSender, "127.0.0.1", port, 5, "gloo", 60)
-            sender, _ = await asyncio.gather(sender, engine.init_weights_update_group("127.0.0.1", port, 1, 5,
-                                                                                      timeout_s=60))
-            meta = weights_metadata(named)
-            pushed = asyncio.to_thread(sender.broadcast, named)
-            count, _ = await asyncio.gather(engine.update_weights_from_distributed(**meta), pushed)
-            assert count == len(named)
-            return await asyncio.gather(*(collect_deltas(engine.generate(p, GREEDY))
-                                          for p in PROMPTS * 3))
+            return await asyncio.gather(*(collect_deltas(engine.generate(p, GREEDY)) for p in PROMPTS * 3))
 
         outs = asyncio.run(main())
         assert [tokens for tokens, _, _ in outs] == [tokens for tokens, _ in fresh["b"]] * 3
         assert min(engine.served_per_replica()) > 0  # both replicas answered
     finally:
+        srv.stop()
         engine.shutdown()

@@ -113,3 +113,61 @@ def test_cli_table_json_and_error(capsys):
     assert "parameters_fp32" in table and "does NOT fit in 40.0 GB" in table
     assert main(args + ["--batch_size", "3"]) == 2
     assert "the global batch of 3 sequences does not split over --gpus 8" in capsys.readouterr().err
+
+
+def test_disaggregated_grpo_plans_the_rollout_fleet_apart():
+    """--rollout_gpus: the trainer GPUs hold no KV cache; each rollout GPU holds its TP share of the bf16 weights,
+    a staged copy of it, and the KV cache of its replica's share of S steps of rollouts in flight."""
+    from livemoe.engine.model.memory import serving_memory
+
+    cfg = resolve_config("qwen3-30b-a3b")
+    kw = dict(gpus=8, gpu_mem_gb=141, expert_parallel=8, trainer="grpo", batch_size=16, rollouts=8, seq_len=2048)
+    colocated = plan(cfg, PlanConfig(**kw))
+    r = plan(cfg, PlanConfig(**kw, rollout_gpus=8, rollout_tensor_parallel=2, max_staleness=2))
+    g = r["per_gpu_bytes"]
+    assert g["rollout_kv_cache_bf16"] == 0 and g["rollout_weights_bf16"] == 2 * 30_532_122_624  # the pushed copy
+    assert r["phase_bytes"]["update"] == colocated["phase_bytes"]["update"]  # the update phase is unchanged
+    fleet = r["rollout_fleet"]
+    assert fleet["replicas"] == 4 and fleet["sequences_in_flight_per_replica"] == 2 * 16 * 8 // 4
+    share = serving_memory(cfg, 2)
+    f = fleet["per_gpu_bytes"]
+    assert f["weights_bf16"] == f["weight_update_staging_bf16"] == round(share["weights_gb_per_gpu"] * 1e9)
+    # 64 sequences x 2048 tokens x (k and v) x 48 layers x 2 of the 4 KV heads x 128 x 2 bytes
+    assert f["kv_cache_bf16"] == 64 * 2048 * 2 * 48 * 2 * 128 * 2
+    assert fleet["total_bytes"] == sum(f.values()) and fleet["fits"] and r["fits"]
+    # S steps of finished rollouts wait on the trainer's host: id, log-prob, mask and k routed experts per MoE layer
+    assert r["host_bytes"]["async_buffer_host"] == 2 * 16 * 2048 * (8 + 4 + 4 + 48 * 8)
+    small = plan(cfg, PlanConfig(**kw, rollout_gpus=2, rollout_tensor_parallel=2, rollout_gpu_mem_gb=80,
+                                 max_staleness=4))
+    assert not small["rollout_fleet"]["fits"] and not small["fits"]  # the fleet, not the trainer, is short
+
+
+def test_async_colocated_rollouts_overlap_the_update():
+    """--max_staleness S without rollout GPUs: the rollouts of S steps share the GPUs with the update, so the
+    peak is both phases at once, with S steps' KV cache."""
+    cfg = resolve_config("qwen3-30b-a3b")
+    kw = dict(gpus=8, gpu_mem_gb=141, expert_parallel=8, trainer="grpo", batch_size=16, rollouts=8, seq_len=2048)
+    sync, s2 = plan(cfg, PlanConfig(**kw)), plan(cfg, PlanConfig(**kw, max_staleness=2))
+    assert s2["per_gpu_bytes"]["rollout_kv_cache_bf16"] == 2 * sync["per_gpu_bytes"]["rollout_kv_cache_bf16"]
+    assert list(s2["phases"]) == ["step"] and s2["total_bytes"] == sum(s2["per_gpu_bytes"][k] for k in s2["counted"])
+    assert s2["total_bytes"] > sync["total_bytes"]
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(rollout_gpus=8), "pass --trainer grpo"),
+    (dict(trainer="grpo", rollout_gpus=6, rollout_tensor_parallel=4), "do not split into replicas"),
+    (dict(trainer="grpo", rollout_gpus=6, rollout_tensor_parallel=3), "tensor_parallel_size=3 does not divide"),
+    (dict(trainer="grpo", rollout_tensor_parallel=2), "needs --rollout_gpus"),
+    (dict(trainer="grpo", max_staleness=-1), "must be >= 0"),
+])
+def test_bad_disaggregated_input(kw, message):
+    with pytest.raises(ValueError, match=message):
+        plan(resolve_config("qwen3-30b-a3b"), PlanConfig(gpus=8, gpu_mem_gb=141, batch_size=8, **kw))
+
+
+def test_cli_plans_the_rollout_fleet(capsys):
+    args = ["--model", "qwen3-30b-a3b", "--gpus", "8", "--gpu_mem_gb", "141", "--expert_parallel", "8", "--trainer",
+            "grpo", "--rollout_gpus", "8", "--rollout_tensor_parallel", "2", "--max_staleness", "1"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "per rollout GPU: 8 GPUs, 4 replica(s) of tensor parallel 2" in out and "async_buffer_host" in out

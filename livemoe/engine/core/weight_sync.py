@@ -105,12 +105,26 @@ def _received(group, names, dtypes, shapes, device):
 
 
 @torch.no_grad()
-def send_buckets(group, named_tensors: list, device=None) -> None:
+def send_buckets(group, named_tensors, device=None, metadata: dict | None = None) -> None:
     """Rank 0 of `group`: broadcasts the tensors in the order weights_metadata(named_tensors) lists them (each
-    bucket moved to `device` first if given: the receivers' device picks the backend)."""
-    tensors = [t.detach() for _, t in named_tensors]
-    for b in buckets([dtype_name(t.dtype) for t in tensors], [list(t.shape) for t in tensors]):
-        flat = torch.cat([tensors[i].reshape(-1) for i in b]) if len(b) > 1 else tensors[b.start].reshape(-1)
+    bucket moved to `device` first if given: the receivers' device picks the backend). With `metadata` (the
+    names, dtypes and shapes, known before the tensors), named_tensors may be an iterator consumed as the
+    buckets fill: a whole model never needs to be held at once (a trainer gathering its shards tensor by
+    tensor); each tensor is cast to its listed dtype."""
+    if metadata is None:
+        named_tensors = list(named_tensors)
+        metadata = weights_metadata(named_tensors)
+    names, dtypes, shapes = metadata["names"], metadata["dtypes"], metadata["shapes"]
+    tensors = iter(named_tensors)
+    for b in buckets(dtypes, shapes):
+        parts = []
+        for i in b:
+            name, t = next(tensors)
+            if name != names[i] or list(t.shape) != list(shapes[i]):
+                raise ValueError(f"weights: tensor {i} is {name!r} {list(t.shape)}, but the metadata sent lists "
+                                 f"{names[i]!r} {list(shapes[i])}")
+            parts.append(t.detach().reshape(-1).to(DTYPES[dtypes[i]]))
+        flat = torch.cat(parts) if len(parts) > 1 else parts[0]
         group.broadcast(flat.contiguous() if device is None else flat.to(device).contiguous(), 0).wait()
 
 
@@ -121,9 +135,9 @@ class WeightSender:
                  timeout_s: float = 300.0):
         self.group = open_group(master_address, master_port, 0, world_size, backend, timeout_s)
 
-    def broadcast(self, named_tensors: list) -> None:
-        """Sends the tensors in the order weights_metadata(named_tensors) lists them."""
-        send_buckets(self.group, named_tensors)
+    def broadcast(self, named_tensors, metadata: dict | None = None) -> None:
+        """Sends the tensors in the order weights_metadata(named_tensors) (or `metadata`) lists them."""
+        send_buckets(self.group, named_tensors, metadata=metadata)
 
 
 def weights_metadata(named_tensors: list) -> dict:
@@ -146,12 +160,15 @@ def join_servers(urls: list[str], master_address: str, master_port: int, backend
 
 
 def push_weights_to_servers(urls: list[str], sender: WeightSender, named_tensors, in_flight: str = "finish",
-                            api_key: str | None = None, timeout_s: float = 300.0) -> None:
-    """POST /update_weights_from_distributed on every server while broadcasting the tensors."""
-    named = [(n, t) for n, t in named_tensors]
-    body = dict(weights_metadata(named), in_flight=in_flight)
+                            api_key: str | None = None, timeout_s: float = 300.0, metadata: dict | None = None) -> None:
+    """POST /update_weights_from_distributed on every server while broadcasting the tensors (an iterator, consumed
+    as it is sent, when `metadata` lists them beforehand)."""
+    if metadata is None:
+        named_tensors = list(named_tensors)
+        metadata = weights_metadata(named_tensors)
+    body = dict(metadata, in_flight=in_flight)
     _while_posting(urls, "/update_weights_from_distributed", [body] * len(urls), api_key,
-                   lambda: sender.broadcast(named), timeout_s)
+                   lambda: sender.broadcast(named_tensors, metadata), timeout_s)
 
 
 def _replicas(url: str, api_key: str | None) -> int:

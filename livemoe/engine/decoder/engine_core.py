@@ -107,7 +107,7 @@ class EngineCore:
             self.runner.free_kv_cache()
         self._free_draft_cache()
 
-    def refuse_tensor_parallel(self, what: str, instead: str = "restart the engine on the new checkpoint") -> None:
+    def refuse_tensor_parallel(self, what: str, instead: str) -> None:
         """What a multi-process engine does not do: a clear error naming it."""
         n = self.config.tensor_parallel_size
         if n > 1:

@@ -23,7 +23,10 @@ Everything is a --flag or a key of --config run.yaml (livemoe.train.config); che
 Under torchrun (livemoe.train.distributed) the policy and the reference are sharded (FSDP2, --expert_parallel); each rank
 decodes its share of the step's prompts with a gathered inference copy of the policy (refreshed after each
 update; bench/bench_rollout_weights.py measures it against decoding through the sharded module), the rewards are
-joined for the advantages, and the loss is normalised over the global batch; checkpoints are sharded.
+joined for the advantages, and the loss is normalised over the global batch; checkpoints are sharded. Each rank
+reads only its shards of the checkpoint (livemoe.train.parallel.sharded_load). With --rollout_url every rank sends
+its prompts to the rollout servers and rank 0 pushes the new weights once to every replica
+(livemoe.train.remote_rollout).
 
 config.py holds its options (GRPOConfig), start.py where a run starts (the checkpoint, the records),
 trainer.py the trainer (GRPOTrainer: the rollout phase, the update phase, evaluation, the loop),

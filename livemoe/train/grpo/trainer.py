@@ -93,8 +93,11 @@ class GRPOTrainer:
         if cfg.exact_rollouts and (self.dist.mesh.distributed or (reason := unavailable_reason(self.device))):
             raise ConfigError("--exact_rollouts: " + ("one process only (the batch-invariant kernels have no sharded "
                                                       "version)" if self.dist.mesh.distributed else reason))
-        if self.dist.mesh.distributed or rollout_dtype != self.dtype:  # refreshed after each optimizer step
-            self.infer = self.dist.inference_copy(self.model, rollout_dtype)
+        self.train_records, self.eval_records = load_records(cfg)
+        # rollout servers under torchrun with nothing for rank 0 to evaluate: the push streams from the shards
+        self.stream_push = bool(cfg.rollout_url and self.dist.mesh.distributed and not self.eval_records)
+        if (self.dist.mesh.distributed and not self.stream_push) or rollout_dtype != self.dtype:
+            self.infer = self.dist.inference_copy(self.model, rollout_dtype)  # refreshed after each optimizer step
         self.tokenizer = load_tokenizer(model_path) or load_tokenizer(self.start_model)
         if self.tokenizer is None:
             raise ConfigError(f"{self.start_model}: the checkpoint has no tokenizer (the prompts are text)")
@@ -102,7 +105,6 @@ class GRPOTrainer:
         self.ref_model = None
         if cfg.loss.beta > 0:  # the frozen starting checkpoint; not loaded at all when β = 0
             self.ref_model = self._load_reference()
-        self.train_records, self.eval_records = load_records(cfg)
         self.prompts = [build_prompt(r, self.tokenizer) for r in self.train_records]
         self.judge = make_judge(cfg)
         self.reward = CompositeReward(self.judge, cfg.reward)
@@ -121,7 +123,9 @@ class GRPOTrainer:
                                            num_generations=cfg.num_generations, max_new_tokens=cfg.max_new_tokens,
                                            seed=cfg.seed, weight_sync=cfg.weight_sync, temperature=s["temperature"],
                                            top_p=s["top_p"], top_k=s["top_k"], return_routed_experts=routed,
-                                           main=self.dist.is_main, barrier=self.dist.barrier)
+                                           main=self.dist.is_main, barrier=self.dist.barrier,
+                                           **(dict(gather=self._gathered, push_dtype=self.dtype)
+                                              if self.stream_push else {}))
         else:
             self.rollouts = Rollouts(self.infer or self.model, self.tokenizer, num_generations=cfg.num_generations,
                                      max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, return_routed_experts=routed,
@@ -148,6 +152,10 @@ class GRPOTrainer:
             self.guard.skipped = state.get("nonfinite_steps", 0)
         self.metrics = distributed.metrics_logger(self.dist, cfg.output_dir, cfg.tensorboard,
                                                   resume_step=self.step if self.resume_from else None)
+
+    def _gathered(self, model):
+        """The sharded model's tensors gathered whole one at a time, in the compute dtype (every rank iterates)."""
+        return ((name, t.to(self.dtype)) for name, t in self.dist.full_tensors(model))
 
     def _load_reference(self):
         """The frozen starting checkpoint in the compute dtype (no master copy: it never trains); under torchrun

@@ -64,7 +64,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, *, param_dtype: torch.dtyp
                 reduce_dtype: torch.dtype = torch.float32) -> nn.Module:
     """Expert parallel (when mesh.dims.expert_parallel > 1) then FSDP2, in place; a no-op in one process.
     Build the optimizer after this call: it must hold the sharded parameters."""
-    if not mesh.distributed:
+    if not mesh.distributed or isinstance(model, FSDPModule):  # (FSDPModule: parallelized on the meta device)
         return model
     num_experts = getattr(model.config, "num_experts", 0)
     mesh.dims.check_experts(num_experts)

@@ -141,8 +141,8 @@ def train(cfg: RFTConfig, model, tokenizer, kept: list, device, resume_from=None
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing = True
     model.train()
-    use_bf16 = cfg.bf16 == "true" or (cfg.bf16 == "auto" and device.type == "cuda")
-    model = dist.parallelize(model, use_bf16)
+    use_bf16 = uses_bf16(cfg, device)
+    model = dist.parallelize(model, use_bf16)  # (a no-op for a model load_sharded has parallelized already)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = make_scheduler(optimizer, cfg.warmup_steps, total_steps)
     start_step, micro_done = 0, 0
@@ -228,6 +228,10 @@ def _save_model(model, path):
     save_model(model, path)
 
 
+def uses_bf16(cfg: RFTConfig, device) -> bool:
+    return cfg.bf16 == "true" or (cfg.bf16 == "auto" and device.type == "cuda")
+
+
 def run(cfg: RFTConfig) -> dict:
     threads = torch.get_num_threads()
     try:
@@ -273,14 +277,17 @@ def _run(cfg: RFTConfig) -> dict:
         raise ValueError(f"--model {cfg.model}: the checkpoint has no tokenizer (tokenizer.json)")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    # a sharded checkpoint's weights load in train(), into the sharded model
-    model = engine.load_model(model_dir(resume_from) or cfg.model, dtype=torch.float32, device=device)
+    # a sharded checkpoint's weights load in train(), into the sharded model; under torchrun each rank reads only
+    # its own shards of the checkpoint (built on the meta device)
+    path = model_dir(resume_from) or cfg.model
+    model = (dist.load_sharded(path, torch.float32, uses_bf16(cfg, device)) if dist.mesh.distributed
+             else engine.load_model(path, dtype=torch.float32, device=device))
 
     rows = []
     eval_kw = dict(max_new_tokens=cfg.eval_max_new_tokens, temperature=cfg.eval_temperature, seed=cfg.seed,
                    progress=cfg.progress, samples=cfg.eval_samples)
     before_path = os.path.join(cfg.output_dir, "eval_before.json")
-    if held_out and dist.is_main:  # rank 0 evaluates (the model is not sharded yet)
+    if held_out and dist.is_main:  # rank 0 evaluates the whole model (its own copy under torchrun)
         if cfg.teacher == "scripted":  # the teacher's own row, as in the seed's Table 3 (no decode cost)
             from livemoe.train.teachers import make_teacher
 
@@ -291,7 +298,8 @@ def _run(cfg: RFTConfig) -> dict:
             with open(before_path) as f:
                 rows.append(json.load(f))
         else:
-            base = engine.load_model(cfg.model, dtype=torch.float32, device=device) if resume_from else model
+            whole = resume_from or dist.mesh.distributed
+            base = engine.load_model(cfg.model, dtype=torch.float32, device=device) if whole else model
             t0 = time.time()
             rows.append(evaluate(base, tokenizer, held_out, judge, label="student", **eval_kw))
             log(f"eval before: {time.time() - t0:.1f}s")
