@@ -76,7 +76,8 @@ class GRPOConfig(RunConfig):
     prompt_sharing: bool = field(default=True, metadata={
         "help": "the update's forwards compute each prompt once for its K completions (packed rows, a completion "
                 "sees the prompt and itself: livemoe/train/shared_prefix.py); the same log-probs and losses; off "
-                "with --routing_replay R3, and for a micro-batch whose attention pattern would be too large"})
+                "with --routing_replay R3 or --exact_rollouts, and for a micro-batch whose attention pattern would "
+                "be too large"})
     max_tokens_per_micro_batch: int = field(default=0, metadata={
         "help": "token-balanced micro-batches: rows packed so that rows x longest row stays within this many tokens "
                 "(livemoe/train/packing.py), instead of --micro_batch_size rows; the loss is the same; 0 = off"})

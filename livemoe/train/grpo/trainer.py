@@ -387,7 +387,8 @@ class GRPOTrainer:
             width = int(mb["attention_mask"].sum(1).max())  # trim the right padding of this micro-batch
             mb = {k: v if v.dim() == 1 else v[:, :width] if k in PER_TOKEN else v[:, :width - 1] for k, v in mb.items()}
             mb["rollout_logprobs"] = mb["old_logprobs"]  # the decoder's; old_logprobs may become the trainer's
-            if self.cfg.prompt_sharing and self.cfg.routing_replay == "none":  # R3 replays per row: unshared
+            # unshared: R3 replays per row, and exact mode's attention takes the decoder's right-padded rows
+            if self.cfg.prompt_sharing and self.cfg.routing_replay == "none" and not self.cfg.exact_rollouts:
                 mb["shared"] = pack_prompts(mb["input_ids"], mb["attention_mask"], mb["prompt_lens"], self.pad_id)
             out.append(mb)
         return out
