@@ -151,7 +151,11 @@ def test_many_gpu_commands_use_real_options(capsys):
     checked = []
     for line in bash_lines(text):
         module = check_command(line, capsys)
-        if module == "livemoe plan":
+        if module == "livemoe plan" and "--rollout_gpus" in line.split():  # disaggregated: the rollout GPUs' table
+            out = capsys.readouterr().out
+            assert "update 136.65" in out and "77.97  fits in 141.0 GB" in out
+            assert "each of the 8 rollout GPUs 78.0 GB" in " ".join(text.split())
+        elif module == "livemoe plan":
             out = capsys.readouterr().out
             assert "rollout 131.38, update 136.65" in out and "136.65  fits in 141.0 GB" in out
             assert "rollouts 131.4 GB, update 136.7 GB, which fits in 141 GB" in " ".join(text.split())
