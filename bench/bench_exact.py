@@ -9,7 +9,6 @@ CPU only (the exact kernels have no GPU version yet). The small random Qwen3-MoE
 layers, 32 experts top-4), fp32, batch 64 (quick: 16) decode steps with 8 timed steps per repetition, median of
 5 repetitions (quick: 1); the training step on 16 sequences of 128 tokens (quick: 4 of 64).
 """
-import statistics
 import time
 
 import pytest
@@ -17,7 +16,7 @@ import torch
 
 from bench.bench_decode import MODELS, random_prompts
 from bench.bench_mismatch import decode_steps
-from bench.common import record
+from bench.common import median_times, record
 from livemoe.engine.llm import LLM
 from livemoe.engine.model.loader import load_model
 from livemoe.engine.sampling.params import SamplingParams
@@ -50,13 +49,12 @@ def test_decode_step_exact(ckpt, bench_mode, device, cpu_only):
     while any(s.num_output_tokens == 0 for r in llm.core.requests.values() for s in r.seqs):
         llm.step()  # prefill
     config = llm.core.config
-    exact, default = [], []
-    for _ in range(reps):
-        config.batch_invariant = True
-        exact.append(decode_steps(llm, False, steps))
-        config.batch_invariant = False
-        default.append(decode_steps(llm, False, steps))
-    t_on, t_off = statistics.median(exact), statistics.median(default)
+
+    def run(exact: bool) -> float:
+        config.batch_invariant = exact
+        return decode_steps(llm, False, steps)
+
+    t_on, t_off = median_times(lambda: run(True), lambda: run(False), reps)
     record(suite=SUITE, case=f"decode step, batch {batch}, exact mode", metric="ms", ours=t_on * 1e3,
            baseline=t_off * 1e3, baseline_name="default kernels", kind="overhead")
     assert t_on > 0 and t_off > 0
@@ -77,11 +75,7 @@ def test_training_step_exact(ckpt, bench_mode, device, cpu_only):
         return time.perf_counter() - t0
 
     step(True), step(False)  # warm-up
-    on, off = [], []
-    for _ in range(reps):
-        on.append(step(True))
-        off.append(step(False))
-    t_on, t_off = statistics.median(on), statistics.median(off)
+    t_on, t_off = median_times(lambda: step(True), lambda: step(False), reps)
     record(suite=SUITE, case=f"training forward + backward, {rows} x {length} tokens, exact mode", metric="ms",
            ours=t_on * 1e3, baseline=t_off * 1e3, baseline_name="default kernels", kind="overhead")
     assert t_on > 0 and t_off > 0

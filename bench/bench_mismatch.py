@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from bench.bench_decode import MODELS, random_prompts
-from bench.common import record, sync
+from bench.common import median_times, record, sync
 from livemoe.engine.llm import LLM
 from livemoe.engine.model.loader import load_model
 from livemoe.engine.sampling.params import SamplingParams
@@ -65,11 +65,7 @@ def test_decode_step_with_routed_experts(ckpt, bench_mode, device):
                                           return_routed_experts=True))
     while any(s.num_output_tokens == 0 for r in llm.core.requests.values() for s in r.seqs):
         llm.step()  # prefill
-    with_, without = [], []
-    for _ in range(reps):
-        with_.append(decode_steps(llm, True, steps))
-        without.append(decode_steps(llm, False, steps))
-    t_on, t_off = statistics.median(with_), statistics.median(without)
+    t_on, t_off = median_times(lambda: decode_steps(llm, True, steps), lambda: decode_steps(llm, False, steps), reps)
     record(suite=SUITE, case=f"decode step, batch {batch}, routed experts stored", metric="ms", ours=t_on * 1e3,
            baseline=t_off * 1e3, baseline_name="not stored", kind="overhead")
     assert t_on > 0 and t_off > 0
@@ -97,11 +93,7 @@ def test_training_step_with_routing_replay(ckpt, bench_mode, device):
         return time.perf_counter() - t0
 
     step(None), step(routed)  # warm-up
-    on, off = [], []
-    for _ in range(reps):
-        on.append(step(routed))
-        off.append(step(None))
-    t_on, t_off = statistics.median(on), statistics.median(off)
+    t_on, t_off = median_times(lambda: step(routed), lambda: step(None), reps)
     record(suite=SUITE, case=f"training forward + backward, {rows} x {length} tokens, R3", metric="ms",
            ours=t_on * 1e3, baseline=t_off * 1e3, baseline_name="own routing", kind="overhead")
     assert t_on > 0 and t_off > 0

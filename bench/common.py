@@ -86,6 +86,12 @@ def median_pair(ours, baseline, reps: int):
     return t_ours, r_ours, t_base, r_base
 
 
+def median_times(ours, baseline, reps: int) -> tuple[float, float]:
+    """median_pair for ours() and baseline() that return their seconds alone: (median of ours, of the baseline)."""
+    t_ours, _, t_base, _ = median_pair(lambda: (ours(), None), lambda: (baseline(), None), reps)
+    return t_ours, t_base
+
+
 def play_live(sessions: list, events, warm: int, timed: int) -> tuple:
     """(seconds per timed interval, (mean prompt, cached prompt, completion tokens) per decision) of live sessions
     played together (livemoe.engine.live.step_sessions): interval i brings each session events(i); `warm`
