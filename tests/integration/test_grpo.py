@@ -165,6 +165,7 @@ def test_beta_zero_loads_no_reference(student, tmp_path):
     (["--partial_rollouts", "true"], "add --async_rollouts"),
     (["--max_staleness", "2"], "add it"),
     (["--dynamic_sampling_rounds", "0"], "dynamic_sampling_rounds"),
+    (["--dynamic_sampling_rounds", "8"], "add --dynamic_sampling"),
     (["--max_tokens_per_micro_batch", "-1"], "max_tokens_per_micro_batch"),
 ])
 def test_bad_options_are_clear_errors(student, tmp_path, flags, match):

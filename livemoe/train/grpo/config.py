@@ -141,6 +141,9 @@ class GRPOConfig(RunConfig):
                               "--rollout_url and --multi_turn")
         if self.max_staleness != 1 and not self.async_rollouts:  # 1 is the default: not an ignored choice
             raise ConfigError("--max_staleness is for --async_rollouts: add it, or leave --max_staleness out")
+        if self.dynamic_sampling_rounds != 4 and not self.dynamic_sampling:  # 4 is the default
+            raise ConfigError("--dynamic_sampling_rounds caps --dynamic_sampling's rounds: add --dynamic_sampling, or "
+                              "leave --dynamic_sampling_rounds out")
         if self.num_generations < 2:
             raise ConfigError("--num_generations must be >= 2: GRPO compares rollouts of one prompt")
         if self.temperature <= 0:
