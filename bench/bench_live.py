@@ -1,6 +1,7 @@
 """Live sessions: decision latency per interval with the session's cached context (pinned blocks, each
 interval prefills only its new events) against re-prefilling the whole context every interval (the
-same engine with prefix caching off), at 1, 8 and 32 concurrent sessions batched by step_sessions.
+same engine with prefix caching off), at 1, 8 and 32 concurrent sessions batched by step_sessions (on the CPU,
+32 sessions and 12 warm-up intervals only with --benchmark-full; --benchmark warms up 6 and times 3).
 
 CPU: the small random Qwen3-MoE of bench_decode with the tests' byte-level tokenizer; each session is
 warmed up to a long context first, then the later intervals are timed (the ratio is what counts: both
@@ -9,6 +10,8 @@ intervals. Measured here in quick mode (2-core shared CPU, ~820-token contexts, 
 decisions on both sides): 1.2x at 1 session (decode-bound), 2.7x at 8.
 On a GPU the same suite runs at the same sizes (bench/gpu_check.sh runs every suite).
 """
+
+import itertools
 
 import pytest
 import torch
@@ -26,27 +29,34 @@ EVENTS = [[{"type": "comment", "user": "amy", "text": "how much is link 3?"}],
           [{"type": "transcript", "text": "link 7 is now 29 yuan"}], []]
 
 
+_plays = itertools.count()
+
+
 def _play(llm, num_sessions: int, warm: int, timed: int) -> tuple:
     """play_live over num_sessions sessions of the shopping stream."""
     from livemoe.engine.live import LiveSession
 
+    # a new system prompt each play, at its start: no play may hit blocks an earlier one left in the prefix cache.
     # greedy: both sides decide the same (up to float ties), so they decode the same number of tokens
-    sessions = [LiveSession(llm, SYSTEM + f" room {i}.", temperature=0.0, max_message_chars=32)
+    play = next(_plays)
+    sessions = [LiveSession(llm, f"play {play}. " + SYSTEM + f" room {i}.", temperature=0.0, max_message_chars=32)
                 for i in range(num_sessions)]
     return play_live(sessions, lambda i: EVENTS[i % len(EVENTS)], warm, timed)
 
 
 @pytest.mark.parametrize("num_sessions", [1, 8, 32])
-def test_live_decision_latency(benchmark, bench_mode, tmp_path_factory, one_thread, num_sessions):
+def test_live_decision_latency(benchmark, bench_mode, bench_long, tmp_path_factory, one_thread, num_sessions):
     from livemoe.engine import LLM
     from tiny_tokenizer import make_text_checkpoint
 
-    if bench_mode == "quick" and num_sessions > 8:
-        pytest.skip("quick mode: 1 and 8 sessions (pytest bench/ --benchmark runs 32)")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    # the long CPU cases (32 sessions, 12 warm-up intervals: ~10 minutes on 2 cores) are --benchmark-full's
+    long = bench_mode == "full" and (bench_long or device == "cuda")
+    if num_sessions > 8 and not long:
+        pytest.skip("1 and 8 sessions on the CPU (pytest bench/ --benchmark-full runs 32)")
     size = SMALL if bench_mode == "full" else {"max_position_embeddings": 4096}  # quick: the tiny model
     path, _ = make_text_checkpoint(tmp_path_factory.mktemp("bench_live") / "m", moe=True, **size)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    warm, timed = (12, 6) if bench_mode == "full" else (3, 1)
+    warm, timed = (12, 6) if long else (6, 3) if bench_mode == "full" else (3, 1)
     reps = 3 if bench_mode == "full" else 1
     opts = dict(device=device, num_kv_blocks=4096, use_tqdm=False)
     cached, fresh = LLM(path, **opts), LLM(path, enable_prefix_caching=False, **opts)

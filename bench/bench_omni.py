@@ -7,7 +7,8 @@ alternately:
   the same prompt whose items are in the encoder cache (prefix caching off, so the LM prefill is the same work).
 
 - live decision latency per interval with audio + video events (a comment, 0.5 s of audio, two 32x32 frames) at 1, 8
-  and 32 sessions: the sessions' cached contexts against re-prefilling the whole context each interval.
+  and 32 sessions (32: --benchmark-full): the sessions' cached contexts against re-prefilling the whole context each
+  interval.
 
 CPU: a random thinker with the small MoE of bench_decode as its LM (H 256, 4 layers, 32 experts top-4, vocab 4096)
 and small encoders, fp32, one thread; medians of 5 alternating runs (quick: 1; live: 3, 1 at 32 sessions).
@@ -139,12 +140,14 @@ def play_media(llm: LLM, num_sessions: int, warm: int, timed: int):
 
 
 @pytest.mark.parametrize("num_sessions", [1, 8, 32])
-def test_live_decision_latency_with_audio_and_video(ckpt_with_tokenizer, bench_mode, num_sessions):
+def test_live_decision_latency_with_audio_and_video(ckpt_with_tokenizer, bench_mode, bench_long, num_sessions):
     """Per interval: the sessions' cached contexts (each interval prefills and encodes only its own events) against
     the same sessions with prefix caching off (every interval re-prefills the whole context; the earlier media's
     encoder outputs still come from the encoder cache)."""
     if bench_mode == "quick" and num_sessions > 1:
-        pytest.skip("quick mode: 1 session (pytest bench/ --benchmark runs 8 and 32)")
+        pytest.skip("quick mode: 1 session (pytest bench/ --benchmark runs 8, --benchmark-full 32)")
+    if num_sessions > 8 and not bench_long:
+        pytest.skip("32 sessions: pytest bench/ --benchmark-full (minutes on 2 cores)")
     warm, timed, reps = (4, 3, 3 if num_sessions < 32 else 1) if bench_mode == "full" else (2, 2, 1)
     kw = dict(dtype=torch.float32, device="cpu", num_kv_blocks=4096, use_tqdm=False, max_model_len=4096,
               encoder_cache_bytes=2**30)

@@ -1,9 +1,12 @@
 """Speculative decoding (ngram prompt lookup) against the same engine without it, in the same process, run
-alternately (full mode: median of 3 of each side; quick: one).
+alternately (full mode: median of 5 of each side, 3 for the live session; quick: one).
 
-Workloads, each at batch 1 (16 requests one after the other), 8 and 64 (the first b prompts at once):
+Workloads, each at batch 1 (16 requests one after the other), 8 and 64 (b prompts at once); each rep runs its own
+prompts (the same on both sides), so the recent-outputs lookup never meets a question it has answered:
 - demo answers: the committed student (livemoe/train/assets/student) answering held-out rooms' product questions
-  (the RFT demo's prompts: the room's product list, then the question), greedy, up to 64 tokens, ending at EOS.
+  (the RFT demo's prompts: the room's product list, then the question), greedy, up to 64 tokens, ending at EOS;
+  with prompt lookup from 2-token matches (the engine's default), from 1-token ones, and with lookup_recent_outputs
+  too (the answers share a template).
   The student is the RFT demo's starting point, not an RFT-trained checkpoint (training one here would cost
   minutes of CPU); its answers copy the fact from the product list as the RFT student's do.
 - live session: bench_live's sessions (the small random MoE, the tests' byte-level tokenizer), decision latency
@@ -11,16 +14,21 @@ Workloads, each at batch 1 (16 requests one after the other), 8 and 64 (the firs
 - random control: the tiny random MoE on random prompts (lookup finds little), greedy, 32 tokens.
 Rows: tokens/s (ours = with speculation), ms per output token and the mean acceptance length (extra).
 Goal (issue 37): >= 2x tokens/s at batch 1 on the demo answers; never below 0.95x at batch 64 or on the control.
-On a GPU the same suites run on the GPU (fp32; a verification step runs eagerly: no CUDA graph for its shape yet).
+On a GPU (bench/gpu_check.sh) the same suites run there (fp32), decode and verification steps on CUDA graphs (the
+rows' extra says how many verification steps replayed one).
 """
+import statistics
+
 import pytest
 import torch
 
 from bench.common import median_pair, record
 
 SUITE = "spec_decode"
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU (bench/gpu_check.sh) the same rows, eager verify
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU (bench/gpu_check.sh) the same rows
+# 1-token matches too: the demo's answers copy single words (a product's name, its attribute) from the question
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 5}
+RECENT = {"lookup_recent_outputs": 64}
 
 
 def _generate(llm, prompts, params):
@@ -28,26 +36,45 @@ def _generate(llm, prompts, params):
     import time
 
     before = llm.stats()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     outs = [o for p in prompts for o in llm.generate([p], params)] if BATCH_ONE[0] else llm.generate(prompts, params)
-    dt = time.perf_counter() - t0
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     after = llm.stats()
     tokens = sum(len(o.token_ids) for o in outs)
     verifications = after.get("spec_num_verifications", 0) - before.get("spec_num_verifications", 0)
     accepted = after.get("spec_accepted_tokens", 0) - before.get("spec_accepted_tokens", 0)
     return dt, (tokens, [o.token_ids for o in outs], (accepted + verifications) / verifications if verifications
-                else None)
+                else None, cpu)
 
 
 BATCH_ONE = [False]
+BATCHES = (1, 8, 64)
+BATCH_ONE_REQUESTS = 16  # batch 1: this many requests in turn
 
 
-def _compare(case, base, spec, prompts, params, reps):
-    for batch in (1, 8, 64):
-        ps = prompts[:16] if batch == 1 else prompts[:batch]  # batch 1: 16 requests in turn
+def _compare(case, base, spec, prompt_sets, params, warm):
+    """prompt_sets {batch: [the prompts of each rep]}: ours and the baseline alternate, each rep on its own prompts
+    (both sides the same), so a speculator that keeps earlier outputs (lookup_recent_outputs) never drafts an
+    answer from an earlier run of the same question. Each batch size is first run once untimed on both sides, on
+    the warm-up prompts (the first step at a new batch size costs more)."""
+    for batch, sets in prompt_sets.items():
         BATCH_ONE[0] = batch == 1
-        t_spec, (n_spec, ids_spec, accept), t_base, (n_base, ids_base, _) = median_pair(
-            lambda: _generate(spec, ps, params), lambda: _generate(base, ps, params), reps)
+        for llm in (spec, base):
+            _generate(llm, (warm * batch)[:len(sets[0])], params)
+        todo, current = iter(sets), [None]
+        cpu: tuple[list, list] = ([], [])
+
+        def timed(llm, side):
+            dt, result = _generate(llm, current[0], params)
+            cpu[side].append(result[-1])
+            return dt, result
+
+        def ours():
+            current[0] = next(todo)
+            return timed(spec, 0)
+
+        t_spec, (n_spec, ids_spec, accept, _), t_base, (n_base, ids_base, _, _) = median_pair(
+            ours, lambda: timed(base, 1), len(sets))
         # greedy: the same tokens (speculation is exact), so the same count on both sides
         assert n_spec == n_base, (n_spec, n_base)
         same = ids_spec == ids_base
@@ -55,7 +82,21 @@ def _compare(case, base, spec, prompts, params, reps):
                baseline=n_base / t_base, baseline_name="no speculation", higher_is_better=True,
                extra={"ms_per_token": 1e3 * t_spec / n_spec * batch, "baseline_ms_per_token":
                       1e3 * t_base / n_base * batch, "mean_acceptance_length": accept, "output_tokens": n_spec,
-                      "same_tokens": same, "requests": len(ps)})
+                      "same_tokens": same, "requests": len(current[0]),
+                      # CPU seconds of this process (the engine runs in it), less moved by other load than wall time
+                      "cpu_time_speedup": statistics.median(cpu[1]) / statistics.median(cpu[0]),
+                      "verify_graph_replays": spec.stats()["num_verify_graph_replays"]})
+
+
+def _split(prompts: list, reps: int) -> dict:
+    """Disjoint prompt lists per batch and rep, in order."""
+    out, i = {}, 0
+    for batch in BATCHES:
+        n = BATCH_ONE_REQUESTS if batch == 1 else batch
+        out[batch] = [prompts[i + r * n:i + (r + 1) * n] for r in range(reps)]
+        i += reps * n
+    assert i <= len(prompts)
+    return out
 
 
 def test_demo_answers(bench_mode, one_thread):
@@ -65,15 +106,82 @@ def test_demo_answers(bench_mode, one_thread):
     from livemoe.train.data import build_prompt
     from livemoe.train.synthetic.world import make_rooms
 
+    reps = 5 if bench_mode == "full" else 1
     opts = dict(num_kv_blocks=4096, use_tqdm=False, dtype=torch.float32, device=DEVICE)
-    base, spec = LLM(DEFAULT_STUDENT, **opts), LLM(DEFAULT_STUDENT, speculative_config=NGRAM, **opts)
-    rooms = make_rooms(64, seed=1_000_003, prefix="eval")
+    base = LLM(DEFAULT_STUDENT, **opts)
+    configs = {", lookup from 2 tokens": NGRAM | {"prompt_lookup_min": 2}, "": NGRAM, ", recent outputs": NGRAM | RECENT}
+    if bench_mode != "full":  # the smoke run: one configuration
+        configs = {", recent outputs": NGRAM | RECENT}
+    specs = {name: LLM(DEFAULT_STUDENT, speculative_config=c, **opts) for name, c in configs.items()}
+    warm, per_rep = 8, BATCH_ONE_REQUESTS + sum(BATCHES[1:])
+    rooms = make_rooms(warm + len(specs) * reps * per_rep, seed=1_000_003, prefix="eval")
     prompts = [build_prompt(r, base.tokenizer) for r in rooms]
     params = SamplingParams(temperature=0, max_tokens=64)
-    base.generate(prompts[:8], params)  # warm-up
-    spec.generate(prompts[:8], params)
-    _compare("demo answers (committed student, greedy)", base, spec, prompts, params,
-             3 if bench_mode == "full" else 1)
+    for i, (name, spec) in enumerate(specs.items()):  # each its own prompts: the baseline's prefix cache is shared
+        mine = prompts[warm + i * reps * per_rep:warm + (i + 1) * reps * per_rep]
+        _compare(f"demo answers (committed student, greedy{name})", base, spec, _split(mine, reps), params,
+                 prompts[:warm])
+
+
+def _time_steps(llm, totals: dict) -> None:
+    """Adds each engine step's forward CPU seconds to totals[kind] (prefill, decode, verify)."""
+    import time
+
+    runner = llm.core.runner
+    run = runner.run
+
+    def timed_run(out):
+        kind = ("verify" if any(s.num_draft_tokens for s in out.seqs) else "decode" if out.is_decode_only
+                else "prefill")
+        t0 = time.process_time()
+        result = run(out)
+        totals[kind] = totals.get(kind, 0.0) + time.process_time() - t0
+        return result
+
+    runner.run = timed_run
+
+
+def test_demo_step_costs(bench_mode, one_thread):
+    """Where a batch-1 request's CPU time goes, with and without speculation (ngram from 1-token matches, recent
+    outputs): the prefill, decode and verification forwards, the rest of the engine's steps, and the request in all;
+    16 requests in turn per rep, the two sides alternating on the same new questions."""
+    import time
+
+    from livemoe.engine import LLM
+    from livemoe.engine.sampling.params import SamplingParams
+    from livemoe.train.config import DEFAULT_STUDENT
+    from livemoe.train.data import build_prompt
+    from livemoe.train.synthetic.world import make_rooms
+
+    reps = 5 if bench_mode == "full" else 1
+    opts = dict(num_kv_blocks=4096, use_tqdm=False, dtype=torch.float32, device=DEVICE)
+    base = LLM(DEFAULT_STUDENT, **opts)
+    spec = LLM(DEFAULT_STUDENT, speculative_config=NGRAM | RECENT, **opts)
+    rooms = make_rooms(8 + reps * BATCH_ONE_REQUESTS, seed=2_000_003, prefix="eval")
+    prompts = [build_prompt(r, base.tokenizer) for r in rooms]
+    params = SamplingParams(temperature=0, max_tokens=64)
+    for llm in (base, spec):
+        for p in prompts[:8]:
+            llm.generate([p], params)
+    totals: tuple[dict, dict] = ({}, {})
+    for side, llm in enumerate((base, spec)):
+        _time_steps(llm, totals[side])
+    for r in range(reps):
+        todo = prompts[8 + r * BATCH_ONE_REQUESTS:8 + (r + 1) * BATCH_ONE_REQUESTS]
+        for side in ((0, 1) if r % 2 == 0 else (1, 0)):
+            t0 = time.process_time()
+            for p in todo:
+                (base, spec)[side].generate([p], params)
+            totals[side]["request"] = totals[side].get("request", 0.0) + time.process_time() - t0
+    n = reps * BATCH_ONE_REQUESTS
+    for side in totals:
+        forward = sum(side.get(k, 0.0) for k in ("prefill", "decode", "verify"))
+        side["rest of the engine"] = side["request"] - forward
+    for kind in ("prefill", "decode", "verify", "rest of the engine", "request"):
+        record(suite=SUITE, case=f"demo answers, batch 1, CPU time per request: {kind}", metric="ms",
+               ours=1e3 * totals[1].get(kind, 0.0) / n, baseline=1e3 * totals[0].get(kind, 0.0) / n,
+               baseline_name="no speculation", higher_is_better=False,
+               extra={"requests": n, "ours": "ngram from 1-token matches, recent outputs"})
 
 
 def test_random_control(bench_mode, one_thread, tmp_path_factory):
@@ -84,13 +192,12 @@ def test_random_control(bench_mode, one_thread, tmp_path_factory):
 
     path, _ = make_checkpoint(tmp_path_factory.mktemp("bench_spec") / "m", moe=True)
     opts = dict(num_kv_blocks=4096, use_tqdm=False, dtype=torch.float32, device=DEVICE)
-    base, spec = LLM(path, **opts), LLM(path, speculative_config=NGRAM, **opts)
-    prompts = random_prompts(64, 16, 48, 131, seed=3)
+    reps = 5 if bench_mode == "full" else 1
+    base, spec = LLM(path, **opts), LLM(path, speculative_config=NGRAM | RECENT, **opts)
+    prompts = random_prompts(8 + reps * (BATCH_ONE_REQUESTS + sum(BATCHES[1:])), 16, 48, 131, seed=3)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    base.generate(prompts[:8], params)
-    spec.generate(prompts[:8], params)
-    _compare("random control (tiny MoE, random prompts)", base, spec, prompts, params,
-             3 if bench_mode == "full" else 1)
+    _compare("random control (tiny MoE, random prompts, recent outputs)", base, spec, _split(prompts[8:], reps),
+             params, prompts[:8])
 
 
 @pytest.mark.parametrize("num_sessions", [1, 8])

@@ -117,11 +117,14 @@ fi
 
 t=$(limit 1 1 15)
 stage "GPU benchmarks (limit ${t}s)"
-# kernels first, the end-to-end decoder and the expert-parallel training step next (its GPU case runs before its
-# gloo one), the CPU-side suites last; any other suite after them.
+# kernels first, the end-to-end decoder (bench_spec.py: speculative decoding against the same engine without it,
+# its verification steps on CUDA graphs) and the expert-parallel training step next (its GPU case runs before its
+# gloo one), then the exact mode's cost (bench_exact.py: each batch-invariant Triton kernel against the default
+# one at Qwen3-30B-A3B's shapes, and the decode and training steps with the mode on against off), the CPU-side
+# suites last; any other suite after them.
 # bench_tp.py last: its rows for TP 2 and 4 skip (saying how many GPUs they need) where fewer are visible
-order=(bench/bench_moe.py bench/bench_logprobs.py bench/bench_attention.py bench/bench_decode.py bench/bench_parallel.py
-       bench/bench_flops.py bench/bench_serve.py)
+order=(bench/bench_moe.py bench/bench_logprobs.py bench/bench_attention.py bench/bench_decode.py bench/bench_spec.py
+       bench/bench_parallel.py bench/bench_exact.py bench/bench_flops.py bench/bench_serve.py)
 files=()
 for f in "${order[@]}" bench/bench_*.py; do
   [ -f "$f" ] && [ "$f" != bench/bench_tp.py ] && [[ ! " ${files[*]} " =~ " $f " ]] && files+=("$f")

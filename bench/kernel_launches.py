@@ -14,6 +14,7 @@ from livemoe.kernels.attention.store import _store_kvcache_kernel
 from livemoe.kernels.logprobs import triton_logprobs as lp
 from livemoe.kernels.moe.configs import heuristic_config
 from livemoe.kernels.moe.launches import DT, align_launches, moe_launches
+from livemoe.kernels import rejection_sampler as rs
 from livemoe.kernels.static_resources import Launch
 
 
@@ -35,6 +36,7 @@ class Qwen3Shapes:
     context: int = 4096
     prefill_tokens: int = 8192  # EngineConfig.max_num_batched_tokens
     num_sms: int = 132  # an H200's: the log-prob forward splits the vocabulary to fill them
+    spec_rows: int = 64 * 5  # speculative verification: 64 sequences, 4 drafts + the bonus row each
 
 
 def moe_qwen3_launches(s: Qwen3Shapes, dtype: torch.dtype) -> list[Launch]:
@@ -122,9 +124,81 @@ def attention_launches(s: Qwen3Shapes, dtype: torch.dtype) -> list[Launch]:
     return out
 
 
-def all_launches(s: Qwen3Shapes = Qwen3Shapes(), families=("moe", "logprobs", "attention"),
-                 dtypes=(torch.bfloat16, torch.float32)) -> list[Launch]:
+def exact_launches(s: Qwen3Shapes, dtype: torch.dtype) -> list[Launch]:
+    """The exact mode's kernels (livemoe/kernels/batch_invariant/*.py) at the model's shapes: tiles fixed by the
+    dtype, so one compile serves every token count (M, n and the number of pairs are not specialised on, or
+    only through divisibility hints that do not change the arithmetic)."""
+    from livemoe.kernels.batch_invariant import attention as bi_attention
+    from livemoe.kernels.batch_invariant import experts, linear, log_softmax, rms_norm, rope, route, silu_mul
+
+    H, E, k, I, d = s.hidden, s.experts, s.top_k, s.moe_inter, s.head_dim
+    hq, hkv, bs = s.q_heads, s.kv_heads, s.kv_block
+    T = s.prefill_tokens
+    i32, i64, f32 = torch.int32, torch.int64, torch.float32
+    meta = linear.linear_meta(dtype)
+    warps, stages = meta.pop("num_warps"), meta.pop("num_stages")
     out = []
+
+    def add(fn, case, args, **launch):
+        out.append(Launch("exact", f"{case} {DT[dtype]}", dtype, fn, args, **launch))
+
+    for what, n, kdim, bias in (("qkv", (hq + 2 * hkv) * d, H, False), ("o_proj bias", H, hq * d, True),
+                                ("lm_head", s.vocab, H, False)):
+        add(linear.bi_linear_kernel, what, dict(x_ptr=dtype, w_ptr=dtype, b_ptr=dtype, out_ptr=dtype, M=T, N=n, K=kdim,
+                                                stride_xm=kdim, stride_wn=kdim, stride_om=n, HAS_BIAS=bias, **meta),
+            num_warps=warps, num_stages=stages)
+    for D in (H, d):
+        add(rms_norm.bi_rms_norm_kernel, f"D={D}", dict(x_ptr=dtype, w_ptr=dtype, out_ptr=dtype, D=D, stride_xm=D,
+                                                        stride_om=D, eps=1e-6, BLOCK_D=rms_norm.rms_norm_meta(D)["BLOCK_D"]))
+    add(silu_mul.bi_silu_mul_kernel, "", dict(g_ptr=dtype, u_ptr=dtype, out_ptr=dtype, n=T * I,
+                                              BLOCK=silu_mul.BLOCK))
+    if dtype == torch.bfloat16:  # fp32 tables and logits whatever the model's dtype: listed once
+        add(rope.bi_rope_kernel, "", dict(pos_ptr=i64, inv_ptr=f32, cos_ptr=f32, sin_ptr=f32, HALF=d // 2,
+                                          **rope.rope_meta(d // 2)))
+        add(log_softmax.bi_log_softmax_kernel, f"V={s.vocab}", dict(
+            x_ptr=f32, out_ptr=f32, V=s.vocab, stride_xm=s.vocab, stride_om=s.vocab,
+            BLOCK_V=log_softmax.BLOCK_V), num_warps=8)
+        for replay in (False, True):
+            add(route.bi_route_kernel, "replay" if replay else "", dict(
+                logits_ptr=f32, replay_ptr=i64, w_ptr=f32, ids_ptr=i64, E=E, TOP_K=k, stride_lm=E, REPLAY=replay,
+                RENORMALIZE=True, **route.route_meta(E)))
+    add(bi_attention.bi_attention_kernel, f"hq={hq} hkv={hkv} d={d}", dict(
+        Q=dtype, K_cache=dtype, V_cache=dtype, Seq_of=i32, Cu_seqlens_q=i32, Context_lens=i32, Block_tables=i32,
+        Out=dtype, scale=d ** -0.5, block_size=bs, stride_qn=hq * d, stride_qh=d, stride_ks=hkv * d, stride_kh=d,
+        stride_vs=hkv * d, stride_vh=d, stride_bt=s.context // bs, stride_on=hq * d, stride_oh=d,
+        **bi_attention.attention_meta(hq // hkv, d, dtype)))
+    cfg = experts.exact_config(dtype)
+    for launch in moe_launches(cfg, T, H, I, E, k, dtype, backward=False):
+        args = {**launch.args, "scale_ptr": dtype, "SCALE_ROWS": False} if "SCALE_ROWS" in launch.args else launch.args
+        add(launch.fn, f"experts {launch.case.split(' ', 2)[-1]}", args, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages)
+    add(experts.bi_combine_kernel, f"k={k}", dict(y_ptr=dtype, w_ptr=f32, out_ptr=dtype, num_tokens=T, H=H, TOP_K=k,
+                                                  BLOCK_H=experts.BLOCK_H))
+    return out
+
+
+def rejection_launches(s: Qwen3Shapes) -> list[Launch]:
+    """The rejection sampler (fp32 probabilities whatever the model's dtype) with draft probabilities (draft_model)
+    and with point masses (ngram), as rejection_sample_triton launches them."""
+    f32, i64, V = torch.float32, torch.int64, s.vocab
+    block = min(rs.BLOCK_V, triton.next_power_of_2(V))
+    out = []
+    for has_q in (True, False):
+        case = f"rows={s.spec_rows} V={V} " + ("draft probs" if has_q else "point masses")
+        out.append(Launch("rejection", case, f32, rs.residual_race_kernel, dict(
+            P=f32, Q=f32, Noise=f32, Draft_ids=i64, Is_bonus=torch.int8, Recovered=i64, V=V, stride_p=V,
+            stride_q=V, stride_n=V, HAS_Q=has_q, BLOCK_V=block)))
+        out.append(Launch("rejection", case, f32, rs.accept_kernel, dict(
+            P=f32, Q=f32, Draft_ids=i64, Uniforms=f32, Recovered=i64, Cu_rows=torch.int32, Tokens=i64,
+            Num_emitted=torch.int32, stride_p=V, stride_q=V, stride_t=5, HAS_Q=has_q)))
+    return out
+
+
+def all_launches(s: Qwen3Shapes = Qwen3Shapes(), families=("moe", "logprobs", "attention", "exact", "rejection"),
+                 dtypes=(torch.bfloat16, torch.float32)) -> list[Launch]:
+    out = rejection_launches(s)  # fp32 whatever the model's dtype: listed once
     for dtype in dtypes:
         out += moe_qwen3_launches(s, dtype) + logprobs_launches(s, dtype) + attention_launches(s, dtype)
+        if "exact" in families:
+            out += exact_launches(s, dtype)
     return [launch for launch in out if launch.family in families]

@@ -3,7 +3,7 @@ here for sm_90a (H100/H200) with no GPU: registers per thread, stack bytes (loca
 registers go), shared memory, and the theoretical occupancy those allow; beside it the roofline model
 (bench/roofline.py) of the kernels and of the batch-1 MoE layer.
 
-    python -m bench.static_gpu [--out bench/out] [--family moe logprobs attention] [--dtype bf16 fp32]
+    python -m bench.static_gpu [--out bench/out] [--family moe logprobs attention exact rejection] [--dtype bf16 fp32]
 
 writes static_gpu.{md,json} to the output folder. Registers and stack come from `cuobjdump -res-usage` on
 the cubin (the tool ships with Triton's NVIDIA backend), shared memory from Triton's metadata (the
@@ -63,8 +63,8 @@ def _triton_version() -> str:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out"))
-    p.add_argument("--family", nargs="+", default=["moe", "logprobs", "attention"],
-                   choices=["moe", "logprobs", "attention"])
+    p.add_argument("--family", nargs="+", default=["moe", "logprobs", "attention", "exact", "rejection"],
+                   choices=["moe", "logprobs", "attention", "exact", "rejection"])
     p.add_argument("--dtype", nargs="+", default=["bf16", "fp32"], choices=["bf16", "fp32"])
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":

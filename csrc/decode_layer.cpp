@@ -1,10 +1,13 @@
-// One Qwen3 decoder layer of a paged decoder step in one call (CPU, inference): what DecoderLayer.forward does with
-// a StepContext, op for op, from C++. A small model's decode step is bound by Python module calls and per-op
-// dispatch, not arithmetic; this call makes the layer's ~20 torch calls from C++ instead. It calls the very same
-// kernels in the same order (at::linear, the livemoe ops, at::add), so its output is bitwise the Python path's.
+// The decoder's CPU step from C++ (CPU, inference): the embedding, the rotary cos / sin, every Qwen3 decoder layer of a
+// paged step and the final norm in one call. A small model's decode step is bound by Python module calls and per-op
+// dispatch, not arithmetic; this call makes a step's ~25 torch calls per layer from C++ instead. It calls the very
+// same kernels in the same order as the modules (the livemoe ops, at::embedding, at::cos / sin, the linears by the
+// rule of linear.h, an fp32 add), so its hidden states are bitwise the Python path's (tested).
 #include <torch/extension.h>
 
 #include <ATen/core/dispatch/Dispatcher.h>
+
+#include "linear.h"
 
 namespace {
 
@@ -50,22 +53,12 @@ const auto& moe_forward_op() {
   return op;
 }
 
-const auto& linear_op() {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("livemoe::linear", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
-  return op;
-}
-
-// Rows up to this many take livemoe::linear for 16-bit weights (fp32 accumulation, the weights read as stored);
-// fp32 keeps ATen's GEMM, so its bits stay those of the module path
-constexpr int64_t kSkinnyRows = 32;
-
-// x [..., K] @ w.T: for fp32 the mm at::linear ends in (it folds x to 2-D and calls mm on w.t()), without the
-// linear -> matmul -> reshape calls around it
+// x [..., K] @ w.T: the skinny kernel at a decode step's few rows (linear.h's rule, as livemoe.kernels.linear picks
+// it in the module path); else for fp32 the mm at::linear ends in (it folds x to 2-D and calls mm on w.t()),
+// without the linear -> matmul -> reshape calls around it
 at::Tensor lin(const at::Tensor& x, const at::Tensor& w) {
   const int64_t K = x.size(-1);
-  if (w.scalar_type() != at::kFloat && x.numel() <= kSkinnyRows * K) return linear_op().call(x, w);
+  if (x.numel() <= livemoe_linear::skinny_rows(w.scalar_type()) * K) return livemoe_linear::linear(x, w);
   if (!x.is_contiguous() || w.scalar_type() != at::kFloat) return at::linear(x, w);
   auto out = at::mm(x.view({-1, K}), w.t());
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
@@ -94,14 +87,13 @@ at::Tensor add_fp32(const at::Tensor& a, const at::Tensor& b) {
 // gate_proj, up_proj, down_proj
 enum { kInNorm, kQ, kK, kV, kO, kQNorm, kKNorm, kPostNorm, kMlp0, kMlp1, kMlp2, kNumWeights };
 
-at::Tensor decode_layer_cpu(const at::Tensor& x, const TensorList& w, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const at::Tensor& slot_mapping, const std::optional<at::Tensor>& cu_seqlens_q,
-                            const at::Tensor& context_lens, const at::Tensor& block_tables, const at::Tensor& cos,
-                            const at::Tensor& signed_sin, int64_t num_heads, int64_t num_kv_heads, double eps,
-                            double scale, int64_t top_k, bool renormalize) {
-  TORCH_CHECK(w.size() == kNumWeights, "decode_layer: expected ", static_cast<int>(kNumWeights), " weights, got ",
-              w.size());
-  TORCH_CHECK(x.dim() == 3 && x.size(0) == 1, "decode_layer: x must be one flattened row [1, N, H], got ", x.sizes());
+// One decoder layer of a paged step: what DecoderLayer.forward does with a StepContext, op for op; w: its kNumWeights
+// weights in the order above
+at::Tensor decode_layer(const at::Tensor& x, const at::Tensor* w, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& slot_mapping, const std::optional<at::Tensor>& cu_seqlens_q,
+                        const at::Tensor& context_lens, const at::Tensor& block_tables, const at::Tensor& cos,
+                        const at::Tensor& signed_sin, int64_t num_heads, int64_t num_kv_heads, double eps, double scale,
+                        int64_t top_k, bool renormalize) {
   const int64_t N = x.size(1);
   const int64_t d = w[kQNorm].size(0);
   // attention: the same calls as SelfAttention.forward and Attention.paged_forward
@@ -128,12 +120,47 @@ at::Tensor decode_layer_cpu(const at::Tensor& x, const TensorList& w, const at::
   return add_fp32(out, mlp);
 }
 
+
+// RotaryEmbedding.forward's plain path, op for op: cos / signed_sin [1, N, 1, D] of positions [1, N] in dtype dt
+std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& positions, const at::Tensor& inv_freq, at::ScalarType dt) {
+  auto freqs = positions.unsqueeze(-1).unsqueeze(-1).to(at::kFloat) * inv_freq.to(at::kFloat);
+  auto c = freqs.cos(), s = freqs.sin();
+  return {at::cat({c, c}, -1).to(dt), at::cat({s.neg(), s}, -1).to(dt)};
+}
+
+// Qwen3ForCausalLM.forward_hidden of a paged step: input_ids and positions [1, N] -> the final hidden states
+// [1, N, H]. weights: each layer's decode_layer weights, layer after layer; kv_caches: each layer's K then V;
+// top_k: each layer's (0: a dense MLP).
+at::Tensor decode_step_cpu(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& embed,
+                           const at::Tensor& inv_freq, const at::Tensor& final_norm, const TensorList& weights,
+                           const TensorList& kv_caches, const at::Tensor& slot_mapping,
+                           const std::optional<at::Tensor>& cu_seqlens_q, const at::Tensor& context_lens,
+                           const at::Tensor& block_tables, at::IntArrayRef top_k, int64_t num_heads,
+                           int64_t num_kv_heads, double eps, double scale, bool renormalize) {
+  const auto L = static_cast<int64_t>(top_k.size());
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == L * kNumWeights && static_cast<int64_t>(kv_caches.size()) == 2 * L,
+              "decode_step: expected ", L * kNumWeights, " weights and ", 2 * L, " caches for ", L, " layers, got ",
+              weights.size(), " and ", kv_caches.size());
+  TORCH_CHECK(input_ids.dim() == 2 && input_ids.size(0) == 1 && positions.sizes() == input_ids.sizes(),
+              "decode_step: input_ids and positions must be one flattened row [1, N], got ", input_ids.sizes(), " and ",
+              positions.sizes());
+  auto x = at::embedding(embed, input_ids);
+  auto [cos, sin] = rotary(positions, inv_freq, x.scalar_type());
+  for (int64_t l = 0; l < L; ++l) {
+    x = decode_layer(x, weights.data() + l * kNumWeights, kv_caches[2 * l], kv_caches[2 * l + 1], slot_mapping,
+                     cu_seqlens_q, context_lens, block_tables, cos, sin, num_heads, num_kv_heads, eps, scale, top_k[l],
+                     renormalize);
+  }
+  return rms_norm_op().call(x, final_norm, eps);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(livemoe, m) {
-  m.def("decode_layer(Tensor x, Tensor[] weights, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
-        "Tensor? cu_seqlens_q, Tensor context_lens, Tensor block_tables, Tensor cos, Tensor signed_sin, "
-        "int num_heads, int num_kv_heads, float eps, float scale, int top_k, bool renormalize) -> Tensor");
+  m.def("decode_step(Tensor input_ids, Tensor positions, Tensor embed, Tensor inv_freq, Tensor final_norm, "
+        "Tensor[] weights, Tensor(a!)[] kv_caches, Tensor slot_mapping, Tensor? cu_seqlens_q, Tensor context_lens, "
+        "Tensor block_tables, int[] top_k, int num_heads, int num_kv_heads, float eps, float scale, bool renormalize) "
+        "-> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(livemoe, CPU, m) { m.impl("decode_layer", &decode_layer_cpu); }
+TORCH_LIBRARY_IMPL(livemoe, CPU, m) { m.impl("decode_step", &decode_step_cpu); }

@@ -113,35 +113,40 @@ std::tuple<at::Tensor, at::Tensor> qk_norm_rope_cpu(const at::Tensor& q_in, cons
                   k_in.scalar_type() == q_in.scalar_type(),
               "qk_norm_rope: q, k, cos and signed_sin must share a dtype, got ", q_in.scalar_type(), ", ",
               k_in.scalar_type(), ", ", cos_in.scalar_type(), ", ", sin_in.scalar_type());
-  auto q = q_in.reshape({-1, hq, d});
-  auto k = k_in.reshape({-1, hkv, d});
-  const int64_t n = q.size(0);
-  auto qc = q.stride(2) == 1 ? q : q.contiguous();
-  auto kc = k.stride(2) == 1 ? k : k.contiguous();
-  auto cc = cos_in.expand(rows_shape).reshape({n, d}).contiguous();
-  auto sc = sin_in.expand(rows_shape).reshape({n, d}).contiguous();
+  const int64_t n = hq > 0 && d > 0 ? q_in.numel() / (hq * d) : 0;
+  // a decode step's q and k come contiguous with cos / sin of their rows' shape: read them as they are (each
+  // reshape / expand / contiguous below is a dispatched op, and together they cost more than the arithmetic)
+  const bool as_is = q_in.is_contiguous() && k_in.is_contiguous() && cos_in.is_contiguous() && sin_in.is_contiguous() &&
+                     cos_in.numel() == n * d && sin_in.numel() == n * d;
+  auto q = as_is ? q_in : q_in.reshape({-1, hq, d});
+  auto k = as_is ? k_in : k_in.reshape({-1, hkv, d});
+  auto qc = as_is || q.stride(2) == 1 ? q : q.contiguous();
+  auto kc = as_is || k.stride(2) == 1 ? k : k.contiguous();
+  auto cc = as_is ? cos_in : cos_in.expand(rows_shape).reshape({n, d}).contiguous();
+  auto sc = as_is ? sin_in : sin_in.expand(rows_shape).reshape({n, d}).contiguous();
   auto qw = q_weight.contiguous();
   auto kw = k_weight.contiguous();
-  auto q_out = at::empty({n, hq, d}, q.options());
-  auto k_out = at::empty({n, hkv, d}, k.options());
+  auto q_out = at::empty(q_in.sizes(), q_in.options());
+  auto k_out = at::empty(k_in.sizes(), k_in.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "qk_norm_rope", [&] {
     std::vector<scalar_t> normed(d);
     const scalar_t* cos_p = cc.data_ptr<scalar_t>();
     const scalar_t* sin_p = sc.data_ptr<scalar_t>();
-    auto rotate = [&](const at::Tensor& src, const at::Tensor& w, at::Tensor& dst) {
+    // src: [n, heads, d] with unit stride in d (as_is: contiguous, whatever its leading dims)
+    auto rotate = [&](const at::Tensor& src, int64_t heads, const at::Tensor& w, at::Tensor& dst) {
       const scalar_t* s = src.data_ptr<scalar_t>();
       const scalar_t* wp = w.data_ptr<scalar_t>();
       scalar_t* o = dst.data_ptr<scalar_t>();
-      const int64_t heads = src.size(1), st = src.stride(0), sh = src.stride(1);
+      const int64_t st = as_is ? heads * d : src.stride(0), sh = as_is ? d : src.stride(1);
       for (int64_t t = 0; t < n; ++t)
         for (int64_t h = 0; h < heads; ++h)
           norm_rope_row(s + t * st + h * sh, wp, cos_p + t * d, sin_p + t * d, d,
                         static_cast<float>(eps), normed.data(), o + (t * heads + h) * d);
     };
-    rotate(qc, qw, q_out);
-    rotate(kc, kw, k_out);
+    rotate(qc, hq, qw, q_out);
+    rotate(kc, hkv, kw, k_out);
   });
-  return {q_out.view(q_in.sizes()), k_out.view(k_in.sizes())};
+  return {q_out, k_out};
 }
 
 }  // namespace

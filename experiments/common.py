@@ -91,7 +91,7 @@ def _flags(args: ExperimentArgs, arm: str, model: str, sizes: list, flags: list)
             "--progress", str(args.progress).lower(), *sizes, *map(str, flags)]
 
 
-def _announce(args: ExperimentArgs, arm: str, command: str) -> None:
+def announce(args: ExperimentArgs, arm: str, command: str) -> None:
     print(f"[experiments] {args.name} / {arm}: {command}", flush=True)
 
 
@@ -102,7 +102,7 @@ def run_rft(args: ExperimentArgs, arm: str, sizes: list, flags: list = (), model
     argv = _flags(args, arm, model or args.model, sizes, list(flags))
     cfg = parse_config(RFTConfig, argv, prog="python -m train.rft")
     command = "python -m train.rft " + shlex.join(argv)
-    _announce(args, arm, command)
+    announce(args, arm, command)
     return Arm(name=arm, command=command, output_dir=cfg.output_dir, result=rft.run(cfg))
 
 
@@ -116,7 +116,7 @@ def run_grpo(args: ExperimentArgs, arm: str, start: str, sizes: list, flags: lis
     argv = _flags(args, arm, start, sizes, list(flags))
     cfg = parse_config(GRPOConfig, argv, prog="python -m train.grpo")
     command = "python -m train.grpo " + shlex.join(argv)
-    _announce(args, arm, command)
+    announce(args, arm, command)
     trainer = GRPOTrainer(cfg)
     shared = {} if shared is None else shared
     trainer.ref_lengths.update(shared.get("ref_lengths", {}))

@@ -289,13 +289,15 @@ class AsyncLLM:
 
     # -- weights and memory -------------------------------------------------------------------------
 
-    async def update_weights(self, named_tensors, in_flight: str = "finish") -> int:
+    async def update_weights(self, named_tensors, in_flight: str = "finish", weight_version: int | None = None) -> int:
         """LLM.update_weights on every replica (the tensors are sent to each core); the number copied."""
         named = list(named_tensors.items() if isinstance(named_tensors, dict) else named_tensors)
-        return (await self._call_all("update_weights", named, in_flight=in_flight))[0]
+        return (await self._call_all("update_weights", named, in_flight=in_flight, weight_version=weight_version))[0]
 
-    async def update_weights_from_disk(self, model_path: str, in_flight: str = "finish") -> int:
-        return (await self._call_all("update_weights_from_disk", str(model_path), in_flight=in_flight))[0]
+    async def update_weights_from_disk(self, model_path: str, in_flight: str = "finish",
+                                       weight_version: int | None = None) -> int:
+        return (await self._call_all("update_weights_from_disk", str(model_path), in_flight=in_flight,
+                                     weight_version=weight_version))[0]
 
     @property
     def weight_update_ranks(self) -> int:
@@ -316,10 +318,11 @@ class AsyncLLM:
         await asyncio.gather(*map(asyncio.wrap_future, futures))
 
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                              in_flight: str = "finish") -> int:
+                                              in_flight: str = "finish", weight_version: int | None = None) -> int:
         """Receives the tensors the trainer broadcasts (in this order) and copies them in, on every replica."""
         return (await self._call_all("update_weights_from_distributed", list(names), list(dtypes),
-                                     [list(s) for s in shapes], in_flight=in_flight))[0]
+                                     [list(s) for s in shapes], in_flight=in_flight,
+                                     weight_version=weight_version))[0]
 
     async def sleep(self, level: int = 1) -> None:
         """Frees the KV cache (level 2: and moves the weights to the host) on every replica; requests in

@@ -202,13 +202,14 @@ class LLM:
 
     # -- weights, memory and the KV cache: EngineCore's (rollout servers for RL: livemoe/engine/core) --------
 
-    def update_weights(self, named_tensors, in_flight: str = "finish") -> int:
+    def update_weights(self, named_tensors, in_flight: str = "finish", weight_version: int | None = None) -> int:
         """EngineCore.update_weights: (name, tensor) pairs copied in place; the number copied."""
-        return self.core.update_weights(named_tensors, in_flight)
+        return self.core.update_weights(named_tensors, in_flight, weight_version)
 
-    def update_weights_from_disk(self, model_path: str, in_flight: str = "finish") -> int:
+    def update_weights_from_disk(self, model_path: str, in_flight: str = "finish",
+                                 weight_version: int | None = None) -> int:
         """EngineCore.update_weights_from_disk: every tensor of a checkpoint of the same architecture."""
-        return self.core.update_weights_from_disk(model_path, in_flight)
+        return self.core.update_weights_from_disk(model_path, in_flight, weight_version)
 
     def sleep(self, level: int = 1, in_flight: str = "abort") -> None:
         """EngineCore.sleep: frees the KV cache (level 2: and moves the weights to the host)."""

@@ -15,6 +15,7 @@ class CompletionOutput:
     tool_calls: list[dict] | None = None  # LLM.chat with tools: [{"name", "arguments": JSON text}] parsed from text
     # return_routed_experts: numpy [tokens, MoE layers, k] (livemoe.engine.routed_experts), set once finished
     routed_experts: Any = None
+    weight_versions: list | None = None  # return_weight_versions: per token, the label of the weights that drew it
 
     @property
     def token_logprobs(self) -> list[float] | None:

@@ -10,8 +10,11 @@ gets world size 1, and every helper here is then the identity (today's path, unc
 Checkpoints (save_checkpoint, resolve_resume): livemoe.train.checkpoint's atomic saves; under torchrun every rank writes
 its shards with torch.distributed.checkpoint, and a resume with any number of ranks reshards them.
 """
+import dataclasses
+import datetime
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,6 +25,7 @@ from livemoe.train.parallel import ParallelMesh, clip_grad_norm_, destroy_distri
 @dataclass
 class Distributed:
     mesh: ParallelMesh
+    own_group: Any = None  # side_channel(): a process group of its own for another thread's collectives
 
     @property
     def world_size(self) -> int:
@@ -38,7 +42,20 @@ class Distributed:
     @property
     def group(self):
         """The data-parallel process group (all ranks), None in one process."""
+        if self.own_group is not None:
+            return self.own_group
         return self.mesh.dp.get_group() if self.mesh.distributed else None
+
+    def side_channel(self, timeout_s: float = 600.0) -> "Distributed":
+        """This one, its collectives on a process group of their own (gloo, every rank), for a second thread (the
+        asynchronous rollout producer) whose gathers and barriers run while this thread's collectives (FSDP,
+        expert parallel, the loss sums) do: on one group the two threads' calls would interleave in a different
+        order on each rank. Python objects and barriers only (gloo: CPU tensors). Every rank calls it, in the
+        same order (new_group is a collective); in one process it is this one."""
+        if not self.mesh.distributed:
+            return self
+        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        return dataclasses.replace(self, own_group=group)
 
     def local_share(self, items: list, what: str = "batch") -> list:
         """This rank's contiguous share of a global batch (the first len % world ranks take one more: the loss

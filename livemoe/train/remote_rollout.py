@@ -35,9 +35,11 @@ import torch
 from livemoe.engine import routed_experts
 from livemoe.engine.core.weight_sync import join_servers, push_weights_to_servers
 from livemoe.engine.net import free_port
+from livemoe.engine.multimodal.media import MultimodalPrompt
 from livemoe.train.rollout import Completion, derive_seed, multi_turn_trajectories
 
 WEIGHT_SYNCS = ("distributed", "disk")
+POLL_S = 0.02  # partial rollouts: how often a newer policy version is looked for while requests are in flight
 
 
 class RemoteRollouts:
@@ -67,6 +69,11 @@ class RemoteRollouts:
         self.main, self.barrier = main, barrier or (lambda: None)
         self.gather, self.push_dtype = gather, push_dtype  # streamed: both given
         self.host_model = None  # streamed to disk: rank 0's host copy, written as the checkpoint
+        # partial rollouts (async GRPO, one process): called every POLL_S while requests are in flight; it may push
+        # new weights with in_flight="interrupt". The servers then say which weights drew each token
+        # (return_weight_versions, the label each push gives): Completion.versions.
+        self.between_steps = None
+        self.return_weight_versions = False
         if not main:
             pass
         elif weight_sync == "distributed":
@@ -85,14 +92,16 @@ class RemoteRollouts:
     def release(self) -> None:
         """Nothing to free here: the KV caches live in the servers."""
 
-    def weights_updated(self, model) -> None:
+    def weights_updated(self, model, version: int | None = None, in_flight: str = "finish") -> None:
         """Pushes the model's weights to every server (after each optimizer step; rank 0 alone under torchrun, while
-        every rank runs the gather's collectives), then waits at the barrier."""
-        named = self.gather(model) if self.gather is not None else model.named_parameters()
+        every rank runs the gather's collectives), then waits at the barrier. version: their label, which the
+        servers stamp on each token the weights draw; in_flight: what the servers do with the requests in flight
+        ("interrupt": they resume on the new weights)."""
         if self.main:
-            self._push(model, named)
-        else:
-            for _ in named:  # this rank's part of the gather
+            self._push(model, self.gather(model) if self.gather is not None else model.named_parameters(), version,
+                       in_flight)
+        elif self.gather is not None:
+            for _ in self.gather(model):  # this rank's part of the gather
                 pass
         self.barrier()
 
@@ -107,10 +116,10 @@ class RemoteRollouts:
         return dict(names=[n for n, _ in shapes], dtypes=[dtype_name(self.push_dtype)] * len(shapes),
                     shapes=[list(s) for _, s in shapes])
 
-    def _push(self, model, named) -> None:
+    def _push(self, model, named, version: int | None = None, in_flight: str = "finish") -> None:
         if self.sender is not None:
-            push_weights_to_servers(self.urls, self.sender, named, api_key=self.api_key, timeout_s=self.timeout_s,
-                                    metadata=self._metadata(model))
+            push_weights_to_servers(self.urls, self.sender, named, in_flight, api_key=self.api_key,
+                                    timeout_s=self.timeout_s, metadata=self._metadata(model), weight_version=version)
             return
         from livemoe.engine.model.saver import save_model
 
@@ -128,7 +137,8 @@ class RemoteRollouts:
         path = os.path.join(self.scratch, "model")
         save_model(model, path)
         for url in self.urls:
-            _post(url + "/update_weights_from_disk", {"model_path": path}, self.api_key, self.timeout_s)
+            _post(url + "/update_weights_from_disk", {"model_path": path, "in_flight": in_flight,
+                                                       "weight_version": version}, self.api_key, self.timeout_s)
 
     def close(self) -> None:
         self.pool.shutdown()
@@ -146,6 +156,8 @@ class RemoteRollouts:
         extra = {"return_token_ids": True}
         if not greedy and self.return_routed_experts:
             extra["return_routed_experts"] = True
+        if self.return_weight_versions:
+            extra["return_weight_versions"] = True
         if not greedy and self.sampling["top_k"] > 0:
             extra["top_k"] = self.sampling["top_k"]
         client = self.clients[i % len(self.clients)]
@@ -157,9 +169,24 @@ class RemoteRollouts:
             lps = c.logprobs.token_logprobs
             assert len(lps) == len(ids), (len(lps), len(ids))
             routed = c.model_extra.get("routed_experts")
+            versions = list(c.model_extra.get("weight_versions") or []) if self.return_weight_versions else []
+            if None in versions or len(versions) != len(ids) * self.return_weight_versions:
+                raise RuntimeError(f"{self.urls[i % len(self.urls)]}: the weight versions of a completion are "
+                                   f"{versions[:8]}... for {len(ids)} tokens: the server's weights were loaded "
+                                   "without a weight_version (push them with one first)")
             comps.append(Completion(list(prompt_ids), list(ids), list(lps), c.text, c.finish_reason,
-                                    routed_experts=None if routed is None else routed_experts.decode(routed)))
+                                    routed_experts=None if routed is None else routed_experts.decode(routed),
+                                    versions=versions))
         return comps
+
+    def _results(self, futures: list) -> list:
+        """The futures' results in order; with partial rollouts between_steps() runs every POLL_S meanwhile."""
+        pending = set(futures)
+        while pending and self.between_steps is not None:
+            _, pending = concurrent.futures.wait(pending, timeout=POLL_S)
+            if pending:
+                self.between_steps()
+        return [f.result() for f in futures]
 
     def generate(self, prompts: list, step, max_new_tokens: int | None = None, n: int | None = None,
                  keys: list | None = None) -> list:
@@ -169,7 +196,7 @@ class RemoteRollouts:
         max_tokens = max_new_tokens or self.max_new_tokens
         futures = [self.pool.submit(self._one, i, p, n, derive_seed(self.seed, step, key) * n, max_tokens, False)
                    for i, (p, key) in enumerate(zip(ids, keys))]
-        return [f.result() for f in futures]
+        return self._results(futures)
 
     def greedy(self, prompts: list, max_new_tokens: int | None = None) -> list:
         ids = [self._ids(p) for p in prompts]
@@ -182,11 +209,14 @@ class RemoteRollouts:
         """K trajectories per conversation (livemoe.train.rollout.multi_turn_trajectories), each turn of each one
         request to a server, with the in-process decoder's seeds."""
         max_tokens = max_new_tokens or self.max_new_tokens
+        if any(isinstance(p, MultimodalPrompt) for p in [*first_prompts, *(t for n in next_turns for t in n)]):
+            raise ValueError("remote rollouts send text prompts; conversations with audio or video roll out on the "
+                             "in-process decoder")
 
         def sample(prompts: list, seeds: list) -> list:
             futures = [self.pool.submit(self._one, i, p, 1, seed, max_tokens, greedy)
                        for i, (p, seed) in enumerate(zip(prompts, seeds))]
-            return [f.result()[0] for f in futures]
+            return [r[0] for r in self._results(futures)]
 
         return multi_turn_trajectories(first_prompts, next_turns, step, self.seed, 1 if greedy else self.k, keys,
                                        self._ids, sample)

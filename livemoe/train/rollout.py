@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from livemoe.engine.llm import LLM
+from livemoe.engine.multimodal.media import MultimodalPrompt, PlacedMedia, split_media
 from livemoe.engine.sampling.params import SamplingParams
 
 
@@ -37,6 +38,7 @@ class Completion:
     # the decoder's routed experts (numpy [prompt + generated - 1, MoE layers, k]) when the rollouts ask for them
     routed_experts: Any = None
     versions: list = field(default_factory=list)  # async GRPO: per token of token_ids, the policy version that drew it
+    media: list = field(default_factory=list)  # multi-turn with audio / video: PlacedMedia in prompt_ids + token_ids
 
     @property
     def truncated(self) -> bool:
@@ -176,12 +178,18 @@ class Rollouts:
 
     def generate_multi_turn(self, first_prompts: list, next_turns: list, step: int,
                             max_new_tokens: int | None = None, greedy: bool = False, keys: list | None = None) -> list:
-        """K trajectories per conversation (see multi_turn_trajectories), each turn one request to the decoder."""
+        """K trajectories per conversation (see multi_turn_trajectories), each turn one request to the decoder;
+        with partial rollouts (between_steps set) each turn runs step by step, a new version interrupting it."""
         max_new = max_new_tokens or self.max_new_tokens
 
         def sample(prompts: list, seeds: list) -> list:
-            outs = self.llm.generate(prompts, [self._params(s, 1, max_new, greedy) for s in seeds])
-            return [self._completion(p, o.outputs[0]) for p, o in zip(prompts, outs)]
+            params = [self._params(s, 1, max_new, greedy) for s in seeds]
+            if self.between_steps is None or greedy:
+                outs = self.llm.generate(prompts, params)
+                return [self._completion(split_media(p)[0], o.outputs[0]) for p, o in zip(prompts, outs)]
+            outs, versions = self._generate_stepwise(prompts, params)
+            return [self._completion(split_media(p)[0], o.outputs[0], vs[0])
+                    for p, o, vs in zip(prompts, outs, versions)]
 
         return multi_turn_trajectories(first_prompts, next_turns, step, self.seed, 1 if greedy else self.k, keys,
                                        self._ids, sample)
@@ -195,7 +203,13 @@ def multi_turn_trajectories(first_prompts: list, next_turns: list, step: int, se
     tokens, with turn_spans / turn_texts / old_logprobs (0 on inserted tokens). Samples are seeded by (run seed,
     step, key, sample, turn); keys default to the conversations' positions (under torchrun: their places in the
     global batch, so any split draws the same). ids(prompt) -> token ids; sample(prompts, seeds) -> one
-    Completion per prompt (the in-process decoder's, or a rollout server's: the same draws)."""
+    Completion per prompt (the in-process decoder's, or a rollout server's: the same draws). When the samples
+    carry per-token versions (partial rollouts), so do the trajectories: an inserted user turn gets the version of
+    the policy that read it (the next turn's first token's).
+    Media (a Qwen3-Omni-MoE thinker's live sessions): a first prompt or a next turn may be a MultimodalPrompt, its
+    media's offsets counted from its own first token; each trajectory's Completion.media places them in its whole
+    sequence (where a later turn lands depends on the lengths sampled before it), and its turns are sampled from
+    MultimodalPrompts."""
     if len(first_prompts) != len(next_turns):
         raise ValueError("generate_multi_turn: one list of next turns per conversation")
     if not first_prompts:
@@ -205,19 +219,27 @@ def multi_turn_trajectories(first_prompts: list, next_turns: list, step: int, se
         raise ValueError(f"generate_multi_turn: {len(keys)} keys for {len(first_prompts)} conversations")
     trajs = []  # (conversation, sample) -> Completion being built
     for i, p in enumerate(first_prompts):
+        p, media = split_media(p)
         for j in range(k):
-            trajs.append((i, j, Completion(ids(p), [], [], "", "stop")))
+            trajs.append((i, j, Completion(ids(p), [], [], "", "stop", media=list(media or []))))
     num_turns = [1 + len(t) for t in next_turns]
     for turn in range(max(num_turns)):
         live = [(i, j, c) for i, j, c in trajs if turn < num_turns[i]]
-        if turn > 0:
-            for i, _, c in live:
-                extra = ids(next_turns[i][turn - 1])
-                c.token_ids += extra
-                c.old_logprobs += [0.0] * len(extra)
-        prompts = [c.prompt_ids + c.token_ids for _, _, c in live]
+        inserted = []
+        for i, _, c in live:
+            extra, media = split_media(next_turns[i][turn - 1]) if turn > 0 else ([], None)
+            start = len(c.prompt_ids) + len(c.token_ids)
+            c.media += [PlacedMedia(m.item, start + m.offset) for m in media or []]
+            extra = ids(extra) if turn > 0 else []
+            c.token_ids += extra
+            c.old_logprobs += [0.0] * len(extra)
+            inserted.append(len(extra))
+        prompts = [MultimodalPrompt(c.prompt_ids + c.token_ids, list(c.media)) if c.media
+                   else c.prompt_ids + c.token_ids for _, _, c in live]
         outs = sample(prompts, [derive_seed(seed, step, keys[i], j, turn) for i, j, _ in live])
-        for (_, _, c), g in zip(live, outs):
+        for (_, _, c), g, n_inserted in zip(live, outs, inserted):
+            if g.versions:
+                c.versions += [g.versions[0]] * n_inserted + list(g.versions)
             start = len(c.token_ids)
             c.token_ids += list(g.token_ids)
             c.old_logprobs += list(g.old_logprobs)

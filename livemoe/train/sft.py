@@ -67,18 +67,23 @@ def collate(examples: list, pad_id: int, device) -> dict:
             "weights": weights.to(device)}
 
 
-def sft_step_loss(model, batch: dict, normalizer, lambda_aux: float, grad_accum: int, autocast, group=None) -> tuple:
+def sft_step_loss(model, batch: dict, normalizer, lambda_aux: float, grad_accum: int, autocast, group=None,
+                  forward=None) -> tuple:
     """(loss to backward, sft loss value, aux loss value) of one micro-batch.
 
     The completion-only loss is sum(w * -logprob) / normalizer, with normalizer the total weight of the
     whole accumulated step, so accumulation gives exactly the big-batch loss. `group`: the data-parallel
-    ranks whose tokens the load-balancing loss counts (this rank's share is returned).
+    ranks whose tokens the load-balancing loss counts (this rank's share is returned). `forward(batch)` ->
+    (hidden, router logits) in place of the text forward (the live trainers' over media, livemoe.train.live.omni).
     """
     from livemoe.train.losses import sft_loss
 
     with autocast:
-        hidden, router_logits = model.forward_hidden(batch["input_ids"], attention_mask=batch["attention_mask"],
-                                                     return_router_logits=True)
+        if forward is None:
+            hidden, router_logits = model.forward_hidden(batch["input_ids"], attention_mask=batch["attention_mask"],
+                                                         return_router_logits=True)
+        else:
+            hidden, router_logits = forward(batch)
     loss = sft_loss(hidden[:, :-1].float(), model.lm_head_weight.float(), batch["targets"], batch["weights"],
                     normalizer=normalizer)
     aux = torch.zeros((), device=loss.device)

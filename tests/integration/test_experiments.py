@@ -3,12 +3,14 @@
 numbers, the command, the date and the machine."""
 import json
 import math
+import shutil
 
 import pytest
 
 from test_rollout import make_student
 from experiments import EXPERIMENTS, length_sweep, moe_vs_dense, reward_ablation, rollout_mismatch
 from experiments.__main__ import main
+from livemoe.train.config import DEFAULT_STUDENT
 from livemoe.train.metrics import read_metrics
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/fixtures.py: tiny matmuls, shared CPU
@@ -41,14 +43,14 @@ def run_tiny(name, student, tmp_path, *extra):
 def test_the_listing_names_every_experiment(capsys):
     assert main([]) == 0
     listed = capsys.readouterr().out
-    assert len(EXPERIMENTS) == 5
+    assert len(EXPERIMENTS) == 6
     for name, module in EXPERIMENTS.items():
         assert f"{name}  " in listed and module.TITLE in listed
 
 
 @pytest.mark.parametrize("argv, message", [
     (["nope"], "no experiment named 'nope'; the experiments are: rft_vs_sft, length_sweep, reward_ablation, "
-               "moe_vs_dense, rollout_mismatch"),
+               "moe_vs_dense, rollout_mismatch, live_media"),
     (["rft_vs_sft", "--start", "."], "--start: rft_vs_sft does not start from an RFT student"),
     (["moe_vs_dense", "--model", "/no/such/dir"], "--model /no/such/dir: not a checkpoint directory"),
 ])
@@ -119,3 +121,27 @@ def test_rollout_mismatch_from_a_given_start(student, tmp_path):
     assert "--exact_rollouts true" in arms["exact_seed0"] and "--rollout_dtype" not in arms["exact_seed0"]
     assert (out / "rollout_mismatch.png").stat().st_size > 0
 
+
+
+@pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="live_media speaks the host's lines with espeak-ng, "
+                                                              "which is not installed (apt-get install espeak-ng)")
+def test_live_media_text_only_against_multimodal(tmp_path):
+    """Both arms on the same held-out sessions said and shown; the multimodal arm is a thinker made from the student
+    (its encoders frozen, projectors trained), the text arm the student on the sessions without their media."""
+    results, _, work = run_tiny("live_media", DEFAULT_STUDENT, tmp_path)
+    rows = results["rows"]
+    policies = ["text-only (student), base student", "text-only (student), MA-MSFT",
+                "multimodal (thinker), base student", "multimodal (thinker), MA-MSFT"]
+    assert [(r[0], r[1]) for r in rows] == [(p, f"{m} only") for p in policies for m in ("said", "shown")]
+    said, shown = rows[0], rows[1]
+    assert said[3] == shown[3] and said[5] == shown[5]  # the same sessions both ways
+    assert "--train_projector" in results["arms"]["multimodal"] and "--train_projector" not in results["arms"]["text_only"]
+    assert (work / "thinker" / "config.json").is_file()
+    heard = [json.loads(line) for line in (work / "data" / "heldout_media.jsonl").read_text().splitlines()]
+    text = [json.loads(line) for line in (work / "data" / "heldout_text.jsonl").read_text().splitlines()]
+    for s, t in zip(heard, text):
+        for iv, tv in zip(s["intervals"], t["intervals"]):
+            media = [e for e in iv["events"] if e["type"] in ("audio", "video")]
+            assert len(media) == 1 and media[0]["type"] == ("audio" if s["media_mode"] == "said" else "video")
+            assert tv["events"] == [e for e in iv["events"] if e not in media]  # the text arm: the same, no media
+            assert not any(e.get("text", "").startswith("news! ") for e in iv["events"])

@@ -167,6 +167,9 @@ def test_beta_zero_loads_no_reference(student, tmp_path):
     (["--dynamic_sampling_rounds", "0"], "dynamic_sampling_rounds"),
     (["--dynamic_sampling_rounds", "8"], "add --dynamic_sampling"),
     (["--max_tokens_per_micro_batch", "-1"], "max_tokens_per_micro_batch"),
+    (["--micro_batch_size", "0"], "micro_batch_size"),
+    # an explicit row count would be ignored by the token-balanced packing: refused, not dropped
+    (["--micro_batch_size", "32", "--max_tokens_per_micro_batch", "4096"], "give one of them"),
 ])
 def test_bad_options_are_clear_errors(student, tmp_path, flags, match):
     with pytest.raises(ConfigError, match=match):
@@ -402,13 +405,18 @@ def test_async_rollouts_one_step_stale_record_their_version_and_the_correction_w
         producer.close()
 
 
-def test_partial_async_rollouts_train_within_the_staleness_bound(student, tmp_path):
+@pytest.mark.parametrize("multi_turn", [False, True])
+def test_partial_async_rollouts_train_within_the_staleness_bound(student, tmp_path, multi_turn):
     """--partial_rollouts: the producer loads each version as soon as it is published, interrupting the rollouts
-    in flight (tests/unit/test_rollout.py checks the interrupted rollouts themselves); whatever the timing, every
-    token trained at step t is from a version in [t - S, t]."""
+    in flight (tests/unit/test_rollout.py checks the interrupted rollouts themselves, single- and multi-turn);
+    whatever the timing, every token trained at step t is from a version in [t - S, t]."""
     out = tmp_path / "partial"
+    extra = []
+    if multi_turn:
+        write_jsonl(str(tmp_path / "mt.jsonl"), multi_turn_records())
+        extra = ["--data", str(tmp_path / "mt.jsonl"), "--multi_turn", "true"]
     assert main(args(student, out, "--max_steps", "4", "--async_rollouts", "true", "--max_staleness", "1",
-                     "--partial_rollouts", "true")) == 0
+                     "--partial_rollouts", "true", *extra)) == 0
     rows = read_metrics(str(out / "metrics.jsonl"))
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for t, r in enumerate(rows):

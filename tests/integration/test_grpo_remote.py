@@ -81,12 +81,98 @@ def test_remote_rollouts_give_the_in_process_losses(student, server, in_process,
     assert max(r["logprob_diff/max"] for r in rows) < 2e-5  # server old_logprobs vs the trainer's: same weights
 
 
-def test_bad_weight_sync_and_partial_rollouts_with_a_rollout_url_are_refused(student, tmp_path):
+def test_a_bad_weight_sync_is_refused(student, tmp_path):
     with pytest.raises(ConfigError, match="weight_sync"):
         parse_config(GRPOConfig, args(student, tmp_path, "--weight_sync", "nfs"))
-    with pytest.raises(ConfigError, match="partial_rollouts"):
-        parse_config(GRPOConfig, args(student, tmp_path, "--async_rollouts", "true", "--partial_rollouts", "true",
-                                      "--rollout_url", "http://x:1"))
+
+
+def _remote_interrupted(ro, new_model, version: int, prompts: list, tries: int = 5) -> list:
+    """ro.generate(prompts) with `new_model` pushed (labelled `version`, in_flight interrupt) at the first poll while
+    the requests are in flight; again until some completion was cut mid-way (the push races the decoding)."""
+    for _ in range(tries):
+        ro.weights_updated(ro.start_model, version - 1)  # back to the old weights, labelled
+        pushed = []
+
+        def hook():
+            if not pushed:
+                pushed.append(1)
+                ro.weights_updated(new_model, version, "interrupt")
+
+        ro.between_steps = hook
+        got = [c for g in ro.generate(prompts, step=0) for c in g]
+        ro.between_steps = None
+        if any(0 < c.versions.count(version - 1) < len(c.token_ids) for c in got):
+            return got
+    raise AssertionError(f"no completion was interrupted mid-way in {tries} tries")
+
+
+@pytest.mark.parametrize("same_weights", [True, False])
+def test_an_interrupted_remote_rollout_resumes_with_its_versions(student, server, same_weights):
+    """Partial rollouts against a server: a push with in_flight "interrupt" and a weight_version label preempts the
+    requests in flight, which resume on the new weights; each token comes back with the label of the weights that
+    drew it (return_weight_versions). With the same weights the tokens are exactly the uninterrupted run's (the
+    seeded draws go on), the log-probs to 1e-5 (a prefill recomputes what decode steps computed); with other
+    weights the tokens before the interruption are the old run's, and every token's behaviour log-prob is the
+    trainer's recomputation with the weights of its version (fp32, 2e-5: the server batches differently)."""
+    import copy
+
+    from livemoe.engine.model.loader import load_model, load_tokenizer
+    from livemoe.train.remote_rollout import RemoteRollouts
+    from livemoe.train.rollout import collate
+    from test_rollout import PROMPTS, trainer_logprobs
+
+    _, srv = server
+    model, tok = load_model(student, dtype=torch.float32), load_tokenizer(student)
+    new_model = copy.deepcopy(model)
+    if not same_weights:
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in new_model.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+    ro = RemoteRollouts([srv.url], tok, model, num_generations=3, max_new_tokens=48, temperature=1.0, seed=5)
+    try:
+        ro.start_model = model
+        ro.return_weight_versions = True
+        ro.weights_updated(model, 0)
+        plain = [c for g_ in ro.generate(PROMPTS, step=0) for c in g_]
+        assert all(c.versions == [0] * len(c.token_ids) for c in plain)
+        got = _remote_interrupted(ro, new_model, 1, PROMPTS)
+    finally:
+        ro.close()
+    batch = collate(got, [0.0] * len(got), pad_id=tok.pad_token_id)
+    with torch.no_grad():
+        lp = {0: trainer_logprobs(model, batch, 1.0), 1: trainer_logprobs(new_model, batch, 1.0)}
+    for i, (a, b) in enumerate(zip(plain, got)):
+        k = b.versions.count(0)
+        assert b.versions == [0] * k + [1] * (len(b.token_ids) - k)
+        if same_weights:
+            assert b.token_ids == a.token_ids
+            assert b.old_logprobs == pytest.approx(a.old_logprobs, abs=1e-5)
+        else:
+            assert b.token_ids[:k] == a.token_ids[:k]
+            p = len(b.prompt_ids)
+            for t, v in enumerate(b.versions):
+                assert abs(lp[v][i, p - 1 + t] - b.old_logprobs[t]) < 2e-5, (i, t, v)
+
+
+@pytest.mark.parametrize("multi_turn", [False, True])
+def test_remote_partial_rollouts_train_within_the_staleness_bound(student, server, tmp_path, multi_turn):
+    """--partial_rollouts --rollout_url: the producer pushes each version (labelled) as soon as the trainer publishes
+    it, interrupting the server's requests in flight; the servers' labels are the tokens' versions, and whatever the
+    timing every token trained at step t is from a version in [t - S, t]."""
+    _, srv = server
+    extra = []
+    if multi_turn:
+        write_jsonl(str(tmp_path / "mt.jsonl"), multi_turn_records())
+        extra = ["--data", str(tmp_path / "mt.jsonl"), "--multi_turn", "true"]
+    out = tmp_path / "partial"
+    assert main(args(student, out, "--max_steps", "4", "--async_rollouts", "true", "--max_staleness", "1",
+                     "--partial_rollouts", "true", "--rollout_url", srv.url, *extra)) == 0
+    rows = read_metrics(str(out / "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for t, r in enumerate(rows):
+        assert 0 <= r["async/staleness"] <= 1 and t - r["async/version"] == r["async/staleness"]
+        assert 0 <= r["async/staleness_mean"] <= r["async/staleness"] and 0 <= r["async/interrupted_frac"] <= 1
 
 
 def test_multi_turn_with_a_rollout_url_gives_the_in_process_run(student, server, tmp_path):
@@ -119,10 +205,11 @@ def two_replicas(student):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sync", ["distributed", "disk"])
+@pytest.mark.parametrize("sync", ["distributed", "disk", "async"])
 def test_two_trainer_ranks_with_two_rollout_replicas_equal_one_process(student, two_replicas, tmp_path, sync):
     """torchrun 2 ranks (FSDP2, gloo) against one server of 2 engine cores: each rank sends its prompts, rank 0
-    pushes the gathered weights once to both replicas. Against one in-process process: rewards and lengths equal
+    pushes the gathered weights once to both replicas (async: --async_rollouts --max_staleness 0, each rank's
+    producer thread sending its prompts, rank 0's pushing each version, the others waiting for it). Against one in-process process: rewards and lengths equal
     (the same tokens are drawn), losses within LOSS_TOL (the server's batching and the ranks' reduction order
     differ from one process only in fp32 rounding) and grad norms and KL within rtol 1e-4 (2 steps: the tests of
     2 ranks in-process see 1e-5 relative; the server's log-probs add ~1e-6 absolute)."""
@@ -135,7 +222,8 @@ def test_two_trainer_ranks_with_two_rollout_replicas_equal_one_process(student, 
         one = tmp_path / "one"
         assert main(args(student, one, *flags)) == 0
         _ONE_PROCESS["one"] = read_metrics(str(one / "metrics.jsonl"))
-    res = torchrun_grpo(2, args(student, two, *flags, "--rollout_url", srv.url, "--weight_sync", sync))
+    mode = ["--async_rollouts", "true", "--max_staleness", "0"] if sync == "async" else ["--weight_sync", sync]
+    res = torchrun_grpo(2, args(student, two, *flags, "--rollout_url", srv.url, *mode))
     assert res.returncode == 0, res.stderr[-3000:]
     ref_rows, rows = _ONE_PROCESS["one"], read_metrics(str(two / "metrics.jsonl"))
     assert [r["step"] for r in rows] == [r["step"] for r in ref_rows] == [1, 2]
@@ -147,3 +235,28 @@ def test_two_trainer_ranks_with_two_rollout_replicas_equal_one_process(student, 
         for key in ("grad_norm", "kl"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-9), key
     assert min(engine.served_per_replica()) > 0  # both replicas decoded
+
+
+@pytest.mark.slow
+def test_two_trainer_ranks_one_step_stale_against_two_rollout_replicas(student, two_replicas, tmp_path):
+    """--async_rollouts --max_staleness 1 under torchrun against 2 replicas: step 2 is rolled out with version 0
+    (no push), step 3 with version 1, which rank 0 pushes while every rank's producer waits at the barrier before
+    sending its prompts. Against one process with in-process S = 1 rollouts: the same versions, rewards and lengths
+    (the same tokens, so every rank decoded with the right version) and the losses of the test above."""
+    from test_parallel_grpo import REWARD, torchrun_grpo
+
+    engine, srv = two_replicas
+    flags = [*REWARD, "--device", "cpu", "--rollout_is", "none", "--max_steps", "3", "--async_rollouts", "true",
+             "--max_staleness", "1"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert main(args(student, one, *flags)) == 0
+    res = torchrun_grpo(2, args(student, two, *flags, "--rollout_url", srv.url))
+    assert res.returncode == 0, res.stderr[-3000:]
+    ref_rows, rows = read_metrics(str(one / "metrics.jsonl")), read_metrics(str(two / "metrics.jsonl"))
+    assert [r["async/version"] for r in rows] == [r["async/version"] for r in ref_rows] == [0, 0, 1]
+    for key in ("reward/mean", "tpr/mean"):
+        assert [r[key] for r in rows] == [r[key] for r in ref_rows], key
+    for a, b in zip(rows, ref_rows):
+        assert abs(a["loss"] - b["loss"]) < LOSS_TOL
+        for key in ("grad_norm", "kl"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-9), key

@@ -135,6 +135,8 @@ def test_multi_turn_two_ranks_equal_one_process(student, tmp_path):
 
 @pytest.mark.parametrize("extra, message", [
     (["--model", "auto"], "--model auto under torchrun: pass --model CHECKPOINT_DIR"),
+    (["--async_rollouts", "true", "--partial_rollouts", "true", "--rollout_url", "http://127.0.0.1:1"],
+     "--partial_rollouts with --rollout_url runs as one process"),
 ])
 def test_what_torchrun_does_not_run_is_refused_before_any_work(student, tmp_path, monkeypatch, capsys, extra, message):
     monkeypatch.setenv("WORLD_SIZE", "2")  # refused before the process group is joined: no ranks needed
@@ -161,3 +163,50 @@ def test_routing_replay_with_expert_parallel_two_ranks_equal_one_process(student
         torch.testing.assert_close(torch.tensor([r[key] for r in rows]), torch.tensor([r[key] for r in ref_rows]),
                                    rtol=1e-5, atol=1e-9, msg=key)
     assert rows[0]["grad_norm"] > 0
+
+
+@pytest.mark.slow
+def test_async_rollouts_two_ranks(student, tmp_path):
+    """--async_rollouts under torchrun (2 gloo ranks; each rank's producer thread decodes its share of every batch
+    with its own copy of the gathered policy, its gathers on a gloo group of its own, Distributed.side_channel):
+    - S = 0 is the synchronous 2-rank run exactly: rewards, lengths, losses, grad norms, KL and the exported weights
+      bit for bit (the same rollouts from the same weights, then the same update);
+    - S = 1 rolls out step j with version max(0, j - 1) on every rank (async/version 0, 0, 1) and gives the
+      one-process S = 1 run's rewards and lengths exactly (the same tokens: each rank decoded with the right
+      version) and its losses, grad norms and KL to the 2-rank tolerance above (rtol 1e-5; --rollout_is none);
+    - --partial_rollouts at S = 1: whatever the timing, every step's tokens are from a version in [t - 1, t]."""
+    from livemoe import engine
+
+    flags = [*REWARD, "--device", "cpu", "--max_steps", "3", "--rollout_is", "none"]
+    s0 = ["--async_rollouts", "true", "--max_staleness", "0"]
+    s1 = ["--async_rollouts", "true", "--max_staleness", "1"]
+    rows = {}
+    for name, extra in (("sync", []), ("s0", s0), ("s1", s1), ("partial", [*s1, "--partial_rollouts", "true"])):
+        res = torchrun_grpo(2, args(student, tmp_path / name, *flags, *extra))
+        assert res.returncode == 0, f"{name}: {res.stderr[-3000:]}"
+        rows[name] = read_metrics(str(tmp_path / name / "metrics.jsonl"))
+        assert [r["step"] for r in rows[name]] == [1, 2, 3], name
+    for key in ("reward/mean", "tpr/mean", "loss", "grad_norm", "kl"):
+        assert [r[key] for r in rows["s0"]] == [r[key] for r in rows["sync"]], key
+    assert [r["async/version"] for r in rows["s0"]] == [0, 1, 2]
+    ref = engine.load_model(str(tmp_path / "sync" / "final"), dtype=torch.float32).state_dict()
+    got = engine.load_model(str(tmp_path / "s0" / "final"), dtype=torch.float32).state_dict()
+    assert got.keys() == ref.keys() and all(torch.equal(got[n], t) for n, t in ref.items())
+
+    assert [r["async/version"] for r in rows["s1"]] == [0, 0, 1]
+    assert [r["async/staleness"] for r in rows["s1"]] == [0, 1, 1]
+    assert rows["s1"][2]["reward/mean"] != rows["sync"][2]["reward/mean"] or \
+        rows["s1"][1]["loss"] != rows["sync"][1]["loss"]  # S = 1 is not the synchronous run
+    one = tmp_path / "one"
+    assert main(args(student, one, *flags, *s1)) == 0
+    ref_rows = read_metrics(str(one / "metrics.jsonl"))
+    assert [r["async/version"] for r in ref_rows] == [0, 0, 1]
+    for key in ("reward/mean", "tpr/mean"):
+        assert [r[key] for r in rows["s1"]] == [r[key] for r in ref_rows], key
+    for key in ("loss", "grad_norm", "kl"):
+        torch.testing.assert_close(torch.tensor([r[key] for r in rows["s1"]]),
+                                   torch.tensor([r[key] for r in ref_rows]), rtol=1e-5, atol=1e-9, msg=key)
+
+    for t, r in enumerate(rows["partial"]):
+        assert 0 <= r["async/staleness"] <= 1 and t - r["async/version"] == r["async/staleness"]
+        assert 0 <= r["async/staleness_mean"] <= r["async/staleness"]

@@ -184,22 +184,34 @@ def test_abort_in_flight_fails_only_the_requests_in_flight(served, ckpts, answer
 
 def test_interrupt_in_flight_resumes_the_requests_on_the_new_weights(served, ckpts, answers):
     """in_flight="interrupt": the stream running when the update arrives is preempted and finishes on the new
-    weights, no error; then every answer is the new checkpoint's. (Back to B at the end, for the tests after.)"""
+    weights, no error; then every answer is the new checkpoint's. With weight_version labels on the updates and
+    return_weight_versions on the request, every streamed token says which weights drew it: the old label up to
+    the interruption, the new one after. (Back to B, unlabelled, at the end, for the tests after.)"""
     engine, server = served
+    assert http_json(server.url + "/update_weights_from_disk", {"model_path": ckpts[1], "weight_version": 6},
+                     timeout=120)[0] == 200  # B's weights still, labelled 6
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
     stream = client.completions.create(model=MODEL, prompt=PROMPTS[5], max_tokens=60, stream=True,
-                                       extra_body={"ignore_eos": True, "return_token_ids": True})
+                                       extra_body={"ignore_eos": True, "return_token_ids": True,
+                                                   "return_weight_versions": True})
     chunks = [next(iter(stream))]
     before = sum(s["num_preemptions"] for s in engine.replica_stats())
-    status, _ = http_json(server.url + "/update_weights_from_disk", {"model_path": ckpts[0], "in_flight": "interrupt"},
-                          timeout=120)
+    status, _ = http_json(server.url + "/update_weights_from_disk", {"model_path": ckpts[0], "in_flight": "interrupt",
+                                                                     "weight_version": 7}, timeout=120)
     assert status == 200
     chunks += list(stream)
     assert chunks[-1].choices[0].finish_reason == "length"
     assert sum(s["num_preemptions"] for s in engine.replica_stats()) > before  # it was running, and preempted
+    versions = [v for c in chunks for v in c.choices[0].model_extra["weight_versions"]]
+    assert len(versions) == sum(len(c.choices[0].model_extra["token_ids"]) for c in chunks) == 60
+    k = versions.count(6)
+    assert k >= 1 and versions == [6] * k + [7] * (60 - k)
     assert greedy(server, PROMPTS[:4]) == answers["a"][:4]
     assert http_json(server.url + "/update_weights_from_disk", {"model_path": ckpts[1]}, timeout=120)[0] == 200
     assert greedy(server, PROMPTS[:4]) == answers["b"][:4]
+    out = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60).completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=3, temperature=0, extra_body={"return_weight_versions": True})
+    assert out.choices[0].model_extra["weight_versions"] == [None] * 3  # an update without a label: unlabelled
 
 
 def test_sleep_wake_up(served, answers):

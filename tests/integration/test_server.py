@@ -70,16 +70,17 @@ def token_ids(choice) -> list[int]:
 
 def test_completions_stream_equals_non_stream(served, client):
     _, _, tok = served
-    kw = dict(model=MODEL, prompt="hello 你好 🙂", max_tokens=12, temperature=0, extra_body={"ignore_eos": True,
+    n = 160  # enough decode steps that the stream has several events however fast the engine runs
+    kw = dict(model=MODEL, prompt="hello 你好 🙂", max_tokens=n, temperature=0, extra_body={"ignore_eos": True,
                                                                                           "return_token_ids": True})
     full = client.completions.create(**kw)
     choice = full.choices[0]
-    assert choice.finish_reason == "length" and len(token_ids(choice)) == 12
+    assert choice.finish_reason == "length" and len(token_ids(choice)) == n
     prompt_tokens = len(tok.encode("hello 你好 🙂"))
     u = full.usage
-    assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == (prompt_tokens, 12, prompt_tokens + 12)
+    assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == (prompt_tokens, n, prompt_tokens + n)
     m = u.model_extra["metrics"]
-    assert m["output_tokens"] == 12 and m["ttft_s"] > 0 and m["tpot_s"] > 0 and m["decode_flops"] > 0
+    assert m["output_tokens"] == n and m["ttft_s"] > 0 and m["tpot_s"] > 0 and m["decode_flops"] > 0
     chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
     body = [c for c in chunks if c.choices]
     assert "".join(c.choices[0].text for c in body) == choice.text
@@ -87,7 +88,7 @@ def test_completions_stream_equals_non_stream(served, client):
     # one event per token unless the server fell behind the engine (then what piled up is merged)
     assert len(body) > 1 and all(token_ids(c.choices[0]) for c in body)
     assert body[-1].choices[0].finish_reason == "length"
-    assert chunks[-1].usage.completion_tokens == 12 and chunks[-1].usage.prompt_tokens == prompt_tokens
+    assert chunks[-1].usage.completion_tokens == n and chunks[-1].usage.prompt_tokens == prompt_tokens
     assert all(c.usage is None for c in chunks[:-1])
 
 
@@ -287,8 +288,9 @@ def test_split_characters_stream_without_replacement(tmp_path):
         assert full == CYCLE_TEXT * 2
         parts = [c.choices[0].text for c in client.completions.create(stream=True, **kw)]
         assert "".join(parts) == full and not any("\ufffd" in p for p in parts)
-        # more events than characters: some event ended inside a character (its bytes span events)
-        assert len(parts) > len(full)
+        # some event ended inside a character: it carries no text, its bytes wait for the next event (counting events
+        # against characters instead would depend on how many steps the server merged while it lagged)
+        assert "" in parts[:-1]
     finally:
         server.stop()
         engine.shutdown()
@@ -304,11 +306,12 @@ def wait_idle(engine, idle=0):
 def test_client_leaving_a_json_request_aborts_it(served):
     engine, server, _ = served
     before = metric(server.url, 'livemoe_requests_finished_total{finish_reason="abort"}')
-    impatient = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=0.1)
-    with pytest.raises(openai.APITimeoutError):  # 240 tokens take about a second here
-        impatient.completions.create(model=MODEL, prompt="long", max_tokens=240, extra_body={"ignore_eos": True})
+    impatient = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=0.05)
+    # 16 completions of 240 tokens take about a second here (one took ~0.1 s once the CPU decode step got faster)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.completions.create(model=MODEL, prompt="long", max_tokens=240, n=16, extra_body={"ignore_eos": True})
     wait_idle(engine)
-    assert metric(server.url, 'livemoe_requests_finished_total{finish_reason="abort"}') == before + 1
+    assert metric(server.url, 'livemoe_requests_finished_total{finish_reason="abort"}') == before + 16  # each completion
 
 
 def test_models_health_metrics_and_log_line(served, client, caplog):

@@ -31,7 +31,10 @@ PROMPTS = [[5, 17, 33, 8, 91, 4], [12, 40, 7], [3, 3, 60, 71, 22, 18, 9, 30, 11]
 
 
 def answers(llm):
-    """Greedy tokens and their logprobs, compared with == (bitwise)."""
+    """Greedy tokens and their logprobs, compared with == (bitwise) against a fresh engine's, so from a cold prefix
+    cache as the fresh engine's are (a prefix hit computes the prompt's last rows in a smaller step, whose fp32
+    linears may sum in another order)."""
+    llm.reset_prefix_cache()
     outs = llm.generate(PROMPTS, GREEDY)
     return [(o.outputs[0].token_ids, [next(iter(d.values())) for d in o.outputs[0].logprobs]) for o in outs]
 

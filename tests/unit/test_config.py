@@ -46,6 +46,9 @@ def test_saved_config_reads_back(tmp_path):
     (["--rehearsal", "-0.5"], "--rehearsal must be >= 0"),
     (["--eval_every", "5", "--eval_rooms", "0"], "--eval_every needs held-out inputs"),
     (["--tensorboard", "perhaps"], None),  # argparse's own error: exits
+    # RFT sizes micro-batches by --batch_size rows (the step: --grad_accum of them) or by tokens, which regroups that
+    # step: no row-count flag that packing would ignore
+    (["--micro_batch_size", "4", "--max_tokens_per_micro_batch", "100"], None),
 ])
 def test_bad_values_name_the_option(argv, msg):
     if msg is None:
@@ -183,6 +186,11 @@ def test_grpo_flags_fill_its_loss_and_reward_configs_and_save_flat(tmp_path):
     assert (saved["epsilon"], saved["epsilon_high"], saved["beta"], saved["w_length"]) == (0.3, None, 0.0, 0.5)
     assert parse_config(GRPOConfig, ["--config", str(tmp_path / "o" / "config.yaml")]) == cfg
     assert "epsilon_high" in format_config(cfg) and "loss " not in format_config(cfg)
+    # --micro_batch_size is resolved in validate(): 32 by default, None (and saved so) with token-balanced packing
+    assert default.micro_batch_size == 32
+    packed = parse_config(GRPOConfig, ["--max_tokens_per_micro_batch", "512", "--output_dir", str(tmp_path / "p")])
+    assert packed.micro_batch_size is None
+    assert parse_config(GRPOConfig, ["--config", save_config(packed, packed.output_dir)]) == packed
 
 
 def test_config_yaml_records_the_parallel_layout(tmp_path):
@@ -219,7 +227,8 @@ def test_live_flags_fill_its_stages_configs():
         "gspo_sessions eval_sessions num_intervals unrecorded_courtesy max_message_chars sft_steps sft_lr "
         "sft_batch_size marker_weight recipient_weight balance compare_plain max_len gspo_steps gspo_lr "
         "sessions_per_step num_generations num_iterations gspo_temperature turn_weight credit gspo_balance "
-        "gspo_scale_rewards lambda_aux".split())
+        "gspo_scale_rewards lambda_aux media_mode media_cache train_projector".split())
+    assert cfg.msft.train_projector is cfg.gspo.train_projector is False  # one flag for both stages, off
     for argv, message in ((["--sft_lr", "0"], "--sft_lr must be > 0"), (["--gspo_lr", "-1"], "--gspo_lr must be > 0"),
                           (["--lambda_aux", "-1"], "--lambda_aux must be >= 0"),
                           (["--max_message_chars", "0"], "--max_message_chars must be >= 1")):

@@ -14,6 +14,7 @@
   and without gradient checkpointing (equal); 2 threads give the bits of 1.
 - The options are validated where they are set.
 """
+import importlib.util
 import re
 
 import pytest
@@ -324,7 +325,11 @@ def test_options_are_validated_where_they_are_set(tmp_path_factory):
         EngineConfig(batch_invariant="yes")
     with pytest.raises(EngineConfigError, match="batch_invariant runs in one process"):
         EngineConfig(batch_invariant=True, tensor_parallel_size=2)
-    assert "CPU only" in batch_invariant.unavailable_reason("cuda")
+    with pytest.raises(EngineConfigError, match="attention_backend='reference' would not be used"):
+        EngineConfig(batch_invariant=True, attention_backend="reference")
+    has_triton = importlib.util.find_spec("triton") is not None  # CUDA: the Triton kernels
+    assert (batch_invariant.unavailable_reason("cuda") is None) == has_triton
+    assert "not on meta" in batch_invariant.unavailable_reason("meta")
     path = _random_a(tmp_path_factory)
     for extra, message in ((["--rollout_url", "http://127.0.0.1:9"], "--exact_rollouts needs the in-process decoder"),
                            (["--rollout_dtype", "bfloat16"], "--exact_rollouts: the decoder runs the trainer's module")):

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from bench.kernel_launches import Qwen3Shapes, attention_launches, logprobs_launches, moe_qwen3_launches
+from bench.kernel_launches import Qwen3Shapes, attention_launches, exact_launches, logprobs_launches, moe_qwen3_launches
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="records launches through the interpreter (TRITON_INTERPRET=1, no GPU)")
@@ -105,3 +105,35 @@ def test_attention_launches_are_the_dispatchs(recorded):
                             torch.tensor([0, n], dtype=torch.int32), torch.tensor([n], dtype=torch.int32), tables,
                             d ** -0.5, n, backend="triton")
     _compare(recorded, attention_launches(s, torch.float32))
+
+
+def test_exact_launches_are_the_dispatchs(recorded):
+    """The exact mode's ops (livemoe.kernels.batch_invariant.ops, on the Triton backend) at the listed shapes."""
+    from livemoe.kernels.batch_invariant import batch_invariant_mode
+    from livemoe.kernels.batch_invariant import ops as bi
+
+    s = SMALL
+    hq, hkv, d, bs, T, H = s.q_heads, s.kv_heads, s.head_dim, s.kv_block, s.prefill_tokens, s.hidden
+    g = torch.Generator().manual_seed(0)
+    rnd = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    x = rnd(T, H)
+    with batch_invariant_mode(backend="triton"):
+        bi.linear_forward(x, rnd((hq + 2 * hkv) * d, H))
+        bi.linear_forward(rnd(T, hq * d), rnd(H, hq * d), rnd(H))
+        bi.log_softmax(bi.linear_forward(x, rnd(s.vocab, H)))
+        bi.rms_norm_forward(x, rnd(H), 1e-6)
+        bi.rms_norm_forward(rnd(T, hq, d), rnd(d), 1e-6)
+        bi.silu_mul_forward(rnd(T, s.moe_inter), rnd(T, s.moe_inter))
+        bi.rope_forward(torch.arange(T), rnd(d // 2).abs(), torch.float32)
+        weights, ids = bi.route(rnd(T, s.experts), s.top_k, True)
+        bi.route(rnd(T, s.experts), s.top_k, True, ids)
+        bi.experts_forward(x, rnd(s.experts, 2 * s.moe_inter, H), rnd(s.experts, H, s.moe_inter), weights, ids)
+        k_cache, v_cache = rnd(4, s.context, hkv, d), rnd(4, s.context, hkv, d)  # blocks of `context` tokens ...
+        tables = torch.zeros(1, s.context // bs, dtype=torch.int32)  # ... read as the listing's 16-token blocks
+        bi.paged_attention_forward(rnd(T, hq, d), k_cache.view(-1, bs, hkv, d), v_cache.view(-1, bs, hkv, d),
+                                   torch.tensor([0, T], dtype=torch.int32), torch.tensor([T], dtype=torch.int32),
+                                   tables, d ** -0.5)
+    # the tables, routing and log-softmax take fp32 whatever the model's dtype: listed with the bf16 launches
+    shared = ("bi_rope_kernel", "bi_route_kernel", "bi_log_softmax_kernel")
+    listed = exact_launches(s, torch.float32) + [l for l in exact_launches(s, torch.bfloat16) if l.kernel in shared]
+    _compare(recorded, listed)

@@ -45,3 +45,16 @@ def test_linear_dispatch():
     assert wf.grad is not None
     with pytest.raises(RuntimeError, match="share a dtype"):
         torch.ops.livemoe.linear(torch.randn(1, 16), w16)
+
+
+@pytest.mark.parametrize("dtype,rows", [(torch.float32, 8), (torch.float16, 32)])
+def test_linear_takes_the_op_up_to_its_rows(dtype, rows):
+    """The module path's rule (livemoe.kernels.linear.SKINNY_ROWS) is csrc/linear.h's, which the fused CPU step takes:
+    the op's bits up to `rows` rows, F.linear's above (so both paths give the same bits at every row count)."""
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(300, 72, generator=g).to(dtype)
+    with torch.inference_mode():
+        for n in (1, rows, rows + 1):
+            x = torch.randn(n, 72, generator=g).to(dtype)
+            want = torch.ops.livemoe.linear(x, w) if n <= rows else torch.nn.functional.linear(x, w)
+            assert torch.equal(linear(x, w), want), n

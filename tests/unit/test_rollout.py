@@ -226,3 +226,33 @@ def test_an_interrupted_rollout_continues_on_the_new_weights(model_and_tok):
             assert abs(lp[v][i, p - 1 + t] - b.old_logprobs[t]) < 2e-5, (i, t, v)
         resumed += k < len(b.token_ids)
     assert resumed > 0
+
+
+def test_an_interrupted_multi_turn_rollout_resumes_with_its_versions_and_the_uninterrupted_tokens(model_and_tok):
+    """Partial multi-turn rollouts: a weight update between two engine steps of a turn interrupts it; with the same
+    weights every trajectory's tokens (both turns and the inserted user turn) are the uninterrupted run's, the
+    log-probs to 1e-5, and the versions switch once, at the interruption: the inserted user turn takes the version
+    of the policy that read it (its next turn's first token's)."""
+    import copy
+
+    model, tok = model_and_tok
+    kw = dict(num_generations=2, max_new_tokens=6, temperature=1.0, seed=3, num_kv_blocks=64)
+    nxt = tok.encode("\nuser\nand the price?\nassistant\n")
+    convs = ([PROMPTS[0], PROMPTS[1]], [[nxt], [nxt]])
+    plain = [c for g in Rollouts(copy.deepcopy(model), tok, **kw).generate_multi_turn(*convs, step=0) for c in g]
+    assert all(not c.versions for c in plain)  # one version throughout: the producer stamps it
+    for step_count in (2, 8):  # within the first turn, and (after its up to 6 steps) within the second
+        ro = Rollouts(copy.deepcopy(model), tok, **kw)
+        _interrupted_after(ro, step_count, {n: p.detach().clone() for n, p in model.named_parameters()})
+        got = [c for g in ro.generate_multi_turn(*convs, step=0) for c in g]
+        assert ro.version == 1
+        cuts = []
+        for a, b in zip(plain, got):
+            assert b.token_ids == a.token_ids and b.turn_spans == a.turn_spans
+            assert b.old_logprobs == pytest.approx(a.old_logprobs, abs=1e-5)
+            k = b.versions.count(0)
+            assert b.versions == [0] * k + [1] * (len(b.token_ids) - k)
+            (_, e0), (s1, _) = b.turn_spans
+            assert len(set(b.versions[e0:s1 + 1])) == 1  # the user turn and the next turn's first token
+            cuts.append(k)
+        assert any(0 < k < len(c.token_ids) for k, c in zip(cuts, got)), step_count  # stopped mid-way

@@ -9,6 +9,7 @@ import torch
 
 from livemoe.engine.decoder.spec.config import SpeculativeConfig
 from livemoe.engine.decoder.spec.proposers import NgramProposer
+from livemoe.engine.decoder.spec import verify
 from livemoe.engine.decoder.spec.verify import verified_tokens
 from livemoe.engine.errors import EngineConfigError
 from livemoe.engine.llm import LLM
@@ -167,16 +168,19 @@ def chi2_below_critical(counts: torch.Tensor, p: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (1.0, 0.8)])
-@pytest.mark.parametrize("q_kind", ["point", "draft"])
-def test_verification_draws_from_the_target_distribution(temperature, top_p, q_kind):
+@pytest.mark.parametrize("q_kind", ["point", "draft", "draft, kernel path"])
+def test_verification_draws_from_the_target_distribution(temperature, top_p, q_kind, monkeypatch):
     """Over many seeds, the first and (given the first draft kept) second emitted tokens are distributed as the
-    target's filtered softmax: chi-square at p = 0.001."""
+    target's filtered softmax: chi-square at p = 0.001. "kernel path": the CUDA path (all rows in one call of the
+    rejection sampler, which runs its reference here) forced on the CPU."""
+    if q_kind == "draft, kernel path":
+        monkeypatch.setattr(verify, "use_rejection_kernel", lambda logits: True)
     V, trials = 8, 6000
     g = torch.Generator().manual_seed(7)
     logits = torch.randn(3, V, generator=g) * 1.5
     drafts = [2, 5]  # ngram's: fixed, a point mass each
     q = None
-    if q_kind == "draft":  # a draft model's: each trial draws its drafts from q, as the rule assumes
+    if q_kind != "point":  # a draft model's: each trial draws its drafts from q, as the rule assumes
         q = torch.softmax(torch.randn(2, V, generator=g), -1)
     params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=8)
     sampler = Sampler()
@@ -228,6 +232,50 @@ def test_ngram_lookup():
     assert NgramProposer(2, 3).lookup([1, 2, 9, 2], 2) == []  # a 1-token match is below prompt_lookup_min
 
 
+def test_ngram_lookup_in_recent_outputs():
+    """lookup_recent_outputs: a match in a finished sequence's output (or its prompt's last tokens) drafts when it is
+    longer than the sequence's own; drafts stop at that output's end; the oldest output leaves first."""
+    class Seq:
+        def __init__(self, prompt, output):
+            self.token_ids, self.num_prompt_tokens, self.num_output_tokens = prompt + output, len(prompt), len(output)
+
+    ngram = NgramProposer(1, 3, recent_outputs=2)
+    ngram.finished(Seq([50] * 20 + [1, 2], [3, 4, 5, 6]))  # kept: the prompt's last 8 tokens and the output
+    assert ngram.lookup([9, 2, 3], 4) == [4, 5, 6]  # "2 3" there; own: nothing
+    assert ngram.lookup([50, 1], 3) == [2, 3, 4]  # from the prompt's kept end
+    assert ngram.lookup([3, 9, 8, 3], 3) == [9, 8, 3]  # own 1-token match, history's is not longer: own wins
+    ngram.finished(Seq([7], [8, 9]))
+    ngram.finished(Seq([7], [8, 1, 2, 3, 0]))  # the first output leaves (two kept)
+    assert ngram.lookup([4, 1, 2, 3], 3) == [0]  # drafts stop at the output's end
+    assert ngram.lookup([9, 3, 0, 6, 2, 3, 0], 2) == [6, 2]  # history's "2 3 0" ends an output: the own "3 0" drafts
+    assert ngram.lookup([9, 5, 6], 2) == []
+    assert NgramProposer(1, 3).lookup([9, 2, 3], 4) == []  # off by default
+    ngram.finished(Seq([7], []))  # nothing generated: nothing kept
+    assert len(ngram.recent) == 2
+
+
+def test_recent_outputs_lookup_is_exact_and_drafts_from_earlier_answers(checkpoints):
+    """The committed student answering product questions one after another: with lookup_recent_outputs the greedy
+    tokens are those of decoding without speculation, and a question asked again is drafted from the earlier
+    answer."""
+    from livemoe.train.data import build_prompt
+    from livemoe.train.synthetic.world import make_rooms
+
+    base, _ = engines(checkpoints["student"])
+    recent = LLM(checkpoints["student"], speculative_config=NGRAM | {"lookup_recent_outputs": 16}, dtype=torch.float32,
+                 block_size=4, num_kv_blocks=512, use_tqdm=False)
+    prompts = [build_prompt(r, base.tokenizer) for r in make_rooms(8, seed=5, prefix="eval")]
+    params = SamplingParams(temperature=0, max_tokens=32)
+    expected = [o.token_ids for o in base.generate(prompts, params)]
+    first = [o for p in prompts for o in recent.generate([p], params)]
+    assert [o.token_ids for o in first] == expected
+    again = recent.generate([prompts[3]], params)[0]
+    assert again.token_ids == expected[3]
+    # its answer's words now come from the earlier answer (the opening "link" still from the prompt's examples)
+    assert again.metrics.num_accepted_tokens >= first[3].metrics.num_accepted_tokens + 3
+    assert again.metrics.num_accepted_tokens >= len(again.token_ids) // 2
+
+
 def test_blocks_are_trimmed_after_each_verification(checkpoints):
     _, spec = engines(checkpoints["moe0"])
     prompt = repetitive_prompts(1, 120, seed=6)[0]
@@ -271,6 +319,9 @@ def test_request_metrics_and_auto_off(checkpoints):
      "prompt_lookup_min \\(4\\) must be <= prompt_lookup_max"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "unknown key\\(s\\) \\['lookahead'\\]"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "lookup_recent_outputs": -1}, "must be an int >= 0"),
+    ({"method": "draft_model", "num_speculative_tokens": 2, "model": "m", "lookup_recent_outputs": 4},
+     "is for method 'ngram'"),
     ("{not json", "not valid JSON"),
     ([1, 2], "must be a JSON object"),
 ])
@@ -405,3 +456,109 @@ def test_routed_experts_cover_the_kept_tokens_with_speculation(checkpoints):
         assert rb.shape == ra.shape == (len(x.prompt_token_ids) + len(x.token_ids) - 1, *ra.shape[1:])
         # a k+1-token chunk and a one-token decode may order a near-tie of router logits differently
         assert np.mean(np.sort(ra, -1) == np.sort(rb, -1)) > 0.99, np.mean(np.sort(ra, -1) == np.sort(rb, -1))
+
+
+@pytest.mark.gpu
+def test_cuda_verification_graphs_and_the_triton_rejection_sampler(checkpoints, monkeypatch):
+    """On a GPU: verification steps replay CUDA graphs of their (sequences, tokens each) shape and give the greedy
+    tokens of the eager speculative engine and of decoding without speculation, alone and 4 at once; a draft
+    model's sampled drafts go through the Triton rejection sampler, keep nearly all of a self-draft's drafts, and the
+    seeds reproduce them."""
+    from livemoe.kernels import rejection_sampler
+
+    path = checkpoints["moe0"]
+    opts = dict(dtype=torch.float32, device="cuda", block_size=16, num_kv_blocks=256, max_num_seqs=4, use_tqdm=False)
+    base = LLM(path, enforce_eager=True, **opts)
+    eager = LLM(path, speculative_config=NGRAM, enforce_eager=True, **opts)
+    graphed = LLM(path, speculative_config=NGRAM, **opts)
+    prompts = repetitive_prompts(4, 120, seed=5)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = [o.token_ids for o in base.generate(prompts, greedy)]
+    for batch in (prompts[:1], prompts):
+        want = expected[:len(batch)]
+        assert [o.token_ids for o in eager.generate(batch, greedy)] == want
+        assert [o.token_ids for o in graphed.generate(batch, greedy)] == want
+    s = graphed.stats()
+    assert s["num_verify_graph_replays"] > 0 and s["spec_accepted_tokens"] > 0, s
+    assert eager.stats()["num_verify_graph_replays"] == 0
+
+    calls = []
+    kernel = rejection_sampler.rejection_sample
+
+    def counted(*args):
+        calls.append(args[0].device.type)
+        return kernel(*args)
+
+    monkeypatch.setattr(rejection_sampler, "rejection_sample", counted)
+    spec = draft_engine(path, path, device="cuda", block_size=16, max_num_seqs=4)
+    sampled = [SamplingParams(temperature=0.9, top_p=0.95, seed=i, max_tokens=24, ignore_eos=True) for i in range(4)]
+    outs = spec.generate(prompts, sampled)
+    s = spec.stats()
+    assert calls and set(calls) == {"cuda"}
+    assert s["spec_accepted_tokens"] >= 0.97 * s["spec_drafted_tokens"] > 0
+    # a fresh engine (no prefix-cache hits: the prefill runs as before)
+    again = draft_engine(path, path, device="cuda", block_size=16, max_num_seqs=4).generate(prompts, sampled)
+    assert [o.token_ids for o in again] == [o.token_ids for o in outs]
+
+
+def test_uniform_verification_steps_are_the_ones_given_to_graphs(checkpoints, monkeypatch):
+    """The runner's choice of verification graph (CPU: the graph runs replaced by the eager forward): every step
+    whose S sequences each verify q - 1 drafts goes to the (S, q) graph, S up to the batch where speculation turns
+    off and q up to k + 1 (a prefill step of these longer prompts does not); the tokens stay those of decoding without
+    speculation."""
+    base, spec = engines(checkpoints["moe0"], max_num_seqs=3)
+    runner = spec.core.runner
+    monkeypatch.setattr(runner, "use_cuda_graphs", True)
+    shapes, drafted = [], []
+    monkeypatch.setattr(runner, "_run_decode_graph", runner._run_eager)
+    monkeypatch.setattr(runner, "_run_verify_graph", lambda shape, *a: (shapes.append(shape), runner._run_eager(*a))[1])
+    plan = runner.plan
+
+    def recorded(out):
+        p = plan(out)
+        if not p.is_decode:
+            drafted.append([s.num_draft_tokens for s in out.seqs] if all(s.num_draft_tokens for s in out.seqs) else None)
+        return p
+
+    monkeypatch.setattr(runner, "plan", recorded)
+    assert runner.verify_graph_limits() == (3, NGRAM["num_speculative_tokens"] + 1)
+    prompts = repetitive_prompts(3, 120, seed=4)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = [o.token_ids for o in base.generate(prompts, params)]
+    assert [o.token_ids for o in spec.generate(prompts[:1], params)] + \
+        [o.token_ids for o in spec.generate(prompts[1:], params)] == expected
+    uniform = [(len(d), d[0] + 1) for d in drafted if d is not None and len(set(d)) == 1]
+    assert uniform and shapes == uniform, (shapes, drafted)
+
+
+def test_verification_graph_buffers_give_the_eager_hidden_states(checkpoints):
+    """What a verification graph replays, run eagerly on the CPU: a real verification step (2 sequences of 5 tokens)
+    copied into the graph's static buffers and run over the captured StepContext (static cu_seqlens, the upper
+    bound for max_context_len) gives the eager forward's hidden states and K/V. Graph capture itself needs a GPU."""
+    _, spec = engines(checkpoints["moe0"], max_num_seqs=2)
+    core, runner = spec.core, spec.core.runner
+    runner.use_cuda_graphs = True  # (only for verify_graph_shape; nothing here captures)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    for p in ([5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [11, 12, 13, 14, 15, 11, 12, 13, 14, 15, 11]):
+        spec.add_request(p, params)
+    spec.step()  # prefill both
+    for seq in core.scheduler.running:  # any 4 drafts (what is kept does not matter here)
+        seq.add_drafts(seq.token_ids[:4])
+    out = core.scheduler.schedule()
+    assert [s.num_draft_tokens for s in out.seqs] == [4, 4]
+    plan = runner.plan(out)
+    assert runner.verify_graph_shape(plan) == (2, 5)
+    input_ids, positions, ctx = runner.step_inputs(plan)
+    with torch.inference_mode():
+        cache_before = runner.kv_cache.clone()
+        eager = runner._run_eager(input_ids, positions, ctx).clone()
+        after_eager = runner.kv_cache.clone()
+        runner.kv_cache.copy_(cache_before)
+        runner.verify_vars = runner._verify_buffers(*runner.verify_graph_limits())
+        runner._fill_verify_buffers(input_ids, positions, ctx)
+        runner._forward_rows(runner.verify_vars, 10, runner._verify_graph_context((2, 5)))
+        graphed = runner.verify_vars["hidden"][:10]
+    assert torch.equal(graphed, eager)
+    assert torch.equal(runner.kv_cache, after_eager)
+    for seq in out.seqs:
+        seq.drop_drafts()

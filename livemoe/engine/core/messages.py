@@ -80,6 +80,7 @@ class CompletionDelta(Message):
     stop_reason: int | str | None = None
     text: str | None = None
     routed_experts: Any = None  # on the last delta, with return_routed_experts: the numpy array (pickled)
+    weight_versions: list | None = None  # with return_weight_versions: those of this delta's tokens
 
 
 class RequestDelta(Message):

@@ -389,6 +389,8 @@ class MPClient(EngineCoreClient):
             new_tokens += len(d.token_ids)
             if d.logprobs is not None:
                 c.logprobs = (c.logprobs or []) + d.logprobs
+            if d.weight_versions is not None:
+                c.weight_versions = (c.weight_versions or []) + d.weight_versions
             if d.finish_reason is not None:
                 c.finish_reason, c.stop_reason, c.routed_experts = d.finish_reason, d.stop_reason, d.routed_experts
                 c.text = d.text if d.text is not None else final_text(self.tokenizer, c.token_ids, d.finish_reason,
@@ -406,5 +408,7 @@ def _snapshot(out: RequestOutput) -> RequestOutput:
     return RequestOutput(out.request_id, out.prompt, out.prompt_token_ids,
                          [CompletionOutput(c.index, c.text, c.token_ids[:], c.finish_reason, c.stop_reason,
                                            None if c.logprobs is None else c.logprobs[:],
-                                           routed_experts=c.routed_experts) for c in out.outputs],
+                                           routed_experts=c.routed_experts,
+                                           weight_versions=None if c.weight_versions is None else c.weight_versions[:])
+                          for c in out.outputs],
                          out.finished, out.metrics, out.prompt_logprobs)

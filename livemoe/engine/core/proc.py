@@ -159,8 +159,9 @@ class CoreLoop:
             lps = None if c.logprobs is None else c.logprobs[start:]
             text = c.text if isinstance(c.stop_reason, str) else None  # a stop string cut the text
             routed = None if c.routed_experts is None else m.pickled(c.routed_experts)
+            versions = None if c.weight_versions is None else c.weight_versions[start:]
             completions.append(m.CompletionDelta(c.index, c.token_ids[start:], lps, c.finish_reason, c.stop_reason,
-                                                 text, routed))
+                                                 text, routed, versions))
         if out.finished:
             del self.sent[out.request_id]
         return m.RequestDelta(out.request_id, completions, out.metrics if out.finished else None,

@@ -168,17 +168,22 @@ class CoreService:
         left abort; "interrupt" resumes them on the new weights."""
         return "interrupt" if in_flight == "interrupt" else "abort"
 
-    def call_update_weights(self, named_tensors, in_flight: str = "finish") -> int:
-        return self._aborting(lambda: self.llm.update_weights(named_tensors, in_flight=self._settle(in_flight)))
+    def call_update_weights(self, named_tensors, in_flight: str = "finish", weight_version: int | None = None) -> int:
+        return self._aborting(lambda: self.llm.update_weights(named_tensors, self._settle(in_flight), weight_version))
 
-    def call_update_weights_from_disk(self, model_path: str, in_flight: str = "finish") -> int:
-        return self._aborting(lambda: self.llm.update_weights_from_disk(model_path, in_flight=self._settle(in_flight)))
+    def call_update_weights_from_disk(self, model_path: str, in_flight: str = "finish",
+                                      weight_version: int | None = None) -> int:
+        return self._aborting(lambda: self.llm.update_weights_from_disk(model_path, self._settle(in_flight),
+                                                                        weight_version))
 
     def call_init_weights_update_group(self, **group) -> None:
         self.llm.core.init_weights_update_group(**group)
 
-    def call_update_weights_from_distributed(self, names, dtypes, shapes, in_flight: str = "finish") -> int:
-        return self._aborting(lambda: self.llm.core.update_weights_from_distributed(names, dtypes, shapes, "abort"))
+    def call_update_weights_from_distributed(self, names, dtypes, shapes, in_flight: str = "finish",
+                                             weight_version: int | None = None) -> int:
+        # "interrupt" too (it was always "abort" here: a broadcast update never resumed the requests in flight)
+        return self._aborting(lambda: self.llm.core.update_weights_from_distributed(
+            names, dtypes, shapes, self._settle(in_flight), weight_version))
 
     def call_sleep(self, level: int = 1) -> None:
         self._aborting(lambda: self.llm.sleep(level, in_flight="abort"))

@@ -160,13 +160,14 @@ def join_servers(urls: list[str], master_address: str, master_port: int, backend
 
 
 def push_weights_to_servers(urls: list[str], sender: WeightSender, named_tensors, in_flight: str = "finish",
-                            api_key: str | None = None, timeout_s: float = 300.0, metadata: dict | None = None) -> None:
+                            api_key: str | None = None, timeout_s: float = 300.0, metadata: dict | None = None,
+                            weight_version: int | None = None) -> None:
     """POST /update_weights_from_distributed on every server while broadcasting the tensors (an iterator, consumed
-    as it is sent, when `metadata` lists them beforehand)."""
+    as it is sent, when `metadata` lists them beforehand); weight_version: the new weights' label."""
     if metadata is None:
         named_tensors = list(named_tensors)
         metadata = weights_metadata(named_tensors)
-    body = dict(metadata, in_flight=in_flight)
+    body = dict(metadata, in_flight=in_flight, weight_version=weight_version)
     _while_posting(urls, "/update_weights_from_distributed", [body] * len(urls), api_key,
                    lambda: sender.broadcast(named_tensors, metadata), timeout_s)
 

@@ -51,7 +51,8 @@ class EngineConfig:
     max_video_pixels: int = 256 * 32 * 32  # per frame
     encoder_cache_bytes: int = 256 * 2**20  # encoder outputs kept for reuse (LRU)
     # exact mode (livemoe.kernels.batch_invariant): every forward op batch-invariant, so a token's log-probs have
-    # the same bits in any batch, prefill chunk or cache hit, and equal a trainer's forward in that mode (CPU)
+    # the same bits in any batch, prefill chunk or cache hit, and equal a trainer's forward in that mode on the same
+    # kind of device (C++ kernels on the CPU, Triton on CUDA)
     batch_invariant: bool = False
 
     def __post_init__(self):
@@ -84,6 +85,9 @@ class EngineConfig:
             fail(f"enable_expert_parallel must be a bool, got {self.enable_expert_parallel!r}")
         if not isinstance(self.batch_invariant, bool):
             fail(f"batch_invariant must be a bool, got {self.batch_invariant!r}")
+        if self.batch_invariant and self.attention_backend != "auto":
+            fail(f"batch_invariant attends with its own kernel (the same per-query walk as the trainer's): "
+                 f"attention_backend={self.attention_backend!r} would not be used; leave it at 'auto'")
         if self.batch_invariant and self.tensor_parallel_size > 1:
             fail("batch_invariant runs in one process: its kernels have no tensor-parallel split (a sharded "
                  "matmul's all-reduce adds in another order); use tensor_parallel_size=1")

@@ -2,7 +2,10 @@
 context lens, cu_seqlens), runs the engine model with them and the cache's per-layer views as the step's
 StepContext (an argument of the forward: nothing is attached to the shared module), and returns logits only
 for the rows that sample. Decode steps replay CUDA graphs captured over a ladder of batch sizes; every
-decode step that cannot (batch too large) runs eagerly and is counted and logged.
+decode step that cannot (batch too large) runs eagerly and is counted and logged. With speculative decoding, a
+step whose S sequences each have the same q new tokens (a verification: the last token and q - 1 drafts) replays
+a graph of that (S, q), captured at its first use, for S up to the batch where speculation turns itself off and q
+up to k + 1 (the paged prefill path over static cu_seqlens; its grid depends on S and q only).
 
 Routed experts (SamplingParams.return_routed_experts): once enabled, every step stores each token's top-k
 expert ids per MoE layer at its KV slot, in a buffer beside the KV cache ([slots, MoE layers, k], uint8 or
@@ -10,6 +13,7 @@ int16: 0.4% of Qwen3-30B-A3B's KV bytes per token). Kept per slot as the K/V are
 recomputed (preempted) prefix has them too, and a finished sequence reads its own through its block table.
 """
 import array
+import functools
 import logging
 import math
 from typing import Any
@@ -22,12 +26,13 @@ from livemoe.engine.decoder.step_plan import StepPlan
 from livemoe.engine.decoder.weight_update import WeightUpdate, stage_update
 from livemoe.engine.errors import EngineConfigError
 from livemoe.engine.model.attention import Attention
-from livemoe.engine.model.context import StepContext
+from livemoe.engine.model.context import PlanCache, StepContext
 from livemoe.engine.model.omni.thinker import MediaPiece, OmniThinkerForCausalLM
 from livemoe.engine.model.qwen3 import Qwen3ForCausalLM
 from livemoe.engine.model.weights import Staged, stage_weights
 from livemoe.engine.multimodal.encoder_cache import EncoderCache
 from livemoe.engine.routed_experts import routed_dtype
+from livemoe.kernels.batch_invariant import batch_invariant_mode
 from livemoe.kernels._ext import sm_count
 from livemoe.kernels.attention import choose_num_splits
 from livemoe.kernels.moe import select_experts
@@ -66,6 +71,10 @@ class ModelRunner:
         self.graph_pool: torch.cuda._POOL_HANDLE | None = None  # the graphs' shared memory pool
         self.num_eager_fallbacks = 0
         self.num_graph_replays = 0
+        # speculative verification: graphs per (sequences, query tokens each), captured at first use
+        self.verify_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.verify_vars: dict[str, torch.Tensor] = {}
+        self.num_verify_graph_replays = 0
         # set for a step with prompt-logprob rows: execute() keeps every row's hidden state for the core to read
         self.keep_hidden = False
         self.last_hidden: torch.Tensor | None = None
@@ -74,6 +83,7 @@ class ModelRunner:
         self.multimodal = model.config.omni is not None  # an Omni thinker: media in its steps
         self.encoder_cache = EncoderCache(config.encoder_cache_bytes)  # media encoder outputs
         self.receiver: Any = None  # this rank's end of a trainer's weight-update group (join_weight_group)
+        self.plan_cache = PlanCache()  # the fused CPU step's plan of self.model, kept while it holds
 
     # -- weights ------------------------------------------------------------------------------------
 
@@ -153,9 +163,7 @@ class ModelRunner:
         self.routing = None
         self.layer_caches = []
         self.num_blocks = 0
-        self.graphs.clear()  # they hold pointers into the freed cache
-        self.graph_vars.clear()
-        self.graph_pool = None
+        self._drop_graphs()  # they hold pointers into the freed cache
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -244,7 +252,7 @@ class ModelRunner:
         ctx = StepContext(kv_caches=self.layer_caches, slot_mapping=longs[2 * N:], context_lens=ints[:S],
                           cu_seqlens_q=ints[S:2 * S + 1], block_tables=ints[2 * S + 1:].view(S, width),
                           max_seqlen_q=plan.max_seqlen_q, is_decode=plan.is_decode, backend=self.backend,
-                          max_context_len=plan.max_context_len)
+                          max_context_len=plan.max_context_len, plan_cache=self.plan_cache)
         return longs[:N], longs[N:2 * N], ctx
 
     def _to_device(self, data: array.array, dtype: torch.dtype) -> torch.Tensor:
@@ -272,6 +280,8 @@ class ModelRunner:
             hidden = self._run_multimodal(input_ids, plan, ctx)
         elif ctx.is_decode and self.use_cuda_graphs:
             hidden = self._run_decode_graph(input_ids, positions, ctx)
+        elif (shape := self.verify_graph_shape(plan)) is not None:
+            hidden = self._run_verify_graph(shape, input_ids, positions, ctx)
         else:
             hidden = self._run_eager(input_ids, positions, ctx)
         if self.keep_hidden:
@@ -317,8 +327,7 @@ class ModelRunner:
             raise EngineConfigError("routed experts: the model is dense (no MoE layer)")
         if not self.capture_routing:
             self.capture_routing = True
-            self.graphs.clear()
-            self.graph_vars.clear()
+            self._drop_graphs()
 
     def _routed_ids(self, router_logits) -> torch.Tensor:
         """Per MoE layer's router logits [N, E] -> [N, MoE layers, k], the experts the layer ran (its routing)."""
@@ -376,14 +385,35 @@ class ModelRunner:
 
     def _graph_forward(self, b: int) -> None:
         """What a decode graph of batch b holds: the forward over the static buffers' first b rows."""
-        v = self.graph_vars
-        step = self._graph_context(b)
-        out = self.model.forward_hidden(v["input_ids"][:b][None], v["positions"][:b][None], step=step,
+        self._forward_rows(self.graph_vars, b, self._graph_context(b))
+
+    def _forward_rows(self, v: dict[str, torch.Tensor], n: int, step: StepContext) -> None:
+        """What a graph holds: the forward over the first n rows of its static buffers v."""
+        out = self.model.forward_hidden(v["input_ids"][:n][None], v["positions"][:n][None], step=step,
                                         return_router_logits=self.capture_routing)
         if self.capture_routing:
             out, router_logits = out
-            v["routed"][:b] = self._routed_ids(router_logits)
-        v["hidden"][:b] = out[0]
+            v["routed"][:n] = self._routed_ids(router_logits)
+        v["hidden"][:n] = out[0]
+
+    def _capture(self, forward) -> torch.cuda.CUDAGraph:
+        """A graph of forward() in the runner's pool, after a warm-up run (the kernels compile outside it). An exact
+        engine's graphs hold the exact mode's kernels, wherever the capture is called from."""
+        with batch_invariant_mode(self.config.batch_invariant):
+            forward()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, self.graph_pool):
+                forward()
+        if self.graph_pool is None:
+            self.graph_pool = graph.pool()
+        return graph
+
+    def _drop_graphs(self) -> None:
+        self.graphs.clear()
+        self.graph_vars.clear()
+        self.verify_graphs.clear()
+        self.verify_vars.clear()
+        self.graph_pool = None
 
     def _fill_graph_buffers(self, input_ids, positions, ctx: StepContext, size: int) -> None:
         """Copies a decode step of B <= size rows in; rows B..size become padding (slot -1: nothing
@@ -404,13 +434,7 @@ class ModelRunner:
         sizes = self.graph_batch_sizes()
         self.graph_vars = self._graph_buffers(sizes[-1])
         for b in reversed(sizes):  # largest first, so the pool is sized once
-            self._graph_forward(b)  # warm-up: compiles the kernels outside the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, self.graph_pool):
-                self._graph_forward(b)
-            if self.graph_pool is None:
-                self.graph_pool = graph.pool()
-            self.graphs[b] = graph
+            self.graphs[b] = self._capture(functools.partial(self._graph_forward, b))
         torch.cuda.synchronize()
         log.info("captured %d decode CUDA graphs for batch sizes %s", len(sizes), sizes)
 
@@ -430,3 +454,74 @@ class ModelRunner:
         if self.capture_routing:  # outside the graph: the slots of the real rows (padding rows have none)
             self._routing_buffer()[ctx.slot_mapping] = self.graph_vars["routed"][:B]
         return self.graph_vars["hidden"][:B]
+
+    # -- CUDA graphs (speculative verification) -----------------------------------------------------
+
+    def verify_graph_limits(self) -> tuple[int, int] | None:
+        """(most sequences, most query tokens each) of the uniform steps verification graphs serve; None: none (no
+        speculation, or no CUDA graphs)."""
+        spec = self.config.speculative
+        if not self.use_cuda_graphs or spec is None:
+            return None
+        top = min(spec.disable_by_batch_size, self.config.max_num_seqs, self.config.max_graph_batch_size)
+        return max(1, top), spec.num_speculative_tokens + 1
+
+    def verify_graph_shape(self, plan: StepPlan) -> tuple[int, int] | None:
+        """(S, q) where every one of the step's S sequences has q > 1 new tokens and a graph serves that shape."""
+        limits = self.verify_graph_limits()
+        if limits is None or plan.is_decode:
+            return None
+        S, q = plan.num_seqs, plan.max_seqlen_q
+        if S > limits[0] or q > limits[1] or plan.num_tokens != S * q:
+            return None
+        return S, q
+
+    def _verify_buffers(self, max_seqs: int, max_q: int) -> dict[str, torch.Tensor]:
+        rows = max_seqs * max_q
+        v = self._graph_buffers(rows)
+        v["cu_seqlens_q"] = torch.zeros(max_seqs + 1, dtype=torch.int32, device=self.device)
+        v["block_tables"].fill_(0)  # a capture's warm-up before any step reads block 0
+        return v
+
+    def _verify_graph_context(self, shape: tuple[int, int]) -> StepContext:
+        """The step a verification graph of S sequences of q tokens captures: the static buffers' first rows."""
+        S, q = shape
+        v, N = self.verify_vars, S * q
+        return StepContext(kv_caches=self.layer_caches, slot_mapping=v["slot_mapping"][:N],
+                           context_lens=v["context_lens"][:S], block_tables=v["block_tables"][:S],
+                           cu_seqlens_q=v["cu_seqlens_q"][:S + 1], max_seqlen_q=q, is_decode=False,
+                           backend=self.backend, max_context_len=self.max_model_len)  # an upper bound
+
+    def _fill_verify_buffers(self, input_ids, positions, ctx: StepContext) -> None:
+        v, N, S = self.verify_vars, input_ids.shape[0], ctx.context_lens.shape[0]
+        v["input_ids"][:N] = input_ids
+        v["positions"][:N] = positions
+        v["slot_mapping"][:N] = ctx.slot_mapping
+        v["context_lens"][:S] = ctx.context_lens
+        assert ctx.cu_seqlens_q is not None  # a prefill-path step has them
+        v["cu_seqlens_q"][:S + 1] = ctx.cu_seqlens_q
+        v["block_tables"][:S, :ctx.block_tables.shape[1]] = ctx.block_tables
+
+    def _run_verify_graph(self, shape: tuple[int, int], input_ids, positions, ctx: StepContext) -> torch.Tensor:
+        S, q = shape
+        N = S * q
+        if not self.verify_vars:
+            limits = self.verify_graph_limits()
+            assert limits is not None  # verify_graph_shape() found one
+            self.verify_vars = self._verify_buffers(*limits)
+        v = self.verify_vars
+        if shape not in self.verify_graphs:
+            # the warm-up runs (eagerly) on q-token contexts of the tables the buffers hold, storing nothing: the
+            # slots of an earlier step would otherwise get this run's K/V
+            v["slot_mapping"][:N].fill_(-1)
+            v["cu_seqlens_q"][:S + 1] = torch.arange(0, N + 1, q, dtype=torch.int32, device=self.device)
+            v["context_lens"][:S] = q
+            self.verify_graphs[shape] = self._capture(
+                functools.partial(self._forward_rows, v, N, self._verify_graph_context(shape)))
+            log.info("captured a speculative verification CUDA graph for %d sequence(s) of %d tokens", S, q)
+        self._fill_verify_buffers(input_ids, positions, ctx)
+        self.verify_graphs[shape].replay()
+        self.num_verify_graph_replays += 1
+        if self.capture_routing:
+            self._routing_buffer()[ctx.slot_mapping] = v["routed"][:N]
+        return v["hidden"][:N]

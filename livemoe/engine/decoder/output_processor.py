@@ -66,7 +66,8 @@ class OutputProcessor:
             logprobs = req.params.logprobs is not None
             return RequestOutput(req.request_id, req.prompt, req.prompt_ids,
                                  [CompletionOutput(s.index, "", s.output_token_ids, s.finish_reason, s.stop_reason,
-                                                   s.logprobs if logprobs else None) for s in req.seqs], False,
+                                                   s.logprobs if logprobs else None,
+                                                   weight_versions=_versions(req, s)) for s in req.seqs], False,
                                  prompt_logprobs=req.prompt_logprobs)
         completions = []
         for seq in req.seqs:
@@ -80,7 +81,7 @@ class OutputProcessor:
                                   req.params.skip_special_tokens)
             completions.append(CompletionOutput(seq.index, text, list(ids), seq.finish_reason, seq.stop_reason,
                                                 list(seq.logprobs) if req.params.logprobs is not None else None,
-                                                routed_experts=seq.routed_experts))
+                                                routed_experts=seq.routed_experts, weight_versions=_versions(req, seq)))
         return RequestOutput(req.request_id, req.prompt, req.prompt_ids, completions, req.finished, self.metrics(req),
                              req.prompt_logprobs)
 
@@ -103,3 +104,8 @@ class OutputProcessor:
             if spans:
                 m.tpot = sum(t for t, _ in spans) / sum(n for _, n in spans)
         return m
+
+
+def _versions(req, seq) -> list | None:
+    """A completion's per-token weight versions, when its request asks for them."""
+    return list(seq.weight_versions) if req.params.return_weight_versions else None

@@ -43,6 +43,7 @@ class Sequence:
         self.seed = seed
         self.generator: torch.Generator | None = None  # made on the sampling device at first use
         self.logprobs: list[dict] = []  # per output token: {token_id: logprob, ...} (sampled first)
+        self.weight_versions: list = []  # return_weight_versions: per output token, the weights' label that drew it
         self.num_preemptions = 0
         self.num_cached_prompt_tokens = 0  # prefix-cache hit at first scheduling
         self.uncached_prefill = False  # computes every prompt token, no prefix-cache hit (prompt logprobs)

@@ -32,11 +32,9 @@ from livemoe.engine.async_llm import AsyncLLM
 from livemoe.engine.errors import DecisionFormatError, RequestError
 from livemoe.engine.live.decision import (MAX_MESSAGE_CHARS, TASKS, Decision, decision_regex, max_decision_chars,
                                           parse_decision)
-from livemoe.engine.live.layout import (encode, interval_segment, interval_segments, memory_segment, render_event,
-                                        render_events, system_segment)
-from livemoe.engine.live.media import is_media_event, media_item
-from livemoe.engine.multimodal.chat import placeholder_ids
-from livemoe.engine.multimodal.media import MultimodalPrompt, PlacedMedia, split_media
+from livemoe.engine.live.layout import encode, interval_segment, memory_segment, render_events, system_segment
+from livemoe.engine.live.media import interval_ids, media_events
+from livemoe.engine.multimodal.media import MultimodalPrompt, split_media
 from livemoe.engine.sampling.params import SamplingParams
 from livemoe.engine.sampling.structured import StructuredOutput
 
@@ -170,17 +168,7 @@ class LiveSession:
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t >= 0):
             raise RequestError(f"t must be a number of seconds >= 0, got {t!r}")
         t = (len(self.records) + 1) * self.interval_s if t is None else t
-        items = []
-        if isinstance(events, (list, tuple)) and any(is_media_event(e) for e in events):
-            lines = []
-            for i, e in enumerate(events):
-                if is_media_event(e):
-                    item, line = media_item(e, f"events[{i}]", self.media_processor, self.local_media_root)
-                    items.append(item)
-                    lines.append(line)
-                else:
-                    lines.append(render_event(e, f"events[{i}]"))
-            events = "\n".join(lines)
+        events, items = media_events(events, self.media_processor, self.local_media_root)
         text = render_events(events, t)
         new, placed = self._interval_ids(text, bool(self.records), items)
         compacted = False
@@ -195,17 +183,7 @@ class LiveSession:
 
     def _interval_ids(self, text: str, after_decision: bool, items: list) -> tuple[list, list]:
         """An interval's token ids (after the context so far) and its media placed in the whole prompt."""
-        tok = self.llm.tokenizer
-        if not items:
-            return encode(tok, interval_segment(text, after_decision)), []
-        before, after = interval_segments(text, after_decision)
-        ids, placed = encode(tok, before), []
-        omni = self.media_processor.omni  # there are items: media_item had a processor
-        for item in items:
-            block = placeholder_ids(omni, item)
-            placed.append(PlacedMedia(item, len(self.ids) + len(ids) + 1))
-            ids += block
-        return ids + encode(tok, after), placed
+        return interval_ids(self.llm.tokenizer, self.media_processor, text, after_decision, items, len(self.ids))
 
     @property
     def media_processor(self):

@@ -8,6 +8,16 @@ from dataclasses import dataclass, field
 import torch
 
 
+class PlanCache:
+    """A runner's last plan of its model for the fused CPU step (livemoe.engine.model.fused_decode, which fills and
+    checks it), kept across the runner's steps."""
+    __slots__ = ("model", "call", "reads", "hook_id")
+
+    def __init__(self):
+        self.model = self.call = self.reads = None
+        self.hook_id = -1
+
+
 @dataclass(slots=True)
 class StepContext:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # the runner's (K, V) per layer [num_blocks, block_size, Hkv, D]
@@ -21,3 +31,4 @@ class StepContext:
     backend: str = "auto"  # livemoe.kernels.attention backend: auto | triton | reference
     num_splits: int | None = None  # split-KV for decode; fixed for CUDA-graph replay
     scratch: dict = field(default_factory=dict)  # per-step values the kernels compute once for all layers
+    plan_cache: PlanCache | None = None  # the runner's fused CPU step plan, kept across its steps (fused_decode)

@@ -25,10 +25,10 @@ from livemoe.kernels import batch_invariant
 from livemoe.kernels.moe.routing import check_replay
 
 
-def checkpoint_contexts(exact: bool):
-    """torch.utils.checkpoint's context_fn: nothing around the forward, the forward's kernel choice around the
-    recompute (the backward runs outside the caller's batch_invariant_mode)."""
-    return contextlib.nullcontext(), batch_invariant.batch_invariant_mode(exact)
+def checkpoint_contexts(exact: str | None):
+    """torch.utils.checkpoint's context_fn: nothing around the forward, the forward's kernel choice (the exact
+    mode's backend, or None) around the recompute (the backward runs outside the caller's batch_invariant_mode)."""
+    return contextlib.nullcontext(), batch_invariant.batch_invariant_mode(exact is not None, exact or "auto")
 
 
 class SelfAttention(nn.Module):
@@ -79,11 +79,6 @@ class DecoderLayer(nn.Module):
         return x + out, router_logits
 
 
-# what livemoe.engine.model.fused_decode's C++ layer computes exactly: a layer made of only these, hook-free
-FUSABLE_MODULES = (nn.ModuleList, DecoderLayer, SelfAttention, Attention, RMSNorm, nn.Linear, Linear, MLP,
-                   SparseMoeBlock, Experts)
-
-
 def add_rows(x: torch.Tensor, flat_index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """x [B, T, H] with rows [n, H] added at flattened B*T positions flat_index [n] (out of place: autograd-safe)."""
     flat = x.reshape(-1, x.shape[-1]).index_add(0, flat_index, rows.to(x.dtype))
@@ -98,6 +93,12 @@ class Qwen3Model(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = rotary_embedding(cfg)
+
+
+# what livemoe.engine.model.fused_decode's C++ step computes exactly: a model made of only these, hook-free (our
+# Linear, not a plain nn.Linear: the C++ layer takes the skinny GEMV where Linear does, and nn.Linear never does)
+FUSABLE_MODULES = (Qwen3Model, nn.Embedding, RotaryEmbedding, nn.ModuleList, DecoderLayer, SelfAttention, Attention,
+                   RMSNorm, Linear, MLP, SparseMoeBlock, Experts)
 
 
 def rotary_embedding(cfg: ModelConfig) -> RotaryEmbedding:
@@ -148,16 +149,17 @@ class Qwen3ForCausalLM(nn.Module):
         replay = self._replay_ids(input_ids, routed_experts)
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        call = None if replay is not None or deepstack is not None or return_router_logits or inputs_embeds is not None \
+            or positions.dim() != 2 or batch_invariant.enabled() else fused_decode.plan(self, input_ids, step,
+                                                                                         FUSABLE_MODULES)
+        if call is not None:
+            assert step is not None  # plan() says so
+            return fused_decode.run_step(call, input_ids, positions, step)
         x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self.model.rotary_emb(positions, x.dtype)
-        calls = None if replay is not None or deepstack is not None or return_router_logits \
-            or batch_invariant.enabled() else fused_decode.plan(self, x, step, FUSABLE_MODULES)
-        if calls is not None:
-            assert step is not None  # plan() says so
-            return self.model.norm(fused_decode.run_layers(self, calls, x, cos, sin, step))
         router_logits = []
         # the recompute of a checkpointed layer takes the kernels its forward took (exact mode or not)
-        recompute = functools.partial(checkpoint_contexts, batch_invariant.enabled())
+        recompute = functools.partial(checkpoint_contexts, batch_invariant.current())
         for layer in self.model.layers:
             ids = replay[len(router_logits)] if replay is not None and layer.mlp_is_moe else None
             if self.gradient_checkpointing and self.training:

@@ -53,6 +53,9 @@ class SamplingParams:
     structured: StructuredOutput | None = None  # livemoe.engine.sampling.structured: JSON schema, regex, choice, grammar
     # each completion's routed experts, [tokens, MoE layers, k] (livemoe.engine.routed_experts; refused on a dense model)
     return_routed_experts: bool = False
+    # each completion's per-token weight_version: the label of the weights that drew the token (the trainer's policy
+    # version, given with each weight update; None for weights loaded without one): partial rollouts for RL
+    return_weight_versions: bool = False
     processes_logits: bool = field(init=False, default=False, repr=False, compare=False)  # any of the above
 
     def __post_init__(self):
@@ -98,6 +101,8 @@ class SamplingParams:
             fail(f"prompt_logprobs must be None or an integer >= 0, got {self.prompt_logprobs!r}")
         if not isinstance(self.return_routed_experts, bool):
             fail(f"return_routed_experts must be a bool, got {self.return_routed_experts!r}")
+        if not isinstance(self.return_weight_versions, bool):
+            fail(f"return_weight_versions must be a bool, got {self.return_weight_versions!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             fail(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         validate_logits_processing(self, fail)

@@ -125,8 +125,12 @@ class Sampler:
 
     def uniform(self, device, generator: torch.Generator | None) -> float:
         """One U[0, 1) draw from the row's generator (None: the shared one)."""
+        return float(self.uniforms(1, device, generator)[0])
+
+    def uniforms(self, n: int, device, generator: torch.Generator | None) -> torch.Tensor:
+        """[n] U[0, 1) draws from the row's generator (None: the shared one), left on the device."""
         g = generator if generator is not None else self._shared_generator(device)
-        return float(torch.rand(1, device=device, generator=g))
+        return torch.rand(n, device=device, generator=g)
 
     @staticmethod
     def logprobs(d: "Distributions", params: list[SamplingParams], tokens: torch.Tensor) -> list[dict[int, float] | None]:
@@ -176,3 +180,7 @@ class Distributions:
 
     def row(self, i: int) -> "Distributions":
         return Distributions(self.processed[i:i + 1], self.filtered[i:i + 1], self.raw_scaled[i:i + 1], self.changed)
+
+    def rows(self, n: int) -> "Distributions":
+        """The first n rows."""
+        return Distributions(self.processed[:n], self.filtered[:n], self.raw_scaled[:n], self.changed)

@@ -1,21 +1,23 @@
 """The routes of a rollout server for RL (SGLang's names), on every engine replica at once:
 
-- POST /update_weights_from_disk {"model_path", "in_flight"?}: a checkpoint of the same architecture;
+- POST /update_weights_from_disk {"model_path", "in_flight"?, "weight_version"?}: a checkpoint of the same architecture;
   answers when every replica has switched. Another shape (or a missing tensor) is a 400 and the old
   weights stay.
 - POST /init_weights_update_group {"master_address", "master_port", "rank_offset", "world_size",
   "backend"?}: each replica joins the trainer's torch.distributed group (livemoe.engine.core.weight_sync) as
   rank rank_offset + its index; the trainer (rank 0) joins meanwhile.
-- POST /update_weights_from_distributed {"names", "dtypes", "shapes", "in_flight"?}: receives the
-  tensors the trainer broadcasts, in that order.
+- POST /update_weights_from_distributed {"names", "dtypes", "shapes", "in_flight"?, "weight_version"?}: receives
+  the tensors the trainer broadcasts, in that order.
 - POST /sleep {"level"?: 1 | 2}: frees the KV cache (2: also moves the weights to the host); requests
   until POST /wake_up get a 503. GET /is_sleeping.
 - GET /get_server_info: the replicas and their state (a trainer reads data_parallel_size).
 
 in_flight: "finish" (the default) lets the requests in flight end on the old weights first, while new
 ones wait; "abort" ends them with an error at once; "interrupt" preempts them, to resume on the new weights from
-where they stopped (EngineCore.settle_in_flight). Every body is strict (an unknown field is a 400).
-They sit behind the API key, as /v1 does. The routes that change the server (ADMIN_WRITE_PATHS: the weight
+where they stopped (EngineCore.settle_in_flight). weight_version (an int, SGLang's name): the new weights' label,
+which each token they draw records, returned per token to a request with `return_weight_versions` (partial
+rollouts: which tokens came after an update); an update without one leaves the weights unlabelled (null). Every
+body is strict (an unknown field is a 400). They sit behind the API key, as /v1 does. The routes that change the server (ADMIN_WRITE_PATHS: the weight
 updates, the group, sleep and wake_up) are off unless the server runs with `--enable-admin-routes` or
 `--api-key`: a 403 naming both (guard.py), as vLLM keeps its dev endpoints behind a flag.
 """
@@ -40,6 +42,7 @@ InFlight = Literal["finish", "abort", "interrupt"]
 class UpdateFromDisk(StrictModel):
     model_path: str = Field(min_length=1)
     in_flight: InFlight = "finish"
+    weight_version: int | None = None  # the new weights' label, stamped on the tokens they draw (SGLang's name)
 
 
 class InitGroup(StrictModel):
@@ -56,6 +59,7 @@ class UpdateFromDistributed(StrictModel):
     dtypes: list[str] = Field(min_length=1)
     shapes: list[list[int]] = Field(min_length=1)
     in_flight: InFlight = "finish"
+    weight_version: int | None = None
 
 
 class Sleep(StrictModel):
@@ -78,7 +82,8 @@ def add_admin_routes(app: FastAPI, engine) -> None:
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(body: UpdateFromDisk):
         return await run(f"update_weights_from_disk {body.model_path}",
-                         engine.update_weights_from_disk(body.model_path, in_flight=body.in_flight))
+                         engine.update_weights_from_disk(body.model_path, in_flight=body.in_flight,
+                                                         weight_version=body.weight_version))
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(body: InitGroup):
@@ -93,7 +98,7 @@ def add_admin_routes(app: FastAPI, engine) -> None:
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(body: UpdateFromDistributed):
         return await run("update_weights_from_distributed", engine.update_weights_from_distributed(
-            body.names, body.dtypes, body.shapes, in_flight=body.in_flight))
+            body.names, body.dtypes, body.shapes, in_flight=body.in_flight, weight_version=body.weight_version))
 
     @app.post("/sleep")
     async def sleep(body: Sleep | None = None):

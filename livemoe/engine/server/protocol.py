@@ -7,7 +7,9 @@ best_of != n; each model's REFUSED_WHEN lists them for the docs' field table, fi
 The only fields accepted without an effect are NO_EFFECT_FIELDS, which by nature mean nothing to a
 local server. Extensions in the body: `top_k`, `min_p`, `ignore_eos`, `return_token_ids` (each choice,
 streamed or not, also carries its token ids), `return_routed_experts` (each choice's last chunk, or the choice,
-carries `routed_experts`: base64 + shape + dtype, livemoe.engine.routed_experts), `repetition_penalty`, `min_tokens`,
+carries `routed_experts`: base64 + shape + dtype, livemoe.engine.routed_experts), `return_weight_versions` (each
+choice, or chunk, carries `weight_versions`: per token the `weight_version` label of the weights that drew it, set
+by the weight-update routes: partial rollouts), `repetition_penalty`, `min_tokens`,
 and vLLM's `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (livemoe.engine.sampling.structured),
 `prompt_logprobs` and `stream_options.continuous_usage_stats`. Older clients' spellings are read as what they
 mean: the `developer` role as `system`, `functions` / `function_call` as tools, `response_format.schema` with
@@ -81,7 +83,7 @@ class _Common(StrictModel):
         **{k: "vLLM" for k in ("top_k", "min_p", "ignore_eos", "return_token_ids", "repetition_penalty", "min_tokens",
                                "guided_json", "guided_regex", "guided_choice", "guided_grammar", "prompt_logprobs",
                                "stream_options.continuous_usage_stats", "return_routed_experts")},
-        "response_format.schema": "older clients (instructor)"}
+        "return_weight_versions": "livemoe", "response_format.schema": "older clients (instructor)"}
     REFUSED_WHEN: ClassVar[dict[str, str]] = {
         "stream_options": "without stream: true", "prompt_logprobs": "with stream: true",
         "return_routed_experts": "on a dense model",
@@ -108,6 +110,7 @@ class _Common(StrictModel):
     ignore_eos: bool = False
     return_token_ids: bool = False
     return_routed_experts: bool = False  # each choice's routed_experts (livemoe.engine.routed_experts)
+    return_weight_versions: bool = False  # each choice's weight_versions: per token, its weights' weight_version
     response_format: ResponseFormat | None = None
     guided_json: dict | str | None = None
     guided_regex: str | None = None
@@ -166,7 +169,8 @@ class _Common(StrictModel):
         return SamplingParams(max_tokens=max_tokens, n=self.n, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos,
                               logprobs=logprobs, logit_bias=self._logit_bias(), structured=structured,
                               prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
-                              return_routed_experts=self.return_routed_experts, **opt)
+                              return_routed_experts=self.return_routed_experts,
+                              return_weight_versions=self.return_weight_versions, **opt)
 
     @property
     def include_usage(self) -> bool:

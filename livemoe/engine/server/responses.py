@@ -46,6 +46,7 @@ class Choice:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.routed_experts = None
+        self.weight_versions: list = []
 
 
 class Run:
@@ -138,6 +139,8 @@ class Run:
             c.token_ids += d.token_ids
             if d.logprobs is not None:
                 c.logprobs.append(self._logprobs(k * self.n + d.index, d))
+            if d.weight_versions is not None:
+                c.weight_versions += d.weight_versions
             if d.finish_reason is not None:
                 c.finish_reason, c.stop_reason, c.routed_experts = d.finish_reason, d.stop_reason, d.routed_experts
         out = []
@@ -165,6 +168,8 @@ class Run:
                 choice["token_ids"] = c.token_ids
             if self.params.return_routed_experts:
                 choice["routed_experts"] = _routed(c.routed_experts)
+            if self.params.return_weight_versions:
+                choice["weight_versions"] = c.weight_versions
             out.append(choice)
         answer = {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
                   "created": self.created, "model": self.server.model_name, "choices": out, "usage": self._usage()}
@@ -228,6 +233,8 @@ class Run:
                     choice["token_ids"] = d.token_ids
                 if self.params.return_routed_experts and d.finish_reason is not None:
                     choice["routed_experts"] = _routed(d.routed_experts)
+                if self.params.return_weight_versions:
+                    choice["weight_versions"] = d.weight_versions or []
                 yield self._event([choice])
             if self.body.include_usage:
                 yield self._event([], self._usage())

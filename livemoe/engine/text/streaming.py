@@ -34,6 +34,7 @@ class StreamDelta:
     metrics: RequestMetrics | None = None  # on the request's last delta (every completion finished)
     prompt_logprobs: list[dict[int, float] | None] | None = None  # once, as in RequestOutput, when asked
     routed_experts: Any = None  # return_routed_experts: on the completion's last delta (CompletionOutput's)
+    weight_versions: list | None = None  # return_weight_versions: one per new token, as in CompletionOutput
 
     @property
     def finished(self) -> bool:
@@ -71,8 +72,10 @@ class OutputDeltas:
                 text = detok.finish(c.text, new_ids)
                 self.done.add(c.index)
             lps = c.logprobs[start:start + len(new_ids)] if c.logprobs is not None else None
+            versions = c.weight_versions[start:start + len(new_ids)] if c.weight_versions is not None else None
             deltas.append(StreamDelta(out.request_id, c.index, new_ids, text, lps, c.finish_reason, c.stop_reason,
-                                      len(out.prompt_token_ids), routed_experts=c.routed_experts))
+                                      len(out.prompt_token_ids), routed_experts=c.routed_experts,
+                                      weight_versions=versions))
         if out.finished and deltas:
             deltas[-1].metrics = out.metrics
         if out.prompt_logprobs is not None and deltas and not self.prompt_logprobs_sent:
@@ -92,13 +95,17 @@ def merge_deltas(deltas: list[StreamDelta]) -> list[StreamDelta]:
         if m is None:
             merged[d.index] = StreamDelta(d.request_id, d.index, list(d.token_ids), d.text,
                                           None if d.logprobs is None else list(d.logprobs), d.finish_reason,
-                                          d.stop_reason, d.num_prompt_tokens, routed_experts=d.routed_experts)
+                                          d.stop_reason, d.num_prompt_tokens, routed_experts=d.routed_experts,
+                                          weight_versions=None if d.weight_versions is None
+                                          else list(d.weight_versions))
             continue
         assert m.finish_reason is None, "a delta after its completion's last one"
         m.token_ids += d.token_ids
         m.text += d.text
         if d.logprobs is not None:
             m.logprobs += d.logprobs
+        if d.weight_versions is not None:
+            m.weight_versions = (m.weight_versions or []) + d.weight_versions
         m.finish_reason, m.stop_reason, m.routed_experts = d.finish_reason, d.stop_reason, d.routed_experts
     out = list(merged.values())
     if out:

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from livemoe.kernels.attention.online_softmax import attend_block
+from livemoe.kernels.attention.online_softmax import attend_block, load_query_group
 
 
 @triton.jit
@@ -29,14 +29,9 @@ def _paged_decode_kernel(Q, K_cache, V_cache, Block_tables, Context_lens, Out, P
     start = split * per_split
     end = tl.minimum(start + per_split, num_blocks)
 
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, BLOCK_D)
+    q, heads, g_mask, offs_d, d_mask = load_query_group(Q, b * stride_qb, kvh, stride_qh, GROUP, HEAD_DIM, BLOCK_G,
+                                                        BLOCK_D)
     offs_s = tl.arange(0, BLOCK_SIZE)
-    heads = kvh * GROUP + offs_g
-    g_mask = offs_g < GROUP
-    d_mask = offs_d < HEAD_DIM
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)

@@ -1,4 +1,5 @@
-"""The step both paged attention kernels (decode.py, prefill.py) take per KV block."""
+"""The step the paged attention kernels (decode.py, prefill.py, batch_invariant/attention.py) take per KV block, and
+the query tile of the kernels that pack a KV head's query heads as rows."""
 import triton
 import triton.language as tl
 
@@ -27,3 +28,18 @@ def attend_block(q, m_i, l_i, acc, K_cache, V_cache, block_id, kvh, offs_s, offs
     else:
         pv = tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
+def load_query_group(Q, row_offset, kvh, stride_qh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The GROUP query heads of KV head kvh of one token (at Q + row_offset) as the rows of a [BLOCK_G, BLOCK_D]
+    tile (zeros past GROUP and HEAD_DIM) -> (q, heads, g_mask, offs_d, d_mask)."""
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kvh * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(Q + row_offset + heads[:, None] * stride_qh + offs_d[None, :], mask=g_mask[:, None] & d_mask[None, :],
+                other=0.0)
+    return q, heads, g_mask, offs_d, d_mask

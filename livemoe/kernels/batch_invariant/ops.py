@@ -1,13 +1,33 @@
-"""The exact forwards (torch.ops.livemoe.bi_*, csrc/batch_invariant.cpp) on the model's shapes, and `exact`, which
-gives a trainer the ordinary formula's gradient under the exact forward's value.
+"""The exact forwards on the model's shapes, and `exact`, which gives a trainer the ordinary formula's gradient under
+the exact forward's value.
 
 Each function here takes tensors of any leading shape and returns what the ordinary op returns, to the bits of a
-computation that looks at one row (attention: one query and its context) in one fixed order.
+computation that looks at one row (attention: one query and its context) in one fixed order: the C++ ops
+(torch.ops.livemoe.bi_*, csrc/batch_invariant.cpp) for CPU tensors, the Triton kernels of this package's
+modules for CUDA ones (mode.uses_triton). The two backends round alike but sum in other orders: a CPU decoder
+and a GPU trainer do not share bits; each device agrees with itself.
 """
 import torch
 import torch.nn.functional as F
 
+from livemoe.kernels.batch_invariant.mode import uses_triton
+
 OPS = torch.ops.livemoe
+
+
+def _triton(name: str):
+    """The Triton entry `name` (bi_linear, ...) of its module, imported on first use (a CPU install may lack triton)."""
+    import importlib
+
+    module = {"bi_linear": "linear", "bi_rms_norm": "rms_norm", "bi_silu_mul": "silu_mul", "bi_rope": "rope",
+              "bi_attention": "attention", "bi_route": "route", "bi_moe": "experts",
+              "bi_log_softmax": "log_softmax"}[name]
+    return getattr(importlib.import_module(f"livemoe.kernels.batch_invariant.{module}"), name)
+
+
+def _op(name: str, t: torch.Tensor):
+    """The exact op `name` for tensor t's device (and the mode's backend)."""
+    return _triton(name) if uses_triton(t) else getattr(OPS, name)
 
 
 class _ExactForward(torch.autograd.Function):
@@ -40,23 +60,23 @@ def exact(exact_fn, ref_fn, *tensors):
 
 def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear's value: x [..., K], weight [N, K] -> [..., N]."""
-    out = OPS.bi_linear(x.reshape(-1, x.shape[-1]), weight, bias)
+    out = _op("bi_linear", x)(x.reshape(-1, x.shape[-1]), weight, bias)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
 def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """livemoe.kernels.norm.rms_norm_reference's formula over x's last dim (weight [D])."""
-    return OPS.bi_rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
+    return _op("bi_rms_norm", x)(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
 
 
 def silu_mul_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """F.silu(gate) * up."""
-    return OPS.bi_silu_mul(gate, up).view(gate.shape)
+    return _op("bi_silu_mul", gate)(gate, up).view(gate.shape)
 
 
 def rope_forward(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """RotaryEmbedding's (cos, signed_sin) [..., 1, D] of positions [...], cast to dtype."""
-    cos, sin = OPS.bi_rope(positions.reshape(-1), inv_freq)
+    cos, sin = _op("bi_rope", positions)(positions.reshape(-1), inv_freq)
     shape = (*positions.shape, 1, cos.shape[-1])
     return cos.view(shape).to(dtype), sin.view(shape).to(dtype)
 
@@ -66,7 +86,7 @@ def paged_attention_forward(q, k_cache, v_cache, cu_seqlens_q, context_lens, blo
     paged cache -> [N, Hq, D]; cu_seqlens_q None: one query per sequence (a decode step)."""
     if cu_seqlens_q is None:
         cu_seqlens_q = torch.arange(context_lens.shape[0] + 1, dtype=torch.int32, device=q.device)
-    return OPS.bi_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale)
+    return _op("bi_attention", q)(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale)
 
 
 def causal_attention_forward(q, k, v, scale: float):
@@ -76,7 +96,7 @@ def causal_attention_forward(q, k, v, scale: float):
     ints = dict(dtype=torch.int32, device=q.device)
     cu = torch.arange(0, B * T + 1, T, **ints)
     tables = torch.arange(B, **ints)[:, None]
-    out = OPS.bi_attention(q.reshape(B * T, *q.shape[2:]), k.contiguous(), v.contiguous(), cu,
+    out = _op("bi_attention", q)(q.reshape(B * T, *q.shape[2:]), k.contiguous(), v.contiguous(), cu,
                            torch.full((B,), T, **ints), tables, scale)
     return out.view(q.shape)
 
@@ -85,18 +105,18 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
           topk_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """livemoe.kernels.moe.routing.route's (topk_weights [T, k] fp32, topk_ids [T, k] int64), the lower expert id
     first among equal probabilities; topk_ids given: those experts (replay)."""
-    return OPS.bi_route(router_logits.detach(), top_k, renormalize, topk_ids)
+    return _op("bi_route", router_logits)(router_logits.detach(), top_k, renormalize, topk_ids)
 
 
 def experts_forward(x, w_gate_up, w_down, topk_weights, topk_ids) -> torch.Tensor:
     """livemoe.kernels.moe.fused_experts' value, token by token, the k experts summed in the order of topk_ids."""
-    return OPS.bi_moe(x, w_gate_up, w_down, topk_weights, topk_ids)
+    return _op("bi_moe", x)(x, w_gate_up, w_down, topk_weights, topk_ids)
 
 
 def log_softmax(x: torch.Tensor) -> torch.Tensor:
     """x.float().log_softmax(-1) over [..., V]."""
     x = x.float()
-    return OPS.bi_log_softmax(x.reshape(-1, x.shape[-1])).view(x.shape)
+    return _op("bi_log_softmax", x)(x.reshape(-1, x.shape[-1])).view(x.shape)
 
 
 def scale_logits(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ def _block_pairs(sorted_ids_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _gathered_dot(a_ptr, rows, valid, stride_am, stride_ak, b_ptr, offs_n, n_ok, stride_bn, stride_bk, K,
+def gathered_dot(a_ptr, rows, valid, stride_am, stride_ak, b_ptr, offs_n, n_ok, stride_bn, stride_bk, K,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     """acc[m, n] = sum_k A[rows[m], k] * B[offs_n[n], k] in fp32: the gathered main loop of a tile (b_ptr
     already points at the expert's matrix)."""
@@ -108,7 +108,7 @@ def gather_gemm_kernel(a_ptr, b_ptr, out_ptr, scale_ptr, sorted_ids_ptr, expert_
     rows = (pairs // a_div).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    acc = _gathered_dot(a_ptr, rows, valid, stride_am, stride_ak, b_ptr + expert * stride_be, offs_n, n_ok,
+    acc = gathered_dot(a_ptr, rows, valid, stride_am, stride_ak, b_ptr + expert * stride_be, offs_n, n_ok,
                         stride_bn, stride_bk, K, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
     out_dtype = out_ptr.dtype.element_ty
     if SCALE_ROWS:  # the reference rounds the product before weighting it
@@ -133,7 +133,7 @@ def down_backward_kernel(dy_ptr, w_ptr, preact_ptr, topk_w_ptr, dpre_ptr, act_pt
     rows = (pairs // top_k).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < I
-    acc = _gathered_dot(dy_ptr, rows, valid, stride_dym, stride_dyk, w_ptr + expert * stride_we, offs_n, n_ok,
+    acc = gathered_dot(dy_ptr, rows, valid, stride_dym, stride_dyk, w_ptr + expert * stride_we, offs_n, n_ok,
                         stride_wi, stride_wh, H, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
     p64 = pairs.to(tl.int64)
     mask = valid[:, None] & n_ok[None, :]

@@ -20,8 +20,7 @@ from livemoe.kernels.moe.configs import MoEConfig, bucket_key, device_name, get_
 _TUNED: set[str] = set()  # buckets tuned (or found tuned) in this process
 
 
-
-def _gather_gemm(a, b, out, scale, sorted_ids, expert_ids, num_pairs, a_div, n, kdim, strides_b, cfg: MoEConfig):
+def gather_gemm(a, b, out, scale, sorted_ids, expert_ids, num_pairs, a_div, n, kdim, strides_b, cfg: MoEConfig):
     num_pid_m = expert_ids.numel()
     grid = (num_pid_m * triton.cdiv(n, cfg.block_n),)
     gg.gather_gemm_kernel[grid](
@@ -41,6 +40,23 @@ def _expert_grad(a, b, scale, out, sorted_ids, seg_start, counts, a_div, b_div, 
         PRECISION=dot_precision(a.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
+def gate_up_swiglu(x, w_gate_up, sorted_ids, expert_ids, top_k: int, cfg: MoEConfig, preact=None):
+    """act [T*k, I] = silu(x W_g^T) * (x W_u^T) per pair of the align blocks (and the pre-activations into
+    `preact` [T*k, 2I] when given)."""
+    num_pairs, inter = x.shape[0] * top_k, w_gate_up.shape[1] // 2
+    num_pid_m = expert_ids.numel()
+    act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    grid = (num_pid_m * triton.cdiv(inter, cfg.block_n),)
+    gg.gate_up_swiglu_kernel[grid](
+        x, w_gate_up, act, preact if preact is not None else act, sorted_ids, expert_ids, num_pairs, top_k,
+        x.shape[1], inter, num_pid_m, x.stride(0), x.stride(1), w_gate_up.stride(0), w_gate_up.stride(1),
+        w_gate_up.stride(2), act.stride(0), preact.stride(0) if preact is not None else 0,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        SAVE_PREACT=preact is not None, PRECISION=dot_precision(x.dtype), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+    return act
+
+
 def experts_forward(x, w_gate_up, w_down, topk_weights, topk_ids, cfg: MoEConfig, save_preact: bool):
     """-> (out [T, H], preact [T*k, 2I] or None, (sorted_ids, expert_ids, counts))."""
     num_tokens, hidden = x.shape
@@ -49,19 +65,11 @@ def experts_forward(x, w_gate_up, w_down, topk_weights, topk_ids, cfg: MoEConfig
     num_pairs = num_tokens * top_k
     sorted_ids, expert_ids, counts, _ = moe_align(topk_ids, num_experts, cfg.block_m)
     assert expert_ids.numel() == num_align_blocks(num_pairs, num_experts, cfg.block_m)
-    num_pid_m = expert_ids.numel()
-    act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     preact = torch.empty(num_pairs, 2 * inter, dtype=x.dtype, device=x.device) if save_preact else None
-    grid = (num_pid_m * triton.cdiv(inter, cfg.block_n),)
-    gg.gate_up_swiglu_kernel[grid](
-        x, w_gate_up, act, preact if save_preact else act, sorted_ids, expert_ids, num_pairs, top_k, hidden, inter,
-        num_pid_m, x.stride(0), x.stride(1), w_gate_up.stride(0), w_gate_up.stride(1), w_gate_up.stride(2),
-        act.stride(0), preact.stride(0) if save_preact else 0,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        SAVE_PREACT=save_preact, PRECISION=dot_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    act = gate_up_swiglu(x, w_gate_up, sorted_ids, expert_ids, top_k, cfg, preact)
     y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    _gather_gemm(act, w_down, y, topk_weights.reshape(-1), sorted_ids, expert_ids, num_pairs, 1, hidden, inter,
-                 (w_down.stride(0), w_down.stride(1), w_down.stride(2)), cfg)
+    gather_gemm(act, w_down, y, topk_weights.reshape(-1), sorted_ids, expert_ids, num_pairs, 1, hidden, inter,
+                (w_down.stride(0), w_down.stride(1), w_down.stride(2)), cfg)
     out = y.view(num_tokens, top_k, hidden).sum(dim=1) if top_k > 1 else y.view(num_tokens, hidden)
     return out, preact, (sorted_ids, expert_ids, counts)
 
@@ -103,8 +111,8 @@ class TritonMoEFunction(torch.autograd.Function):
         dx = dw_gate_up = dw_down = None
         if ctx.needs_input_grad[0]:
             dx_pairs = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-            _gather_gemm(dpre, w_gate_up, dx_pairs, None, sorted_ids, expert_ids, num_pairs, 1, hidden, 2 * inter,
-                         (w_gate_up.stride(0), w_gate_up.stride(2), w_gate_up.stride(1)), cfg)
+            gather_gemm(dpre, w_gate_up, dx_pairs, None, sorted_ids, expert_ids, num_pairs, 1, hidden, 2 * inter,
+                        (w_gate_up.stride(0), w_gate_up.stride(2), w_gate_up.stride(1)), cfg)
             dx = dx_pairs.view(num_tokens, top_k, hidden).sum(dim=1)
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
             padded = (counts + cfg.block_m - 1) // cfg.block_m * cfg.block_m

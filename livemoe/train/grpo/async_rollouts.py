@@ -11,11 +11,21 @@ policy's log-probs travel with the samples (their old_logprobs); the trainer's l
 version j's, so the rollout correction (--rollout_is, livemoe/train/mismatch.py) weighs exactly the staleness gap
 (and the decoder's numerical mismatch) away.
 
+Partial rollouts (`partial`): a version newer than the decoder's is loaded as soon as it is published, while a
+batch is in flight: in-process between two engine steps (Rollouts.between_steps, the engine's in_flight="interrupt"),
+remote by a push with in_flight "interrupt" and the version as the servers' weight_version label, which they stamp
+on every token (return_weight_versions). Either way each token's version is the one that drew it.
+
+Under torchrun every rank runs a producer on its share of each batch; `sample` gathers the ranks' groups on a
+process group of the producers' own (Distributed.side_channel), and with servers rank 0 pushes each version while
+the others wait at the barrier (on that group too) before sending their prompts.
+
 Reproducibility. Which version rolls out which batch is a function of (first step, S) alone, never of timing; the
 sampling is seeded per (seed, step, prompt) as in the synchronous trainer; the trainer consumes the batches in step
-order. So a run is reproducible for a seed and S, and S = 0 is the synchronous run exactly (tested). What is not: a
-run resumed at step r rolls out steps r .. r+S-1 with version r (the older versions are not in the checkpoint), so it
-differs from the uninterrupted run from step r on.
+order. So a run is reproducible for a seed and S, and S = 0 is the synchronous run exactly (tested, in one process and
+under torchrun). What is not: partial rollouts (where the interruptions fall is timing); a run resumed at step r rolls
+out steps r .. r+S-1 with version r (the older versions are not in the checkpoint), so it differs from the
+uninterrupted run from step r on. docs/training.md has the table per configuration.
 """
 import copy
 import threading
@@ -38,8 +48,10 @@ class AsyncRollouts:
         self.version = first_step  # the version the producer's decoder holds
         if not push_weights:
             rollouts.version = first_step
-            if partial:
-                rollouts.between_steps = self._between_steps
+        if partial:  # remote: the servers label each token with the version of the push that drew it
+            rollouts.between_steps = self._between_steps
+            if push_weights:
+                rollouts.return_weight_versions = True
         self.published: dict = {}  # version -> the trainer's parameters (CPU clones) not yet loaded
         self.ready: dict = {}  # step -> its groups
         self.error: BaseException | None = None
@@ -72,11 +84,12 @@ class AsyncRollouts:
             return v, state
 
     def _load(self, version: int, state: dict) -> None:
-        if self.push_weights:
-            with torch.no_grad():
-                for name, p in self.model.named_parameters():
-                    p.copy_(state[name])
-            self.rollouts.weights_updated(self.model)
+        if self.push_weights:  # under torchrun rank 0 pushes (the others have no copy) and every rank waits for it
+            if self.model is not None:
+                with torch.no_grad():
+                    for name, p in self.model.named_parameters():
+                        p.copy_(state[name])
+            self.rollouts.weights_updated(self.model, version, "interrupt" if self.partial else "finish")
         else:  # in flight (partial rollouts): interrupted, to resume on these weights
             self.rollouts.update_weights(state.items(), version)
         self.version = version
@@ -89,6 +102,8 @@ class AsyncRollouts:
 
     def _run(self) -> None:
         try:
+            if self.push_weights and self.partial:  # the servers' weights (version first), labelled for the tokens
+                self.rollouts.weights_updated(self.model, self.first)
             for step in range(self.first, self.total):
                 need = self.version_for(step)
                 if need > self.version or (self.partial and self.published):
@@ -128,7 +143,8 @@ class AsyncRollouts:
         trainer goes on updating its own); only versions some later batch rolls out with are kept."""
         if version + self.staleness >= self.total:  # batch version + S is the one it rolls out: none left
             return
-        state = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
+        # no copy of its own (another rank than 0 pushing to servers): the version number alone
+        state = {} if self.model is None else {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
         with self.cond:
             self.published[version] = state
             self.cond.notify_all()

@@ -54,9 +54,10 @@ class GRPOConfig(RunConfig):
     max_staleness: int = field(default=1, metadata={"help": "S with --async_rollouts: the policy versions between a "
                                                             "batch's rollouts and its update (0 = the synchronous run)"})
     partial_rollouts: bool = field(default=False, metadata={
-        "help": "with --async_rollouts (in-process, single-turn): a new policy version interrupts the rollouts in "
-                "flight, which resume on it where they stopped (each token keeps its behaviour log-prob and "
-                "version); fresher samples, but which tokens get which version depends on timing"})
+        "help": "with --async_rollouts: a new policy version interrupts the rollouts in flight (in-process, or on "
+                "the --rollout_url servers, one process), which resume on it where they stopped (each token keeps "
+                "its behaviour log-prob and version); fresher samples, but which tokens get which version depends "
+                "on timing"})
     weight_sync: str = field(default="distributed", metadata={"help": "with --rollout_url: how new weights reach "
                                                                       "the servers, distributed (broadcast) | disk"})
     # the policy loss, with its defaults but β: the seed's 0.01 where the loss's own is 0 (its max_completion_length,
@@ -72,7 +73,9 @@ class GRPOConfig(RunConfig):
         loss_type=flag("grpo | bnpo | dr_grpo | dapo"),
         importance_sampling_level=flag("token | sequence (GSPO)"))
     num_iterations: int = field(default=1, metadata={"help": "μ: optimiser passes per rollout batch"})
-    micro_batch_size: int = field(default=32, metadata={"help": "completions per forward/backward"})
+    micro_batch_size: int | None = field(default=None, metadata={
+        "help": "completions per forward/backward (default 32; not with --max_tokens_per_micro_batch, which sizes "
+                "the micro-batches by tokens instead)"})
     prompt_sharing: bool = field(default=True, metadata={
         "help": "the update's forwards compute each prompt once for its K completions (packed rows, a completion "
                 "sees the prompt and itself: livemoe/train/shared_prefix.py); the same log-probs and losses; off "
@@ -100,7 +103,7 @@ class GRPOConfig(RunConfig):
     exact_rollouts: bool = field(default=False, metadata={
         "help": "exact on-policy mode: the decoder and the trainer's forwards run the batch-invariant kernels, so the "
                 "rollout's log-probs equal the trainer's bit for bit (R3 and the rollout correction change nothing); "
-                "CPU, one process, the in-process decoder in the trainer's dtype"})
+                "CPU (C++) or CUDA (Triton), one process, the in-process decoder in the trainer's dtype"})
     # TIS at verl's recommended token truncation 2.0 (livemoe/train/mismatch.py; docs/training.md says why)
     rollout_correction: RolloutCorrectionConfig = nested(
         RolloutCorrectionConfig,
@@ -129,16 +132,20 @@ class GRPOConfig(RunConfig):
 
     def validate(self) -> None:
         super().validate()
-        check_at_least(self, 1, "num_generations", "max_new_tokens", "num_iterations", "micro_batch_size",
-                       "rollout_max_num_seqs", "rollout_kv_bytes")
         check_at_least(self, 0, "ref_samples", "max_tokens_per_micro_batch")
+        # None until here, so that an explicit --micro_batch_size with --max_tokens_per_micro_batch is told apart
+        # from the default (it would be ignored: the rows are grouped by tokens)
+        if self.micro_batch_size is not None and self.max_tokens_per_micro_batch:
+            raise ConfigError("--micro_batch_size and --max_tokens_per_micro_batch both size the micro-batches (rows, "
+                              "or tokens): give one of them")
+        if self.micro_batch_size is None and not self.max_tokens_per_micro_batch:
+            self.micro_batch_size = 32
+        check_at_least(self, 1, "num_generations", "max_new_tokens", "num_iterations", "rollout_max_num_seqs",
+                       "rollout_kv_bytes", *(["micro_batch_size"] if self.micro_batch_size is not None else []))
         check_at_least(self, 1, "dynamic_sampling_rounds")
         check_at_least(self, 0, "max_staleness")
         if self.partial_rollouts and not self.async_rollouts:
             raise ConfigError("--partial_rollouts interrupts the asynchronous rollouts: add --async_rollouts")
-        if self.partial_rollouts and (self.rollout_url or self.multi_turn):
-            raise ConfigError("--partial_rollouts runs in-process single-turn rollouts for now: leave out "
-                              "--rollout_url and --multi_turn")
         if self.max_staleness != 1 and not self.async_rollouts:  # 1 is the default: not an ignored choice
             raise ConfigError("--max_staleness is for --async_rollouts: add it, or leave --max_staleness out")
         if self.dynamic_sampling_rounds != 4 and not self.dynamic_sampling:  # 4 is the default

@@ -4,6 +4,7 @@ of the clipped policy loss), evaluation, checkpoints, and the loop. One class ov
 share the model, the reference, the rollouts and the optimizer, and splitting it would scatter that state."""
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -65,12 +66,13 @@ class GRPOTrainer:
             torch.set_num_threads(cfg.threads)
         torch.manual_seed(cfg.seed)
         self.ckpt_root = os.path.join(cfg.output_dir, "checkpoints")
+        if distributed.world_size() > 1 and cfg.partial_rollouts and cfg.rollout_url:
+            raise ConfigError("--partial_rollouts with --rollout_url runs as one process: rank 0 would push each version "
+                              "whenever it is published, and the other ranks could not wait for a step's version "
+                              "behind it; under torchrun use in-process partial rollouts (no --rollout_url)")
         if distributed.world_size() > 1 and cfg.model == "auto":
             raise ConfigError("--model auto under torchrun: pass --model CHECKPOINT_DIR (the RFT default's student "
                               "is made by one process: run livemoe.train.rft first)")
-        if distributed.world_size() > 1 and cfg.async_rollouts:
-            raise ConfigError("--async_rollouts does not run under torchrun yet (the producer thread would join the "
-                              "ranks' collectives): run it as one process")
         self.dist = distributed.setup_trainer(cfg, cfg.output_dir, "" if cfg.model == "auto" else cfg.model)
         self.device = self.dist.device(self.device)
         self.resume_from = self.dist.resolve_resume(cfg.resume, self.ckpt_root)
@@ -94,8 +96,10 @@ class GRPOTrainer:
             raise ConfigError("--exact_rollouts: " + ("one process only (the batch-invariant kernels have no sharded "
                                                       "version)" if self.dist.mesh.distributed else reason))
         self.train_records, self.eval_records = load_records(cfg)
-        # rollout servers under torchrun with nothing for rank 0 to evaluate: the push streams from the shards
-        self.stream_push = bool(cfg.rollout_url and self.dist.mesh.distributed and not self.eval_records)
+        # rollout servers under torchrun with nothing for rank 0 to evaluate: the push streams from the shards (not
+        # with --async_rollouts: the producer thread pushes the versions it loads, from a gathered copy)
+        self.stream_push = bool(cfg.rollout_url and self.dist.mesh.distributed and not self.eval_records
+                                and not cfg.async_rollouts)
         if (self.dist.mesh.distributed and not self.stream_push) or rollout_dtype != self.dtype:
             self.infer = self.dist.inference_copy(self.model, rollout_dtype)  # refreshed after each optimizer step
         self.tokenizer = load_tokenizer(model_path) or load_tokenizer(self.start_model)
@@ -238,14 +242,15 @@ class GRPOTrainer:
         order = shuffled_order(n, self.cfg.seed, f"refill/{step}/{rnd}")
         return [order[j % n] for j in range(b)]
 
-    def sample_round(self, step: int, rnd: int, indices: list, rollouts=None) -> list:
+    def sample_round(self, step: int, rnd: int, indices: list, rollouts=None, comm=None) -> list:
         """One generation round: K rollouts of each prompt of `indices` (the global batch; this rank decodes its
-        share), judged. -> per global group a dict: rewards (K floats; multi-turn K lists of turn rewards), values
-        (reward component -> K values), shape (K (length, tokens, truncated)), comps (this rank's K Completions,
-        None for another rank's group), prompt (the record's index)."""
+        share), judged; comm: whose gather (the producer thread's side channel; default the trainer's). -> per global
+        group a dict: rewards (K floats; multi-turn K lists of turn rewards), values (reward component -> K values),
+        shape (K (length, tokens, truncated)), comps (this rank's K Completions, None for another rank's group),
+        prompt (the record's index)."""
         cfg, K = self.cfg, self.cfg.num_generations
-        rollouts = rollouts or self.rollouts
-        places = self.dist.local_share(list(range(len(indices))), "batch of prompts")
+        rollouts, comm = rollouts or self.rollouts, comm or self.dist
+        places = comm.local_share(list(range(len(indices))), "batch of prompts")
         idx = [indices[p] for p in places]
         seed_step = step if rnd == 0 else f"{step}/{rnd}"  # round 0 draws what a run without refills draws
         with torch.no_grad():
@@ -280,12 +285,12 @@ class GRPOTrainer:
                          "shape": [(c.length, len(c.token_ids), c.truncated) for c in cs]})
         # every rank's groups in global order: advantages (group or batch statistics) and metrics are the
         # one-process ones; this rank keeps its own completions
-        out = [{**g, "comps": None} for part in self.dist.all_gather_objects(mine) for g in part]
+        out = [{**g, "comps": None} for part in comm.all_gather_objects(mine) for g in part]
         for p, g in zip(places, groups):
             out[p]["comps"] = g
         return out
 
-    def sample_groups(self, step: int, rollouts=None) -> dict:
+    def sample_groups(self, step: int, rollouts=None, comm=None) -> dict:
         """The step's rollouts: one round of --batch_size prompts, or with --dynamic_sampling rounds of them until
         --batch_size groups with a reward spread are kept (at most --dynamic_sampling_rounds; the surplus of the
         last round is cut). -> {"sampled": every group rolled out, "kept": the groups to train on, "rounds",
@@ -295,7 +300,7 @@ class GRPOTrainer:
         sampled, kept, rounds = [], [], 0
         for rnd in range(cfg.dynamic_sampling_rounds if cfg.dynamic_sampling else 1):
             indices = self.batch_indices(step) if rnd == 0 else self.refill_indices(step, rnd)
-            groups = self.sample_round(step, rnd, indices, rollouts)
+            groups = self.sample_round(step, rnd, indices, rollouts, comm)
             sampled += groups
             rounds += 1
             kept += [g for g in groups if not cfg.dynamic_sampling or _reward_spread(g)]
@@ -379,6 +384,7 @@ class GRPOTrainer:
         if self.cfg.max_tokens_per_micro_batch:
             groups = token_balanced_groups(batch["attention_mask"].sum(1).tolist(), self.cfg.max_tokens_per_micro_batch)
         else:
+            assert size is not None  # GRPOConfig.validate: 32 unless the micro-batches are sized by tokens
             groups = [list(range(s, min(s + size, n))) for s in range(0, n, size)]
         out = []
         for rows in groups:
@@ -523,18 +529,22 @@ class GRPOTrainer:
     # -- the loop -----------------------------------------------------------------------------------
     def start_async(self) -> AsyncRollouts:
         """The producer of --async_rollouts, from this step on: in-process it decodes its own copy of the policy,
-        with --rollout_url it drives the servers (and pushes each version it loads)."""
+        with --rollout_url it drives the servers (and pushes each version it loads). Under torchrun every rank runs
+        one, on its share of each batch; their gathers and the barrier after rank 0's push run on a process group
+        of their own (Distributed.side_channel), and with --rollout_url only rank 0's holds a copy to push."""
         remote = bool(self.cfg.rollout_url)
-        model = AsyncRollouts.decoder_copy(self.infer or self.model)
+        comm = self.dist.side_channel()
+        model = AsyncRollouts.decoder_copy(self.infer or self.model) if self.dist.is_main or not remote else None
         if remote:
             rollouts = self.rollouts
+            rollouts.barrier = comm.barrier  # every rank's next rollouts wait for rank 0's push, off the trainer's group
         else:
             rollouts = Rollouts(model, self.tokenizer, num_generations=self.cfg.num_generations,
                                 max_new_tokens=self.cfg.max_new_tokens, seed=self.cfg.seed,
                                 return_routed_experts=self.model.num_moe_layers > 0, **self._sampling())
         self.rollouts.release()
-        return AsyncRollouts(self.sample_groups, rollouts, model, first_step=self.step, total_steps=self.total_steps,
-                             max_staleness=self.cfg.max_staleness, push_weights=remote,
+        return AsyncRollouts(functools.partial(self.sample_groups, comm=comm), rollouts, model, first_step=self.step,
+                             total_steps=self.total_steps, max_staleness=self.cfg.max_staleness, push_weights=remote,
                              partial=self.cfg.partial_rollouts)
 
     def train_step(self, step: int, producer: AsyncRollouts | None = None) -> dict:

@@ -2,10 +2,13 @@
 --flag, --config YAML with the same keys). The two stages' options are their own configs, fields of this one
 (cfg.msft: MSFTOptions, cfg.gspo: GSPOOptions), each with its defaults and checks, filled by the flat flags they
 have always had (--sft_lr fills cfg.msft.lr, --gspo_balance cfg.gspo.balance, --lambda_aux both)."""
+import json
 import os
+import shutil
 from dataclasses import dataclass, field
 
 from livemoe.train.config import DEFAULT_STUDENT, ConfigError, check_at_least, check_choice, flag, nested
+from livemoe.train.live.data import has_media, load_sessions
 from livemoe.train.live.gspo import GSPOOptions
 from livemoe.train.live.msft import MSFTOptions
 
@@ -37,6 +40,12 @@ class LiveConfig:
     unrecorded_courtesy: float | None = field(default=None, metadata={
         "help": "synthetic world: the chance that the recorded trajectory MA-MSFT imitates leaves out a welcome "
                 "or thank the reviewed decision makes (livemoe/train/live/world.py; none = the world's default)"})
+    media_mode: str | None = field(default=None, metadata={
+        "help": "the synthetic world heard and seen (livemoe/train/live/media_world.py, needs espeak-ng and a "
+                "Qwen3-Omni-MoE thinker as --model): both | said (a change only spoken) | shown (only on a card); "
+                "none = the text world"})
+    media_cache: str = field(default="runs/live/media", metadata={"help": "where --media_mode keeps the speech and "
+                                                                          "cards it renders"})
     compare_plain: bool = field(default=False, metadata={"help": "also train plain multi-turn SFT (marker weight 1, "
                                                                  "no balancing) from the same start, as a table "
                                                                  "row (doubles the SFT time)"})
@@ -50,7 +59,9 @@ class LiveConfig:
         recipient_weight=flag("loss weight of the recipient name's tokens (1 = plain)"),
         balance=flag("class balancing of decisions by kind, 0 (none) .. 1 (full)"),
         max_len=flag(),
-        lambda_aux=flag())  # one flag for both stages
+        lambda_aux=flag(),  # one flag for both stages
+        train_projector=flag("Qwen3-Omni-MoE thinker: also train the encoders' projectors (the audio output "
+                             "projection, the vision mergers); the encoders stay frozen (livemoe/train/live/omni.py)"))
     # SM-GSPO (livemoe.train.live.gspo.GSPOOptions, likewise)
     gspo: GSPOOptions = nested(
         GSPOOptions,
@@ -68,7 +79,8 @@ class LiveConfig:
                           "task), 0 (none) .. 1 (full)", to="balance"),
         gspo_scale_rewards=flag("SM-GSPO advantages: group (centred, divided by the group's std) | batch | none "
                                 "(centred only)", to="scale_rewards"),
-        lambda_aux=flag())
+        lambda_aux=flag(),
+        train_projector=flag())
 
     def validate(self) -> None:
         """The options of its own; the stages' options checked theirs when they were made."""
@@ -94,3 +106,42 @@ class LiveConfig:
                               "plays the --data sessions (drop one of the two)")
         check_at_least(self, 1, "train_sessions", "eval_sessions", "num_intervals")
         check_at_least(self, 0, "threads")
+        self._check_media()
+
+    def _check_media(self) -> None:
+        """What a text checkpoint cannot do, and what --media_mode needs, refused before anything loads."""
+        from livemoe.train.live.media_world import MODES
+
+        if self.media_mode is not None:
+            check_choice("media_mode", self.media_mode, MODES)
+            if self.data or self.eval_data:
+                raise ConfigError("--media_mode renders the synthetic world; --data / --eval_data sessions bring "
+                                  "their own audio and video events")
+            if shutil.which("espeak-ng") is None:
+                raise ConfigError("--media_mode speaks the host's lines with espeak-ng, which is not installed "
+                                  "(apt-get install espeak-ng)")
+        text_model = not checkpoint_takes_media(self.model)
+        if text_model and self.msft.train_projector:
+            raise ConfigError(f"--train_projector: --model {self.model} is a text checkpoint (no audio or vision "
+                              "encoder, so no projector); it needs a Qwen3-Omni-MoE thinker")
+        if text_model and self.media_mode is not None:
+            raise ConfigError(f"--media_mode {self.media_mode}: --model {self.model} is a text checkpoint, which "
+                              "cannot hear or see; it needs a Qwen3-Omni-MoE thinker")
+        if text_model:
+            for name in ("data", "eval_data"):
+                path = getattr(self, name)
+                if path is not None and has_media(load_sessions(path)):
+                    raise ConfigError(f"--{name} {path} has audio / video events; --model {self.model} is a text "
+                                      "checkpoint, which cannot take them (a Qwen3-Omni-MoE thinker can; or give "
+                                      "the text model transcripts and frame captions)")
+
+
+def checkpoint_takes_media(path: str) -> bool:
+    """Whether the checkpoint at path is a Qwen3-Omni-MoE thinker (from its config.json's model_type)."""
+    from livemoe.engine.model.omni.config import OMNI_MODEL_TYPES
+
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            return json.load(f).get("model_type") in OMNI_MODEL_TYPES
+    except (OSError, ValueError, AttributeError):
+        return False  # the loader names what is wrong with it

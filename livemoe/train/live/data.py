@@ -17,7 +17,8 @@ One session per line:
          "changes": [{"link": 3, "attribute": "price", "value": "29 yuan"}],   optional: room changes
          "questions": [{"user": "amy", "fact": "..."}]},                optional: questions left standing
         ...]}
-Event types: comment, gift, join, transcript, frame, meta (livemoe.engine.live.layout). Decisions: kind OBS |
+Event types: comment, gift, join, transcript, frame, meta (livemoe.engine.live.layout), and for a Qwen3-Omni-MoE
+thinker audio and video (livemoe.engine.live.media: a WAV or image file by "path", or base64 "data"). Decisions: kind OBS |
 MEM (message = the note) | ANS (recipient, task, message); tasks from livemoe.engine.live.decision.TASKS.
 """
 import json
@@ -25,7 +26,8 @@ from dataclasses import dataclass
 
 from livemoe.engine.errors import DecisionFormatError, RequestError
 from livemoe.engine.live.decision import TASKS, Decision
-from livemoe.engine.live.layout import encode, interval_segment, render_events, system_segment
+from livemoe.engine.live.layout import encode, render_event, render_events, system_segment
+from livemoe.engine.live.media import interval_ids, is_media_event, media_events, media_field
 from livemoe.engine.text.json_limits import depth_message, lone_surrogate, too_deep
 from livemoe.train.data import DataError
 
@@ -48,7 +50,11 @@ def check_session(s, where: str) -> dict:
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0):
             raise DataError(f"{at}: t must be a number of seconds >= 0, got {t!r}")
         try:
-            render_events(iv["events"])
+            if isinstance(iv["events"], list):  # a media event's medium is read when it is encoded, its shape now
+                for j, e in enumerate(iv["events"]):
+                    (media_field if is_media_event(e) else render_event)(e, f"events[{j}]")
+            else:
+                render_events(iv["events"])
             for key in ("decision", "recorded"):
                 if key in iv:
                     _check_decision(iv[key], key)
@@ -100,6 +106,13 @@ class EncodedSession:
     input_ids: list  # the whole session in the layout: system, then per interval events + decision
     decision_spans: list  # [(start, end)] of each interval's decision tokens, the end token included
     kinds: list  # the gold kind of each interval
+    media: list  # PlacedMedia in input_ids: the sessions' audio and video events (empty for a text session)
+
+
+def has_media(sessions: list) -> bool:
+    """Whether any interval of the sessions has an audio or video event."""
+    return any(isinstance(iv["events"], list) and any(is_media_event(e) for e in iv["events"])
+               for s in sessions for iv in s["intervals"])
 
 
 def interval_time(interval: dict, index: int, interval_s: float = 10.0) -> float:
@@ -108,20 +121,31 @@ def interval_time(interval: dict, index: int, interval_s: float = 10.0) -> float
     return (index + 1) * interval_s if t is None else t
 
 
+def interval_tokens(interval: dict, index: int, tokenizer, processor, start: int) -> tuple[list, list]:
+    """One interval's token ids (the user turn and the assistant header) after `start` tokens of context, and
+    its media placed there: livemoe.engine.live.media's layout, a LiveSession's to the token. processor: the
+    engine's MediaProcessor (None for a text model, which refuses audio and video events)."""
+    events, items = media_events(interval["events"], processor, "/")
+    return interval_ids(tokenizer, processor, render_events(events, interval_time(interval, index)), index > 0, items,
+                        start)
+
+
 def encode_session(session: dict, tokenizer, eos_id: int, decisions: list | None = None,
-                   recorded: bool = False) -> EncodedSession:
+                   recorded: bool = False, processor=None) -> EncodedSession:
     """The session's token ids as a LiveSession would see them (no compaction). decisions: per interval
     the decision text to put in context (default: the reviewed ones; recorded=True: the recorded
-    trajectory's, livemoe.train.live.world.recorded_decision)."""
+    trajectory's, livemoe.train.live.world.recorded_decision). processor: see interval_tokens."""
     from livemoe.train.live.world import decision_text, recorded_decision
 
     ids = encode(tokenizer, system_segment(session["system"]))
-    spans, kinds = [], []
+    spans, kinds, media = [], [], []
     for i, iv in enumerate(session["intervals"]):
-        ids += encode(tokenizer, interval_segment(render_events(iv["events"], interval_time(iv, i)), after_decision=i > 0))
+        seg, placed = interval_tokens(iv, i, tokenizer, processor, len(ids))
+        ids += seg
+        media += placed
         text = decision_text(iv, recorded) if decisions is None else decisions[i]
         start = len(ids)
         ids += encode(tokenizer, text) + [eos_id]
         spans.append((start, len(ids)))
         kinds.append((recorded_decision(iv) if recorded else iv["decision"])["kind"])
-    return EncodedSession(ids, spans, kinds)
+    return EncodedSession(ids, spans, kinds, media)

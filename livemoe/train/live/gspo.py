@@ -34,12 +34,14 @@ import torch
 
 from livemoe.engine.errors import DecisionFormatError
 from livemoe.engine.live.decision import TASKS, max_decision_chars, parse_decision
-from livemoe.engine.live.layout import encode, interval_segment, render_events, system_segment
+from livemoe.engine.live.layout import encode, system_segment
 from livemoe.engine.live.session import decision_constraint
 from livemoe.kernels.logprobs import fused_linear_logprobs
 from livemoe.train.advantages import SCALE_REWARDS, multi_turn_advantages, token_advantages
 from livemoe.train.config import OptionError
-from livemoe.train.live.data import interval_time
+from livemoe.engine.multimodal.media import MultimodalPrompt
+from livemoe.train.live import omni
+from livemoe.train.live.data import interval_tokens
 from livemoe.train.live.judge import accuracy, score_session
 from livemoe.train.live.msft import class_weights, field_chars
 from livemoe.train.live.options import StageOptions
@@ -84,11 +86,17 @@ class GSPOOptions(StageOptions):
         self.check_choice("credit", CREDITS)
 
 
-def session_turns(session: dict, tokenizer) -> tuple:
-    """(first prompt ids, [ids inserted before each later decision]) of a session in the live layout."""
-    segs = [encode(tokenizer, interval_segment(render_events(iv["events"], interval_time(iv, i)), i > 0))
-            for i, iv in enumerate(session["intervals"])]
-    return encode(tokenizer, system_segment(session["system"])) + segs[0], segs[1:]
+def session_turns(session: dict, tokenizer, processor=None) -> tuple:
+    """(first prompt ids, [ids inserted before each later decision]) of a session in the live layout; with audio /
+    video events (processor: the engine's MediaProcessor), each one that holds media is a MultimodalPrompt, its
+    media placed from its own first token (livemoe.train.rollout.multi_turn_trajectories)."""
+    system = encode(tokenizer, system_segment(session["system"]))
+    turns = []
+    for i, iv in enumerate(session["intervals"]):
+        head = system if i == 0 else []
+        ids, placed = interval_tokens(iv, i, tokenizer, processor, len(head))
+        turns.append(MultimodalPrompt(head + ids, placed) if placed else head + ids)
+    return turns[0], turns[1:]
 
 
 def parse_or_none(text: str):
@@ -228,22 +236,23 @@ class SMGSPO:
                                  temperature=opts.temperature, seed=opts.seed, **engine_options)
         # the decoder's rollouts are held to the decision grammar, as a LiveSession's decisions are
         self.rollouts.sampling.update(decision_constraint(TASKS, opts.max_message_chars))
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=opts.lr)
+        self.params = omni.trainable_parameters(model, opts.train_projector)
+        self.optimizer = torch.optim.AdamW(self.params, lr=opts.lr)
         self.guard = NonFiniteGuard(opts.max_nonfinite_steps)
         self.device = next(model.parameters()).device
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
     def rollout(self, sessions: list, step: int) -> list:
-        turns = [session_turns(s, self.tokenizer) for s in sessions]
+        processor = self.rollouts.llm.media_processor  # the decoder's: the trainer places media as it does
+        turns = [session_turns(s, self.tokenizer, processor) for s in sessions]
         self.model.eval()
         with torch.no_grad():
             groups = self.rollouts.generate_multi_turn([f for f, _ in turns], [n for _, n in turns], step)
         self.rollouts.release()
         return groups
 
-    def _logprobs(self, batch: dict):
-        hidden, router_logits = self.model.forward_hidden(batch["input_ids"], attention_mask=batch["attention_mask"],
-                                                          return_router_logits=True)
+    def _logprobs(self, batch: dict, media: list):
+        hidden, router_logits = omni.forward_hidden(self.model, batch["input_ids"], batch["attention_mask"], media)
         lp = fused_linear_logprobs(hidden[:, :-1], self.model.lm_head_weight, batch["targets"], self.opts.temperature,
                                    mask=batch["completion_mask"] > 0)
         return lp, router_logits
@@ -266,23 +275,24 @@ class SMGSPO:
         numbers = [token_advantages(sp, list(range(1, len(sp) + 1)), len(c.token_ids))[0] for c, sp in zip(comps, spans)]
         turn_ids = collate(comps, numbers, self.pad_id)["advantages"].round().long()
         batch = {k: v.to(self.device) for k, v in batch.items()}
+        media = [c.media for c in comps]
         traj, mask = turn_rows(batch, turn_ids.to(self.device), [len(sp) for sp in spans])
         old = None  # one pass is on-policy: its ratio is exactly 1, no forward needed for old log-probs
         if opts.num_iterations > 1:
             with torch.no_grad():
-                old = self._logprobs(batch)[0]
+                old = self._logprobs(batch, media)[0]
         self.model.train()
         stats = {}
         for it in range(opts.num_iterations):
             self.optimizer.zero_grad(set_to_none=True)
-            lp, router_logits = self._logprobs(batch)
+            lp, router_logits = self._logprobs(batch, media)
             loss, lm = per_turn_policy_loss(lp, old, batch["advantages"], traj, mask, opts)
             aux = torch.zeros((), device=self.device)
             if router_logits and opts.lambda_aux > 0:
                 aux = self.model.load_balancing_loss(router_logits, batch["attention_mask"])
             total = loss + opts.lambda_aux * aux
             total.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), opts.max_grad_norm)
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, opts.max_grad_norm)
             self.guard.step(self.optimizer, float(total.detach()), grad_norm, f"SM-GSPO step {step + 1}, pass {it + 1}")
             stats = {"loss": float(loss.detach()), "ratio": float(lm["ratio/mean"]), "clip": float(lm["clip_ratio/region_mean"]),
                      "grad_norm": float(grad_norm)}

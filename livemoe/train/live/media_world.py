@@ -71,20 +71,25 @@ def write_wav(path: str, x: np.ndarray) -> None:
     os.replace(tmp, path)  # whole or not at all: another generator may read the cache
 
 
-def card(product: dict, cache_dir: str) -> str:
-    """The path of a PNG of the product's card."""
+def card(product: dict, cache_dir: str, banner: str | None = None) -> str:
+    """The path of a PNG of the product's card; banner: a line in white on a red bar across its top."""
     from PIL import Image, ImageDraw
 
     a = product["attributes"]
     lines = [f"link {product['link']}", product["name"], f"price: {a.get('price', '?')}", f"stock: {a.get('stock', '?')}"]
-    path = os.path.join(cache_dir, "card-" + hashlib.sha256("\n".join(lines).encode()).hexdigest()[:20] + ".png")
+    key = "\n".join(lines + ([f"banner: {banner}"] if banner else []))
+    path = os.path.join(cache_dir, "card-" + hashlib.sha256(key.encode()).hexdigest()[:20] + ".png")
     if os.path.exists(path):
         return path
     image = Image.new("RGB", CARD_SIZE, (250, 250, 245))
     draw = ImageDraw.Draw(image)
     draw.rectangle([4, 4, CARD_SIZE[0] - 5, CARD_SIZE[1] - 5], outline=(200, 40, 40), width=3)
+    if banner:
+        draw.rectangle([0, 0, CARD_SIZE[0], 36], fill=(210, 30, 30))
+        draw.text((16, 12), banner, fill=(255, 255, 255))
+        lines = lines[:3]  # the bar covers the first line's place
     for k, line in enumerate(lines):
-        draw.text((16, 16 + 32 * k), line, fill=(20, 20, 20))
+        draw.text((16, (48 if banner else 16) + 32 * k), line, fill=(20, 20, 20))
     tmp = path + ".tmp"
     image.save(tmp, "PNG")
     os.replace(tmp, path)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from livemoe.engine.live.decision import KINDS
+from livemoe.train.live import omni
 from livemoe.train.live.data import encode_session
 from livemoe.train.live.options import StageOptions
 from livemoe.train.live.world import decision_text, recorded_decision
@@ -89,10 +90,11 @@ def decision_weights(tokenizer, text: str, marker_weight: float, recipient_weigh
 
 
 def encode_example(session: dict, tokenizer, eos_id: int, weights_by_kind: dict, marker_weight: float,
-                   max_len: int, recipient_weight: float | None = None) -> dict | None:
-    """{"input_ids", "weights"} (weights[j]: the weight of predicting input_ids[j + 1]), the session cut
-    to the whole intervals that fit in max_len; None when not one does."""
-    enc = encode_session(session, tokenizer, eos_id, recorded=True)
+                   max_len: int, recipient_weight: float | None = None, processor=None) -> dict | None:
+    """{"input_ids", "weights", "media"} (weights[j]: the weight of predicting input_ids[j + 1]; media: the
+    PlacedMedia within input_ids), the session cut to the whole intervals that fit in max_len; None when not one
+    does. processor: the thinker's MediaProcessor for sessions with audio / video (livemoe.train.live.omni)."""
+    enc = encode_session(session, tokenizer, eos_id, recorded=True, processor=processor)
     spans = [(s, e, k) for (s, e), k in zip(enc.decision_spans, enc.kinds) if e <= max_len]
     if not spans:
         return None
@@ -103,7 +105,7 @@ def encode_example(session: dict, tokenizer, eos_id: int, weights_by_kind: dict,
         assert len(w) == e - s, (len(w), e - s)  # encode_session encodes the same text the same way
         for j, x in enumerate(w):
             weights[s + j - 1] = x * weights_by_kind[kind]
-    return {"input_ids": ids, "weights": weights}
+    return {"input_ids": ids, "weights": weights, "media": [m for m in enc.media if m.end <= len(ids)]}
 
 
 def train_msft(model, tokenizer, sessions: list, opts: MSFTOptions, log=print, on_step=None) -> dict:
@@ -111,9 +113,10 @@ def train_msft(model, tokenizer, sessions: list, opts: MSFTOptions, log=print, o
     eos = tokenizer.eos_token_id
     kinds = [recorded_decision(iv)["kind"] for s in sessions for iv in s["intervals"]]
     weights_by_kind = class_weights(kinds, opts.balance)
+    processor = omni.media_processor(model)
     examples = [e for s in sessions
                 if (e := encode_example(s, tokenizer, eos, weights_by_kind, opts.marker_weight, opts.max_len,
-                                        opts.recipient_weight))]
+                                        opts.recipient_weight, processor))]
     if not examples:
         raise ValueError(f"no session keeps an interval within max_len {opts.max_len}")
     plain = opts.marker_weight == opts.recipient_weight == 1.0 and opts.balance == 0.0
@@ -124,7 +127,8 @@ def train_msft(model, tokenizer, sessions: list, opts: MSFTOptions, log=print, o
         f"recipient weight {opts.recipient_weight}")
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    optimizer = torch.optim.AdamW(model.parameters(), lr=opts.lr)
+    params = omni.trainable_parameters(model, opts.train_projector)
+    optimizer = torch.optim.AdamW(params, lr=opts.lr)
     scheduler = make_scheduler(optimizer, opts.warmup_steps, opts.steps)
     guard = NonFiniteGuard(opts.max_nonfinite_steps)
     rng = torch.Generator().manual_seed(opts.seed)
@@ -134,10 +138,13 @@ def train_msft(model, tokenizer, sessions: list, opts: MSFTOptions, log=print, o
         t0 = time.perf_counter()
         idx = torch.randint(len(examples), (opts.batch_size,), generator=rng).tolist()
         batch = collate([examples[i] for i in idx], pad, device)
+        media = [examples[i]["media"] for i in idx]
         normalizer = batch["weights"][batch["targets"] != -100].sum()
-        total, loss, aux = sft_step_loss(model, batch, normalizer, opts.lambda_aux, 1, contextlib.nullcontext())
+        total, loss, aux = sft_step_loss(model, batch, normalizer, opts.lambda_aux, 1, contextlib.nullcontext(),
+                                         forward=lambda b: omni.forward_hidden(model, b["input_ids"],
+                                                                               b["attention_mask"], media))
         total.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), opts.max_grad_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, opts.max_grad_norm)
         guard.step(optimizer, float(loss), grad_norm, f"MA-MSFT step {step + 1}")
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)

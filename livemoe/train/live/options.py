@@ -12,6 +12,8 @@ class StageOptions:
     max_grad_norm: float = 1.0
     seed: int = 0
     max_nonfinite_steps: int = 5
+    # a Qwen3-Omni-MoE thinker: its encoders stay frozen; True also trains their projectors (livemoe.train.live.omni)
+    train_projector: bool = False
 
     def __post_init__(self):
         if not self.lambda_aux >= 0:

@@ -16,6 +16,7 @@ from livemoe.train.live.data import load_sessions
 from livemoe.train.live.evaluate import evaluate, play
 from livemoe.train.live.gspo import train_gspo
 from livemoe.train.live.judge import paired_margin
+from livemoe.train.live.media_world import media_session
 from livemoe.train.live.msft import train_msft
 from livemoe.train.live.world import LiveWorldConfig, decision_text, make_sessions
 from livemoe.train.metrics import MetricsLogger
@@ -60,10 +61,15 @@ def load_data(cfg: LiveConfig) -> tuple:
     """(MA-MSFT's training sessions, held-out sessions, SM-GSPO's sessions: MA-MSFT's unless --gspo_sessions)."""
     world = LiveWorldConfig(num_intervals=cfg.num_intervals, **({} if cfg.unrecorded_courtesy is None else
                                                                 {"p_unrecorded_courtesy": cfg.unrecorded_courtesy}))
-    train = load_sessions(cfg.data) if cfg.data else make_sessions(cfg.train_sessions, cfg.seed, world, "train")
-    held = (load_sessions(cfg.eval_data) if cfg.eval_data
-            else make_sessions(cfg.eval_sessions, cfg.seed + 10_000, world, "heldout"))
-    rl = make_sessions(cfg.gspo_sessions, cfg.seed + 20_000, world, "rl") if cfg.gspo_sessions else train
+    def synthetic(n, seed, split):
+        sessions = make_sessions(n, seed, world, split)
+        if cfg.media_mode is None:
+            return sessions
+        return [media_session(s, cfg.media_cache, cfg.media_mode) for s in sessions]
+
+    train = load_sessions(cfg.data) if cfg.data else synthetic(cfg.train_sessions, cfg.seed, "train")
+    held = (load_sessions(cfg.eval_data) if cfg.eval_data else synthetic(cfg.eval_sessions, cfg.seed + 10_000, "heldout"))
+    rl = synthetic(cfg.gspo_sessions, cfg.seed + 20_000, "rl") if cfg.gspo_sessions else train
     return train, held, rl
 
 

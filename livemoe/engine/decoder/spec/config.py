@@ -17,6 +17,8 @@ class SpeculativeConfig:
     # proposes the tokens that followed that occurrence
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
+    # ngram: also look in the outputs of the engine's last this many finished sequences (0: off; not a vLLM key)
+    lookup_recent_outputs: int = 0
     model: str | None = None  # draft_model: a checkpoint with the target's tokenizer and vocabulary
     # speculation is skipped for a step with more decoding sequences than this (verifying k+1 tokens per sequence
     # stops paying once the batch makes the step compute-bound); counted in stats()
@@ -37,6 +39,10 @@ class SpeculativeConfig:
             fail("method 'draft_model' needs 'model': the draft checkpoint's directory")
         if self.method == "ngram" and self.model is not None:
             fail("'model' is for method 'draft_model'; ngram drafts from the sequence itself")
+        if type(self.lookup_recent_outputs) is not int or self.lookup_recent_outputs < 0:
+            fail(f"lookup_recent_outputs must be an int >= 0, got {self.lookup_recent_outputs!r}")
+        if self.method != "ngram" and self.lookup_recent_outputs:
+            fail("'lookup_recent_outputs' is for method 'ngram'")
 
     @classmethod
     def parse(cls, value) -> "SpeculativeConfig | None":

@@ -1,6 +1,5 @@
 """Speculator: the engine core's speculative-decoding state: its proposer, when to draft, and the counters
 (stats() and /metrics): drafted and accepted tokens and the histogram of accepted drafts per verification."""
-import logging
 
 from livemoe.engine.decoder.config import EngineConfig
 from livemoe.engine.decoder.sequence import Sequence
@@ -9,7 +8,6 @@ from livemoe.engine.decoder.spec.draft_model import DraftModelProposer, check_co
 from livemoe.engine.decoder.spec.proposers import NgramProposer, Proposer
 from livemoe.engine.model.loader import load_model, load_tokenizer
 
-log = logging.getLogger(__name__)
 MAX_BACKOFF = 16  # steps
 
 
@@ -29,11 +27,9 @@ class Speculator:
         config = engine_config.speculative
         assert config is not None
         param = next(model.parameters())
-        if param.device.type == "cuda" and not engine_config.enforce_eager:
-            log.warning("speculative decoding: a verification step runs without CUDA graphs (a k+1-token chunk "
-                        "through the prefill path), where a decode step replays one; measure before relying on it")
         if config.method == "ngram":
-            return cls(config, NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max))
+            return cls(config, NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max,
+                                             config.lookup_recent_outputs))
         path = config.model
         assert path is not None  # SpeculativeConfig requires it for draft_model
         draft = load_model(path, dtype=param.dtype, device=param.device)
@@ -76,6 +72,11 @@ class Speculator:
         for seq, (drafts, probs) in zip(decoding, self.proposer.propose(decoding, limits)):
             if drafts:
                 seq.add_drafts(drafts, probs)
+
+    def finished(self, seq: Sequence) -> None:
+        """A sequence finished: ngram with lookup_recent_outputs keeps its output to draft from."""
+        if isinstance(self.proposer, NgramProposer):
+            self.proposer.finished(seq)
 
     def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
         # a verification that keeps nothing cost more than the decode step it replaced: a sequence whose drafts

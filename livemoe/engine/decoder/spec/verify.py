@@ -15,6 +15,12 @@ min_tokens and a grammar see exactly what decoding without speculation would), t
            batch and whether a step speculates.
   all kept one more token drawn from p_k (the "bonus" token).
 
+On CUDA, a draft model's sampled drafts whose distributions do not depend on the tokens kept before (no logits
+processing) are verified in one call of livemoe.kernels.rejection_sampler (the Triton kernels: every row's residual
+race at once, then the walk over the drafts), the uniforms and the races' noise drawn up front from the sequence's
+generator: the same rule, other draws than the row-by-row path (a seed reproduces a request's tokens on one device).
+A draft the draft model could not draw (q(d) = 0) is rejected on either path.
+
 Random draws come from the sequence's generator when it has a seed, so seeded requests are reproducible.
 """
 from collections.abc import Iterator
@@ -40,6 +46,9 @@ def verified_tokens(sampler: Sampler, seq: Sequence, logits: torch.Tensor, draft
         yield target[len(drafts)], None, False
         return
     device = logits.device
+    if q is not None and not params.greedy and not params.processes_logits and use_rejection_kernel(logits):
+        yield from _verified_on_device(sampler, seq, logits, drafts, q)
+        return
     # without logits processing the distributions do not depend on the tokens kept before: all rows at once
     every = None if params.processes_logits else sampler.distributions(logits, [params] * len(logits))
     for j in range(len(drafts) + 1):
@@ -56,8 +65,8 @@ def verified_tokens(sampler: Sampler, seq: Sequence, logits: torch.Tensor, draft
             if j < len(drafts):
                 d = drafts[j]
                 q_d, p_d = float(q[j, d]), float(p[d])
-                if q_d <= 0.0 or sampler.uniform(device, seq.generator) < min(1.0, p_d / q_d):
-                    token, accepted = d, True  # (q_d == 0: a draft its own distribution could not draw)
+                if q_d > 0.0 and sampler.uniform(device, seq.generator) < min(1.0, p_d / q_d):
+                    token, accepted = d, True
                 else:
                     residual = (p - q[j].to(p)).clamp_min(0.0)
                     if float(residual.sum()) > 0:
@@ -69,3 +78,31 @@ def verified_tokens(sampler: Sampler, seq: Sequence, logits: torch.Tensor, draft
         yield token, Sampler.logprobs(dist, [params], torch.tensor([token], device=device))[0], accepted
         if not accepted:
             return
+
+
+def use_rejection_kernel(logits: torch.Tensor) -> bool:
+    """Whether a draft model's sampled drafts go through the rejection sampler's kernels (CUDA: one call, not a loop
+    of small ops per draft); tests force it on the CPU, where the call runs the sampler's reference."""
+    return logits.is_cuda
+
+
+def _verified_on_device(sampler: Sampler, seq: Sequence, logits: torch.Tensor, drafts: list[int],
+                        q: torch.Tensor) -> Iterator[tuple[int, dict | None, bool]]:
+    """verified_tokens for a draft model's sampled drafts, the rule applied to every row in one call."""
+    from livemoe.kernels.rejection_sampler import rejection_sample  # Triton: imported where it runs
+
+    params, device = seq.params, logits.device
+    k, V = len(drafts), logits.shape[-1]
+    every = sampler.distributions(logits, [params] * (k + 1))
+    p = every.filtered.softmax(-1)
+    q_rows = torch.cat([q.to(p), torch.zeros(1, V, dtype=p.dtype, device=device)])  # the bonus row has no draft
+    uniforms = sampler.uniforms(k + 1, device, seq.generator)
+    noise = sampler.exponential_noise(k + 1, V, device, [seq.generator] * (k + 1))
+    draft_ids = torch.tensor(drafts + [0], dtype=torch.long, device=device)
+    cu_rows = torch.tensor([0, k + 1], dtype=torch.int32, device=device)
+    tokens, num_emitted = rejection_sample(p, draft_ids, q_rows, cu_rows, uniforms, noise)
+    n = int(num_emitted[0])
+    emitted = tokens[0, :n]
+    lps = Sampler.logprobs(every.rows(n), [params] * n, emitted)
+    for j, (token, lp) in enumerate(zip(emitted.tolist(), lps)):
+        yield token, lp, j < n - 1  # all but the last are kept drafts; the last is a replacement or the bonus
