@@ -69,7 +69,7 @@ class RemoteRollouts:
         self.main, self.barrier = main, barrier or (lambda: None)
         self.gather, self.push_dtype = gather, push_dtype  # streamed: both given
         self.host_model = None  # streamed to disk: rank 0's host copy, written as the checkpoint
-        # partial rollouts (async GRPO, one process): called every POLL_S while requests are in flight; it may push
+        # partial rollouts (async GRPO): called every POLL_S while requests are in flight; on rank 0 it may push
         # new weights with in_flight="interrupt". The servers then say which weights drew each token
         # (return_weight_versions, the label each push gives): Completion.versions.
         self.between_steps = None
@@ -92,18 +92,21 @@ class RemoteRollouts:
     def release(self) -> None:
         """Nothing to free here: the KV caches live in the servers."""
 
-    def weights_updated(self, model, version: int | None = None, in_flight: str = "finish") -> None:
+    def weights_updated(self, model, version: int | None = None, in_flight: str = "finish",
+                        barrier: bool = True) -> None:
         """Pushes the model's weights to every server (after each optimizer step; rank 0 alone under torchrun, while
         every rank runs the gather's collectives), then waits at the barrier. version: their label, which the
         servers stamp on each token the weights draw; in_flight: what the servers do with the requests in flight
-        ("interrupt": they resume on the new weights)."""
+        ("interrupt": they resume on the new weights); barrier False: rank 0's push alone, no rank waits for it
+        (partial rollouts' pushes while requests are in flight: the labels say which weights drew each token)."""
         if self.main:
             self._push(model, self.gather(model) if self.gather is not None else model.named_parameters(), version,
                        in_flight)
         elif self.gather is not None:
             for _ in self.gather(model):  # this rank's part of the gather
                 pass
-        self.barrier()
+        if barrier:
+            self.barrier()
 
     def _metadata(self, model) -> dict | None:
         """The streamed tensors' names, dtypes and full shapes, before any is gathered (None: not streamed)."""

@@ -260,3 +260,109 @@ def test_two_trainer_ranks_one_step_stale_against_two_rollout_replicas(student, 
         assert abs(a["loss"] - b["loss"]) < LOSS_TOL
         for key in ("grad_norm", "kl"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-9), key
+
+
+def partial_remote_rank(argv: list) -> dict:
+    """One trainer rank of --partial_rollouts --rollout_url under torchrun (spawn_ranks): trains, and returns the
+    completions it trained on (per step) and, on rank 0, each version's weights. The push must land while requests
+    are in flight, which on this tiny model would be luck (an update outlasts a batch's decoding), so the timing is
+    arranged: the requests of batch v wait until the trainer has version v, and the trainer publishes it once they are
+    sent; rank 0's producer then pushes it within a poll (POLL_S) while both ranks' requests decode."""
+    import threading
+
+    from livemoe.train.grpo.trainer import GRPOTrainer
+
+    trainer = GRPOTrainer(parse_config(GRPOConfig, argv))
+    seen, weights, cond = [], {}, threading.Condition()
+    state = {"sent": 0, "updated": 0, "base": None}  # requests sent (of the batches); the trainer's newest version
+    ro, make_batch, start_async = trainer.rollouts, trainer.make_batch, trainer.start_async
+    one = ro._one
+    per_batch = len(trainer.dist.local_share(list(range(trainer.cfg.batch_size))))  # one request per prompt
+
+    def one_request(*a, **kw):
+        with cond:
+            if state["base"] is not None:  # not the reference lengths' greedy requests
+                batch = (state["sent"] - state["base"]) // per_batch
+                assert cond.wait_for(lambda: state["updated"] >= batch, timeout=120)
+            state["sent"] += 1
+            cond.notify_all()
+        return one(*a, **kw)
+
+    def recording_make_batch(out):
+        seen.append([(c.prompt_ids, c.token_ids, c.old_logprobs, c.versions)
+                     for g in out["sampled"] for c in g["comps"] or ()])
+        return make_batch(out)
+
+    def recording_start_async():
+        with cond:
+            state["base"] = state["sent"]
+        producer = start_async()
+        publish = producer.publish
+        weights[trainer.step] = {n: p.detach().clone() for n, p in trainer.infer.named_parameters()}
+
+        def late_publish(version, model):
+            weights[version] = {n: p.detach().clone() for n, p in model.named_parameters()}
+            with cond:
+                state["updated"] = version
+                cond.notify_all()
+                if version < trainer.total_steps:  # batch `version` is rolled out now: publish once it is sent
+                    assert cond.wait_for(lambda: state["sent"] - state["base"] > version * per_batch, timeout=120)
+            publish(version, model)
+
+        producer.publish = late_publish
+        return producer
+
+    ro._one, trainer.make_batch, trainer.start_async = one_request, recording_make_batch, recording_start_async
+    trainer.train()
+    return {"seen": seen, "weights": weights if trainer.dist.is_main else None}
+
+
+@pytest.mark.slow
+def test_partial_rollouts_of_two_trainer_ranks_against_two_rollout_replicas(student, two_replicas, tmp_path):
+    """--partial_rollouts --rollout_url under torchrun (2 gloo ranks, a server of 2 engine cores): rank 0 pushes each
+    version as soon as its trainer publishes it, with in_flight "interrupt", and the requests of both ranks in flight
+    resume on the new weights; the ranks meet once per batch. Every token of step t's batch, on either rank, is from a
+    version in [t - 1, t], the versions of a completion never decrease, some completions of each rank were cut mid-way,
+    and each token's behaviour log-prob is the trainer's recomputation with its version's weights (fp32, 2e-5: the
+    server batches differently)."""
+    from spawn_ranks import spawn_ranks
+    from livemoe.engine.model.loader import load_model, load_tokenizer
+    from livemoe.train.rollout import Completion, collate
+    from test_rollout import trainer_logprobs
+
+    engine, srv = two_replicas
+    steps = 4
+    out = tmp_path / "partial"
+    argv = args(student, out, "--reward_fns", "test_precision:varied", "--device", "cpu", "--max_steps", str(steps),
+                "--max_new_tokens", "64", "--async_rollouts", "true", "--max_staleness", "1", "--partial_rollouts",
+                "true", "--rollout_url", srv.url, "--temperature", "1.0")
+    ranks = spawn_ranks(partial_remote_rank, 2, argv, timeout=400)
+    rows = read_metrics(str(out / "metrics.jsonl"))
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    model = load_model(student, dtype=torch.float32)
+    pad_id = load_tokenizer(student).pad_token_id
+    weights = ranks[0]["weights"]
+    assert sorted(weights) == list(range(steps + 1))
+    for rank, r in enumerate(ranks):
+        assert len(r["seen"]) == steps
+        cut = 0
+        for t, comps in enumerate(r["seen"]):
+            assert len(comps) == 4  # this rank's prompt, K = 4
+            for _, ids, _, versions in comps:
+                assert len(versions) == len(ids) > 0 and versions == sorted(versions)
+                assert max(t - 1, 0) <= versions[0] and versions[-1] <= t, (rank, t, versions)
+                cut += 0 < versions.count(versions[0]) < len(ids)
+            batch = collate([Completion(p, ids, lps, "", "length") for p, ids, lps, _ in comps], [0.0] * len(comps),
+                            pad_id=pad_id)
+            lp = {}
+            for v in sorted({v for *_, versions in comps for v in versions}):
+                assert weights[v].keys() == dict(model.named_parameters()).keys()
+                model.load_state_dict(weights[v], strict=False)
+                with torch.no_grad():
+                    lp[v] = trainer_logprobs(model, batch, 1.0)
+            for i, (p, _, lps, versions) in enumerate(comps):
+                for k, v in enumerate(versions):
+                    assert abs(lp[v][i, len(p) - 1 + k] - lps[k]) < 2e-5, (rank, t, i, k, v)
+        print(f"rank {rank}: {cut} completions cut mid-way")
+        assert cut > 0, f"rank {rank}: no completion was interrupted mid-way"
+    assert min(engine.served_per_replica()) > 0

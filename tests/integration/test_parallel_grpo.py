@@ -135,8 +135,6 @@ def test_multi_turn_two_ranks_equal_one_process(student, tmp_path):
 
 @pytest.mark.parametrize("extra, message", [
     (["--model", "auto"], "--model auto under torchrun: pass --model CHECKPOINT_DIR"),
-    (["--async_rollouts", "true", "--partial_rollouts", "true", "--rollout_url", "http://127.0.0.1:1"],
-     "--partial_rollouts with --rollout_url runs as one process"),
 ])
 def test_what_torchrun_does_not_run_is_refused_before_any_work(student, tmp_path, monkeypatch, capsys, extra, message):
     monkeypatch.setenv("WORLD_SIZE", "2")  # refused before the process group is joined: no ranks needed

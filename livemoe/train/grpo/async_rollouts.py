@@ -18,7 +18,10 @@ on every token (return_weight_versions). Either way each token's version is the 
 
 Under torchrun every rank runs a producer on its share of each batch; `sample` gathers the ranks' groups on a
 process group of the producers' own (Distributed.side_channel), and with servers rank 0 pushes each version while
-the others wait at the barrier (on that group too) before sending their prompts.
+the others wait at the barrier (on that group too) before sending their prompts. Partial rollouts with servers:
+rank 0 pushes each version as soon as it is published, interrupting every rank's requests in flight, and no rank
+waits for such a push (the servers' labels give each token its version); the ranks meet at the barrier once per
+batch instead, after rank 0 has pushed at least the batch's version, so no token is older than S.
 
 Reproducibility. Which version rolls out which batch is a function of (first step, S) alone, never of timing; the
 sampling is seeded per (seed, step, prompt) as in the synchronous trainer; the trainer consumes the batches in step
@@ -84,12 +87,16 @@ class AsyncRollouts:
             return v, state
 
     def _load(self, version: int, state: dict) -> None:
-        if self.push_weights:  # under torchrun rank 0 pushes (the others have no copy) and every rank waits for it
+        if self.push_weights:
+            # under torchrun rank 0 pushes (the others have no copy). Strict: every rank waits for each push at the
+            # barrier. Partial: no push waits (one in flight is rank 0's alone; the servers label the tokens), the
+            # ranks meet once per batch instead (_run)
             if self.model is not None:
                 with torch.no_grad():
                     for name, p in self.model.named_parameters():
                         p.copy_(state[name])
-            self.rollouts.weights_updated(self.model, version, "interrupt" if self.partial else "finish")
+            self.rollouts.weights_updated(self.model, version, "interrupt" if self.partial else "finish",
+                                          barrier=not self.partial)
         else:  # in flight (partial rollouts): interrupted, to resume on these weights
             self.rollouts.update_weights(state.items(), version)
         self.version = version
@@ -112,6 +119,10 @@ class AsyncRollouts:
                         return  # stopping
                     if got is not None:
                         self._load(*got)
+                if self.push_weights and self.partial:
+                    # every rank's prompts of this batch wait until rank 0 has pushed version >= need (versions only
+                    # grow, so each token is at most S old); once per batch on every rank, whatever rank 0 pushed
+                    self.rollouts.barrier()
                 out = self.sample(step, self.rollouts)
                 self.rollouts.release()
                 versions = []

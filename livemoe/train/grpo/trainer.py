@@ -66,10 +66,6 @@ class GRPOTrainer:
             torch.set_num_threads(cfg.threads)
         torch.manual_seed(cfg.seed)
         self.ckpt_root = os.path.join(cfg.output_dir, "checkpoints")
-        if distributed.world_size() > 1 and cfg.partial_rollouts and cfg.rollout_url:
-            raise ConfigError("--partial_rollouts with --rollout_url runs as one process: rank 0 would push each version "
-                              "whenever it is published, and the other ranks could not wait for a step's version "
-                              "behind it; under torchrun use in-process partial rollouts (no --rollout_url)")
         if distributed.world_size() > 1 and cfg.model == "auto":
             raise ConfigError("--model auto under torchrun: pass --model CHECKPOINT_DIR (the RFT default's student "
                               "is made by one process: run livemoe.train.rft first)")
