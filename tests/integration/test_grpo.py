@@ -360,6 +360,14 @@ def test_async_rollouts_with_staleness_zero_are_the_synchronous_run_and_one_lags
     rc = read_metrics(str(stale / "metrics.jsonl"))
     assert [r["async/version"] for r in rc] == [0, 0, 1] and [r["async/staleness"] for r in rc] == [0, 1, 1]
     assert rc[0]["reward/mean"] == ra[0]["reward/mean"] and rc[1]["reward/mean"] != ra[1]["reward/mean"]
+    # reproducible for a seed and S (docs/training.md): which version rolls out which batch is never timing's choice
+    again = tmp_path / "async1_again"
+    assert main(args(student, again, "--max_steps", "3", "--async_rollouts", "true", "--max_staleness", "1")) == 0
+    rd = read_metrics(str(again / "metrics.jsonl"))
+    for key in ("reward/mean", "loss", "grad_norm", "kl", "tpr/mean", "async/version"):
+        assert [r[key] for r in rd] == [r[key] for r in rc], key
+    c, d = state(str(stale / "final")), state(str(again / "final"))
+    assert c.keys() == d.keys() and all(torch.equal(c[k], d[k]) for k in c)
 
 
 def test_async_rollouts_one_step_stale_record_their_version_and_the_correction_weighs_the_gap(student, tmp_path):
