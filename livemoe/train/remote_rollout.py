@@ -99,6 +99,8 @@ class RemoteRollouts:
         servers stamp on each token the weights draw; in_flight: what the servers do with the requests in flight
         ("interrupt": they resume on the new weights); barrier False: rank 0's push alone, no rank waits for it
         (partial rollouts' pushes while requests are in flight: the labels say which weights drew each token)."""
+        if not barrier and self.gather is not None:
+            raise ValueError("a streamed push gathers on every rank: it cannot be rank 0's alone (barrier=False)")
         if self.main:
             self._push(model, self.gather(model) if self.gather is not None else model.named_parameters(), version,
                        in_flight)
