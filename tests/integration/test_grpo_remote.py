@@ -331,7 +331,7 @@ def test_partial_rollouts_of_two_trainer_ranks_against_two_rollout_replicas(stud
     from test_rollout import trainer_logprobs
 
     engine, srv = two_replicas
-    steps = 4
+    steps = 3
     out = tmp_path / "partial"
     argv = args(student, out, "--reward_fns", "test_precision:varied", "--device", "cpu", "--max_steps", str(steps),
                 "--max_new_tokens", "64", "--async_rollouts", "true", "--max_staleness", "1", "--partial_rollouts",
