@@ -13,6 +13,7 @@ from livemoe.engine.decoder.spec import verify
 from livemoe.engine.decoder.spec.verify import verified_tokens
 from livemoe.engine.errors import EngineConfigError
 from livemoe.engine.llm import LLM
+from livemoe.engine.model import fused_decode
 from livemoe.engine.sampling.params import SamplingParams
 from livemoe.engine.sampling.sampler import Sampler
 from livemoe.train.config import DEFAULT_STUDENT
@@ -562,3 +563,59 @@ def test_verification_graph_buffers_give_the_eager_hidden_states(checkpoints):
     assert torch.equal(runner.kv_cache, after_eager)
     for seq in out.seqs:
         seq.drop_drafts()
+
+
+@pytest.mark.skipif(not fused_decode.BUILT, reason="the C++ extension (livemoe._C) is not built")
+@pytest.mark.parametrize("name", ["student", "moe0"])
+def test_verification_takes_the_one_call_cpu_step_and_gives_the_modules_tokens(checkpoints, name, monkeypatch):
+    """Every forward of a speculating engine on the CPU (prefill, decode, and the k+1-token verification) is one
+    decode_step call; turning that path off (the modules) gives bitwise the same tokens and logprobs; and a
+    verification that rejects drafts gives back the blocks its drafts' slots took."""
+    _, spec = engines(checkpoints[name])
+    prompts = repetitive_prompts(3, min(vocab_of(spec), 120), seed=11)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2)
+    runner, bm, bs = spec.core.runner, spec.core.block_manager, 4
+    verifying, fused_calls, forwards, held = [False], [], [0], [0]
+    real_step, real_run = fused_decode.run_step, runner.run
+
+    def run_step(call, input_ids, positions, step):
+        fused_calls.append((verifying[0], input_ids.shape[1]))
+        return real_step(call, input_ids, positions, step)
+
+    def run(out):  # one sequence per step here
+        verifying[0] = bool(out.seqs[0].num_draft_tokens)
+        held[0] = len(out.seqs[0].block_table)  # with its drafts' slots
+        forwards[0] += 1
+        try:
+            return real_run(out)
+        finally:
+            verifying[0] = False
+
+    monkeypatch.setattr(fused_decode, "run_step", run_step)
+    monkeypatch.setattr(runner, "run", run)
+    fused, returned = [], 0
+    for prompt in prompts:  # one at a time
+        spec.add_request(prompt, params)
+        seq = next(iter(spec.core.requests.values())).seqs[0]
+        while spec.has_unfinished_requests():
+            fused += [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in spec.step() if o.finished]
+            if not seq.is_finished:
+                # the committed tokens' blocks, no more (the last token's slot may come with the next step)
+                assert len(seq.block_table) <= -(-len(seq.token_ids) // bs)
+                assert bm.num_used_blocks == len(seq.block_table)
+                returned += len(seq.block_table) < held[0]
+        assert spec.stats()["kv_blocks_used"] == 0
+    verify_calls = [n for v, n in fused_calls if v]
+    assert len(fused_calls) == forwards[0], "a forward took the module path"
+    assert verify_calls and max(verify_calls) == NGRAM["num_speculative_tokens"] + 1
+    s = spec.stats()
+    assert s["spec_accepted_tokens"] > 0 and s["spec_accepted_histogram"][0] > 0  # kept and rejected drafts
+    assert returned > 0, "no rejected draft's block came back"
+
+    monkeypatch.setattr(fused_decode, "ENABLED", False)
+    fused_calls.clear()
+    _, on_modules = engines(checkpoints[name])
+    modules = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for p in prompts for o in on_modules.generate([p], params)]
+    assert not fused_calls
+    assert [t for t, _ in fused] == [t for t, _ in modules]
+    assert [lp for _, lp in fused] == [lp for _, lp in modules]  # the same kernels in the same order: bitwise
