@@ -166,13 +166,15 @@ def test_demo_step_costs(bench_mode, one_thread):
     totals: tuple[dict, dict] = ({}, {})
     for side, llm in enumerate((base, spec)):
         _time_steps(llm, totals[side])
+    tokens = [0, 0]
     for r in range(reps):
         todo = prompts[8 + r * BATCH_ONE_REQUESTS:8 + (r + 1) * BATCH_ONE_REQUESTS]
         for side in ((0, 1) if r % 2 == 0 else (1, 0)):
             t0 = time.process_time()
             for p in todo:
-                (base, spec)[side].generate([p], params)
+                tokens[side] += len((base, spec)[side].generate([p], params)[0].token_ids)
             totals[side]["request"] = totals[side].get("request", 0.0) + time.process_time() - t0
+    assert tokens[0] == tokens[1], tokens  # greedy: the same tokens
     n = reps * BATCH_ONE_REQUESTS
     for side in totals:
         forward = sum(side.get(k, 0.0) for k in ("prefill", "decode", "verify"))
@@ -182,6 +184,14 @@ def test_demo_step_costs(bench_mode, one_thread):
                ours=1e3 * totals[1].get(kind, 0.0) / n, baseline=1e3 * totals[0].get(kind, 0.0) / n,
                baseline_name="no speculation", higher_is_better=False,
                extra={"requests": n, "ours": "ngram from 1-token matches, recent outputs"})
+    # tokens per CPU second over the whole request (prefill included), and over decoding only (TPOT-based, as
+    # llama.cpp's TG figure: the output tokens after the first, over the request's CPU time less its prefill step)
+    whole = [tokens[s] / totals[s]["request"] for s in (0, 1)]
+    decode = [(tokens[s] - n) / (totals[s]["request"] - totals[s]["prefill"]) for s in (0, 1)]
+    for case, (b, o) in (("whole request", whole), ("decode only (TPOT)", decode)):
+        record(suite=SUITE, case=f"demo answers, batch 1, tok/s per CPU second, {case}", metric="tok/s", ours=o,
+               baseline=b, baseline_name="no speculation", higher_is_better=True,
+               extra={"requests": n, "output_tokens": tokens[1], "ours": "ngram from 1-token matches, recent outputs"})
 
 
 def test_random_control(bench_mode, one_thread, tmp_path_factory):
