@@ -5,7 +5,7 @@ The committed student answers held-out product questions greedily (batch 1 outpu
 is replayed step by step: the proposer drafts from the sequence so far, the drafts kept are those equal to the
 answer's next tokens, plus the target's own token (what greedy verification does). The engine's backoff (a sequence
 whose drafts keep failing waits 1, 2, 4 ... 16 steps) can be on or off. A verification costs `--verify-cost` decode
-steps (bench_spec.py's test_verify_forward_cost measures it: 1.5-1.6 on this CPU).
+steps (bench_spec.py's test_verify_forward_cost measures it).
 
     PYTHONPATH=$PWD python -m bench.spec_replay --answers 60 --verify-cost 1.5
 """
