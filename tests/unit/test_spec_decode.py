@@ -224,6 +224,44 @@ def test_ngram_lookup_equals_a_naive_search():
         assert NgramProposer(lo, hi).lookup(tokens, k) == naive_lookup(tokens, k, lo, hi), (tokens, k, lo, hi)
 
 
+def test_ngram_lookup_with_recent_outputs_equals_a_naive_search():
+    """The byte search over int64 tokens: ids whose bytes also match across token boundaries (0, 1, 256, 2**32 ...),
+    with and without kept outputs, give what a plain list search gives."""
+    class Seq:
+        def __init__(self, tokens):
+            self.token_ids, self.num_prompt_tokens, self.num_output_tokens = tokens, 0, len(tokens)
+
+    ids = [0, 1, 256, 65536, 2 ** 32, 2 ** 32 + 1, 151935]
+    g = torch.Generator().manual_seed(1)
+
+    def draw(n):
+        return [ids[int(i)] for i in torch.randint(0, len(ids), (n,), generator=g)]
+
+    for _ in range(300):
+        lo = int(torch.randint(1, 3, (1,), generator=g))
+        hi = lo + int(torch.randint(0, 4, (1,), generator=g))
+        k = int(torch.randint(1, 6, (1,), generator=g))
+        ngram = NgramProposer(lo, hi, recent_outputs=3)
+        outputs = [draw(int(torch.randint(1, 12, (1,), generator=g))) for _ in range(int(torch.randint(0, 4, (1,),
+                                                                                                      generator=g)))]
+        for out in outputs:
+            ngram.finished(Seq(out))
+        tokens = draw(int(torch.randint(1, 25, (1,), generator=g)))
+        expected = naive_lookup(tokens, k, lo, hi)
+        own = max((n for n in range(lo, min(hi, len(tokens) - 1) + 1)
+                   if any(tokens[s:s + n] == tokens[-n:] for s in range(len(tokens) - n))), default=0)
+        hist = [t for out in outputs[-3:] for t in out + [-1]]
+        for n in range(min(hi, len(tokens)), max(own, lo - 1), -1):  # a longer match in the kept outputs drafts
+            ends = [s + n - 1 for s in range(len(hist) - n + 1) if hist[s:s + n] == tokens[-n:]]
+            if ends:
+                follow = hist[ends[-1] + 1:ends[-1] + 1 + k]
+                follow = follow[:follow.index(-1)] if -1 in follow else follow
+                expected = follow or expected
+                break
+        expected = expected if len(tokens) > lo else []  # no longer than prompt_lookup_min: nothing to match
+        assert ngram.lookup(tokens, k) == expected, (tokens, outputs, k, lo, hi)
+
+
 def test_ngram_lookup():
     ngram = NgramProposer(1, 3)
     assert ngram.lookup([5, 6, 7, 8, 9, 5, 6, 7], 3) == [8, 9, 5]  # the 3-token suffix seen before
