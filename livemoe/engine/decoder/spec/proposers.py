@@ -42,9 +42,8 @@ class NgramProposer(Proposer):
 
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int, recent_outputs: int = 0):
         self.min_n, self.max_n = prompt_lookup_min, prompt_lookup_max
-        self.recent: deque[list[int]] = deque(maxlen=recent_outputs)  # each ends with a -1 separator
-        self._history: array | None = None  # the recent outputs concatenated (rebuilt after a change)
-        self._history_bytes = b""
+        self.recent: deque[bytes] = deque(maxlen=recent_outputs)  # int64 tokens as bytes, each ending with a -1
+        self._history: bytes | None = None  # the recent outputs concatenated (rebuilt after a change)
 
     def propose(self, seqs, limits):
         return [(self.lookup(seq.token_ids, k), None) for seq, k in zip(seqs, limits)]
@@ -53,7 +52,7 @@ class NgramProposer(Proposer):
         """Keeps a finished sequence's output (and the end of its prompt) for later lookups."""
         if self.recent.maxlen and seq.num_output_tokens:
             start = max(0, seq.num_prompt_tokens - self.CONTEXT_TOKENS)
-            self.recent.append(seq.token_ids[start:] + [-1])
+            self.recent.append(array("q", seq.token_ids[start:] + [-1]).tobytes())
             self._history = None
 
     def lookup(self, token_ids: list[int], k: int) -> list[int]:
@@ -67,12 +66,11 @@ class NgramProposer(Proposer):
         n, end = self._longest(own, L - 1, tail)  # an earlier occurrence: never the suffix itself
         if self.recent:
             if self._history is None:
-                self._history = array("q", [t for out in self.recent for t in out])
-                self._history_bytes = self._history.tobytes()
+                self._history = b"".join(self.recent)
             hist = self._history
-            n_h, end_h = self._longest(self._history_bytes, len(hist), tail)
+            n_h, end_h = self._longest(hist, len(hist) // _ITEM, tail)
             if n_h > n:
-                follow = hist[end_h + 1:end_h + 1 + k].tolist()
+                follow = array("q", hist[(end_h + 1) * _ITEM:(end_h + 1 + k) * _ITEM]).tolist()
                 cut = follow.index(-1) if -1 in follow else len(follow)  # an output's end
                 if cut:  # (a match that ends an output has nothing to follow: the own one then)
                     return follow[:cut]
@@ -83,13 +81,15 @@ class NgramProposer(Proposer):
     def _longest(self, hay: bytes, hay_len: int, tail: bytes) -> tuple[int, int]:
         """(n, end): the longest n in [min_n, max_n] whose last n tokens of `tail` occur in the first hay_len tokens
         of `hay`, and where the latest such occurrence ends; (0, -1) where none does. hay and tail: int64 tokens as
-        bytes (a byte match must start on a token's boundary)."""
-        limit = hay_len * _ITEM
-        for n in range(len(tail) // _ITEM, self.min_n - 1, -1):
+        bytes. Shortest first: where the n-token suffix does not occur no longer one does, and a search that fails
+        reads the whole hay (one that finds reads from the end)."""
+        best, limit = (0, -1), hay_len * _ITEM
+        for n in range(self.min_n, len(tail) // _ITEM + 1):
             needle = tail[-n * _ITEM:]
             stop = limit
-            while (i := hay.rfind(needle, 0, stop)) >= 0:
-                if i % _ITEM == 0:
-                    return n, i // _ITEM + n - 1
+            while (i := hay.rfind(needle, 0, stop)) >= 0 and i % _ITEM:
                 stop = i + len(needle) - 1  # a match inside tokens: look further back
-        return 0, -1
+            if i < 0:
+                break
+            best = (n, i // _ITEM + n - 1)
+        return best
