@@ -166,13 +166,15 @@ def test_demo_step_costs(bench_mode, one_thread):
     totals: tuple[dict, dict] = ({}, {})
     for side, llm in enumerate((base, spec)):
         _time_steps(llm, totals[side])
+    tokens = [0, 0]
     for r in range(reps):
         todo = prompts[8 + r * BATCH_ONE_REQUESTS:8 + (r + 1) * BATCH_ONE_REQUESTS]
         for side in ((0, 1) if r % 2 == 0 else (1, 0)):
             t0 = time.process_time()
             for p in todo:
-                (base, spec)[side].generate([p], params)
+                tokens[side] += len((base, spec)[side].generate([p], params)[0].token_ids)
             totals[side]["request"] = totals[side].get("request", 0.0) + time.process_time() - t0
+    assert tokens[0] == tokens[1], tokens  # greedy: the same tokens
     n = reps * BATCH_ONE_REQUESTS
     for side in totals:
         forward = sum(side.get(k, 0.0) for k in ("prefill", "decode", "verify"))
@@ -182,6 +184,77 @@ def test_demo_step_costs(bench_mode, one_thread):
                ours=1e3 * totals[1].get(kind, 0.0) / n, baseline=1e3 * totals[0].get(kind, 0.0) / n,
                baseline_name="no speculation", higher_is_better=False,
                extra={"requests": n, "ours": "ngram from 1-token matches, recent outputs"})
+    # tokens per CPU second over the whole request (prefill included), and over decoding only (TPOT-based, as
+    # llama.cpp's TG figure: the output tokens after the first, over the request's CPU time less its prefill step)
+    whole = [tokens[s] / totals[s]["request"] for s in (0, 1)]
+    decode = [(tokens[s] - n) / (totals[s]["request"] - totals[s]["prefill"]) for s in (0, 1)]
+    for case, (b, o) in (("whole request", whole), ("decode only (TPOT)", decode)):
+        record(suite=SUITE, case=f"demo answers, batch 1, tok/s per CPU second, {case}", metric="tok/s", ours=o,
+               baseline=b, baseline_name="no speculation", higher_is_better=True,
+               extra={"requests": n, "output_tokens": tokens[1], "ours": "ngram from 1-token matches, recent outputs"})
+
+
+def test_verify_forward_cost(bench_mode, one_thread):
+    """A 5-token verification forward against a 1-token decode forward of the committed student on the demo's
+    prompts, both the one-call CPU step (livemoe::decode_step) at ~210 tokens of context, replayed in isolation
+    (the engine's own calls, caught in a run), alternated, CPU time; and the paged attention inside them alone, the
+    one op whose cost grows with the query rows most. The ratio is what a verification costs in decode steps."""
+    import time
+
+    from livemoe.engine import LLM
+    from livemoe.engine.model import fused_decode
+    from livemoe.engine.sampling.params import SamplingParams
+    from livemoe.train.config import DEFAULT_STUDENT
+    from livemoe.train.data import build_prompt
+    from livemoe.train.synthetic.world import make_rooms
+
+    if DEVICE != "cpu" or not fused_decode.BUILT:
+        pytest.skip("the one-call CPU step (livemoe._C on the CPU)")
+    spec = LLM(DEFAULT_STUDENT, speculative_config=NGRAM, num_kv_blocks=4096, use_tqdm=False, dtype=torch.float32,
+               device="cpu")
+    caught = {}
+    real = fused_decode.run_step
+
+    def catch(call, input_ids, positions, step):
+        caught.setdefault(input_ids.shape[1], (call, input_ids.clone(), positions.clone(), step))
+        return real(call, input_ids, positions, step)
+
+    fused_decode.run_step = catch
+    try:
+        for room in make_rooms(4, seed=4_000_003, prefix="eval"):
+            spec.generate([build_prompt(room, spec.tokenizer)], SamplingParams(temperature=0, max_tokens=64))
+    finally:
+        fused_decode.run_step = real
+    assert 1 in caught and 5 in caught, sorted(caught)
+    calls = 200 if bench_mode == "full" else 20
+
+    def timer(fn):
+        def timed():
+            t0 = time.process_time()
+            for _ in range(calls):
+                fn()
+            return (time.process_time() - t0) / calls, None
+        return timed
+
+    def step_of(n):
+        call, ids, pos, step = caught[n]
+        return lambda: real(call, ids, pos, step)
+
+    def attention_of(n):
+        call, _, _, step = caught[n]
+        k_cache, v_cache = step.kv_caches[call.cache_index[0]]
+        q = torch.randn(n, call.num_heads, k_cache.shape[-1])
+        return lambda: torch.ops.livemoe.paged_attention(q, k_cache, v_cache, None if n == 1 else step.cu_seqlens_q,
+                                                         step.context_lens, step.block_tables, call.scale)
+
+    reps = 7 if bench_mode == "full" else 1
+    with torch.inference_mode():
+        for what, make in (("forward (decode_step)", step_of), ("paged attention, one layer", attention_of)):
+            t5, _, t1, _ = median_pair(timer(make(5)), timer(make(1)), reps)
+            record(suite=SUITE, case=f"verification of 4 drafts against a decode step: {what}", metric="us",
+                   ours=t5 * 1e6, baseline=t1 * 1e6, baseline_name="decode step (1 token)", higher_is_better=False,
+                   extra={"context_tokens": int(caught[5][3].context_lens[0]), "calls": calls,
+                          "ratio": t5 / t1})
 
 
 def test_random_control(bench_mode, one_thread, tmp_path_factory):

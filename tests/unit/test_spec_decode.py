@@ -13,6 +13,7 @@ from livemoe.engine.decoder.spec import verify
 from livemoe.engine.decoder.spec.verify import verified_tokens
 from livemoe.engine.errors import EngineConfigError
 from livemoe.engine.llm import LLM
+from livemoe.engine.model import fused_decode
 from livemoe.engine.sampling.params import SamplingParams
 from livemoe.engine.sampling.sampler import Sampler
 from livemoe.train.config import DEFAULT_STUDENT
@@ -221,6 +222,44 @@ def test_ngram_lookup_equals_a_naive_search():
         tokens = torch.randint(0, 4, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist()
         k = int(torch.randint(1, 6, (1,), generator=g))
         assert NgramProposer(lo, hi).lookup(tokens, k) == naive_lookup(tokens, k, lo, hi), (tokens, k, lo, hi)
+
+
+def test_ngram_lookup_with_recent_outputs_equals_a_naive_search():
+    """The byte search over int64 tokens: ids whose bytes also match across token boundaries (0, 1, 256, 2**32 ...),
+    with and without kept outputs, give what a plain list search gives."""
+    class Seq:
+        def __init__(self, tokens):
+            self.token_ids, self.num_prompt_tokens, self.num_output_tokens = tokens, 0, len(tokens)
+
+    ids = [0, 1, 256, 65536, 2 ** 32, 2 ** 32 + 1, 151935]
+    g = torch.Generator().manual_seed(1)
+
+    def draw(n):
+        return [ids[int(i)] for i in torch.randint(0, len(ids), (n,), generator=g)]
+
+    for _ in range(300):
+        lo = int(torch.randint(1, 3, (1,), generator=g))
+        hi = lo + int(torch.randint(0, 4, (1,), generator=g))
+        k = int(torch.randint(1, 6, (1,), generator=g))
+        ngram = NgramProposer(lo, hi, recent_outputs=3)
+        outputs = [draw(int(torch.randint(1, 12, (1,), generator=g))) for _ in range(int(torch.randint(0, 4, (1,),
+                                                                                                      generator=g)))]
+        for out in outputs:
+            ngram.finished(Seq(out))
+        tokens = draw(int(torch.randint(1, 25, (1,), generator=g)))
+        expected = naive_lookup(tokens, k, lo, hi)
+        own = max((n for n in range(lo, min(hi, len(tokens) - 1) + 1)
+                   if any(tokens[s:s + n] == tokens[-n:] for s in range(len(tokens) - n))), default=0)
+        hist = [t for out in outputs[-3:] for t in out + [-1]]
+        for n in range(min(hi, len(tokens)), max(own, lo - 1), -1):  # a longer match in the kept outputs drafts
+            ends = [s + n - 1 for s in range(len(hist) - n + 1) if hist[s:s + n] == tokens[-n:]]
+            if ends:
+                follow = hist[ends[-1] + 1:ends[-1] + 1 + k]
+                follow = follow[:follow.index(-1)] if -1 in follow else follow
+                expected = follow or expected
+                break
+        expected = expected if len(tokens) > lo else []  # no longer than prompt_lookup_min: nothing to match
+        assert ngram.lookup(tokens, k) == expected, (tokens, outputs, k, lo, hi)
 
 
 def test_ngram_lookup():
@@ -562,3 +601,59 @@ def test_verification_graph_buffers_give_the_eager_hidden_states(checkpoints):
     assert torch.equal(runner.kv_cache, after_eager)
     for seq in out.seqs:
         seq.drop_drafts()
+
+
+@pytest.mark.skipif(not fused_decode.BUILT, reason="the C++ extension (livemoe._C) is not built")
+@pytest.mark.parametrize("name", ["student", "moe0"])
+def test_verification_takes_the_one_call_cpu_step_and_gives_the_modules_tokens(checkpoints, name, monkeypatch):
+    """Every forward of a speculating engine on the CPU (prefill, decode, and the k+1-token verification) is one
+    decode_step call; turning that path off (the modules) gives bitwise the same tokens and logprobs; and a
+    verification that rejects drafts gives back the blocks its drafts' slots took."""
+    _, spec = engines(checkpoints[name])
+    prompts = repetitive_prompts(3, min(vocab_of(spec), 120), seed=11)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2)
+    runner, bm, bs = spec.core.runner, spec.core.block_manager, 4
+    verifying, fused_calls, forwards, held = [False], [], [0], [0]
+    real_step, real_run = fused_decode.run_step, runner.run
+
+    def run_step(call, input_ids, positions, step):
+        fused_calls.append((verifying[0], input_ids.shape[1]))
+        return real_step(call, input_ids, positions, step)
+
+    def run(out):  # one sequence per step here
+        verifying[0] = bool(out.seqs[0].num_draft_tokens)
+        held[0] = len(out.seqs[0].block_table)  # with its drafts' slots
+        forwards[0] += 1
+        try:
+            return real_run(out)
+        finally:
+            verifying[0] = False
+
+    monkeypatch.setattr(fused_decode, "run_step", run_step)
+    monkeypatch.setattr(runner, "run", run)
+    fused, returned = [], 0
+    for prompt in prompts:  # one at a time
+        spec.add_request(prompt, params)
+        seq = next(iter(spec.core.requests.values())).seqs[0]
+        while spec.has_unfinished_requests():
+            fused += [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in spec.step() if o.finished]
+            if not seq.is_finished:
+                # the committed tokens' blocks, no more (the last token's slot may come with the next step)
+                assert len(seq.block_table) <= -(-len(seq.token_ids) // bs)
+                assert bm.num_used_blocks == len(seq.block_table)
+                returned += len(seq.block_table) < held[0]
+        assert spec.stats()["kv_blocks_used"] == 0
+    verify_calls = [n for v, n in fused_calls if v]
+    assert len(fused_calls) == forwards[0], "a forward took the module path"
+    assert verify_calls and max(verify_calls) == NGRAM["num_speculative_tokens"] + 1
+    s = spec.stats()
+    assert s["spec_accepted_tokens"] > 0 and s["spec_accepted_histogram"][0] > 0  # kept and rejected drafts
+    assert returned > 0, "no rejected draft's block came back"
+
+    monkeypatch.setattr(fused_decode, "ENABLED", False)
+    fused_calls.clear()
+    _, on_modules = engines(checkpoints[name])
+    modules = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for p in prompts for o in on_modules.generate([p], params)]
+    assert not fused_calls
+    assert [t for t, _ in fused] == [t for t, _ in modules]
+    assert [lp for _, lp in fused] == [lp for _, lp in modules]  # the same kernels in the same order: bitwise

@@ -10,9 +10,9 @@ runner would keep the hidden rows of the sampling positions) and its own small K
 drafts with its own distribution like draft_model does. Not implemented.
 """
 from abc import ABC, abstractmethod
+from array import array
 from collections import deque
 
-import numpy as np
 import torch
 
 from livemoe.engine.decoder.sequence import Sequence
@@ -23,6 +23,9 @@ class Proposer(ABC):
     def propose(self, seqs: list[Sequence], limits: list[int]) -> list[tuple[list[int], torch.Tensor | None]]:
         """For each sequence about to decode (its last token not yet computed), at most limits[i] draft tokens
         that would follow it, and their draft distribution (None: point masses)."""
+
+
+_ITEM = 8  # bytes of a token in the searched buffers (array "q")
 
 
 class NgramProposer(Proposer):
@@ -39,8 +42,8 @@ class NgramProposer(Proposer):
 
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int, recent_outputs: int = 0):
         self.min_n, self.max_n = prompt_lookup_min, prompt_lookup_max
-        self.recent: deque[np.ndarray] = deque(maxlen=recent_outputs)  # each ends with a -1 separator
-        self._history: np.ndarray | None = None  # the recent outputs concatenated (rebuilt after a change)
+        self.recent: deque[bytes] = deque(maxlen=recent_outputs)  # int64 tokens as bytes, each ending with a -1
+        self._history: bytes | None = None  # the recent outputs concatenated (rebuilt after a change)
 
     def propose(self, seqs, limits):
         return [(self.lookup(seq.token_ids, k), None) for seq, k in zip(seqs, limits)]
@@ -49,42 +52,44 @@ class NgramProposer(Proposer):
         """Keeps a finished sequence's output (and the end of its prompt) for later lookups."""
         if self.recent.maxlen and seq.num_output_tokens:
             start = max(0, seq.num_prompt_tokens - self.CONTEXT_TOKENS)
-            self.recent.append(np.asarray(seq.token_ids[start:] + [-1], dtype=np.int64))
+            self.recent.append(array("q", seq.token_ids[start:] + [-1]).tobytes())
             self._history = None
 
     def lookup(self, token_ids: list[int], k: int) -> list[int]:
         L = len(token_ids)
         if k <= 0 or L <= self.min_n:
             return []
-        arr = np.asarray(token_ids, dtype=np.int64)
-        n, end = self._longest(arr, L - 1, arr)  # an earlier occurrence: never the suffix itself
+        # int64 tokens as bytes: bytes.rfind finds an n-gram's latest occurrence in C (numpy's filters cost more
+        # at these lengths)
+        own = array("q", token_ids).tobytes()
+        tail = own[-min(self.max_n, L) * _ITEM:]
+        n, end = self._longest(own, L - 1, tail)  # an earlier occurrence: never the suffix itself
         if self.recent:
             if self._history is None:
-                self._history = np.concatenate(self.recent)
+                self._history = b"".join(self.recent)
             hist = self._history
-            n_h, end_h = self._longest(hist, len(hist), arr)
+            n_h, end_h = self._longest(hist, len(hist) // _ITEM, tail)
             if n_h > n:
-                follow = hist[end_h + 1:end_h + 1 + k]
-                stop = np.flatnonzero(follow < 0)  # an output's end
-                if not stop.size or stop[0]:  # (a match that ends an output has nothing to follow: the own one then)
-                    return follow[:stop[0] if stop.size else len(follow)].tolist()
+                follow = array("q", hist[(end_h + 1) * _ITEM:(end_h + 1 + k) * _ITEM]).tolist()
+                cut = follow.index(-1) if -1 in follow else len(follow)  # an output's end
+                if cut:  # (a match that ends an output has nothing to follow: the own one then)
+                    return follow[:cut]
         if not n:
             return []
         return token_ids[end + 1:end + 1 + k]  # what followed the latest occurrence of the longest suffix found
 
-    def _longest(self, hay: np.ndarray, hay_len: int, tokens: np.ndarray) -> tuple[int, int]:
-        """(n, end): the longest n in [min_n, max_n] whose last n tokens of `tokens` occur in hay[:hay_len], and
-        where the latest such occurrence ends; (0, -1) where none does. One pass over hay for the last token, then
-        each longer n only filters the survivors."""
-        ends = np.flatnonzero(hay[:hay_len] == tokens[-1])
-        best, n = (0, -1), 1
-        top = min(self.max_n, len(tokens))
-        while ends.size:
-            if n >= self.min_n:
-                best = (n, int(ends[-1]))
-            if n == top:
+    def _longest(self, hay: bytes, hay_len: int, tail: bytes) -> tuple[int, int]:
+        """(n, end): the longest n in [min_n, max_n] whose last n tokens of `tail` occur in the first hay_len tokens
+        of `hay`, and where the latest such occurrence ends; (0, -1) where none does. hay and tail: int64 tokens as
+        bytes. Shortest first: where the n-token suffix does not occur no longer one does, and a search that fails
+        reads the whole hay (one that finds reads from the end)."""
+        best, limit = (0, -1), hay_len * _ITEM
+        for n in range(self.min_n, len(tail) // _ITEM + 1):
+            needle = tail[-n * _ITEM:]
+            stop = limit
+            while (i := hay.rfind(needle, 0, stop)) >= 0 and i % _ITEM:
+                stop = i + len(needle) - 1  # a match inside tokens: look further back
+            if i < 0:
                 break
-            n += 1
-            ends = ends[ends >= n - 1]
-            ends = ends[hay[ends - (n - 1)] == tokens[-n]]
+            best = (n, i // _ITEM + n - 1)
         return best
