@@ -9,8 +9,8 @@
 // 1. a stable counting sort of the (token, slot) pairs by expert (moe_sort.h, shared with moe_align);
 // 2. per expert with pairs, experts in parallel: gate||up = x_rows @ w_gate_up[e].T, act = SiLU(gate) * up
 //    in place, y = routing weight * (act @ w_down[e].T), on the expert's x rows gathered (widened) into the
-//    workspace; a skinny fp32 kernel for decode-sized segments (AVX2 where the CPU has it), BLAS (at::mm)
-//    for long ones (prefill);
+//    workspace; a skinny fp32 kernel for decode-sized segments (AVX2 where the CPU has it; each weight read once
+//    for all the expert's rows, the next weights prefetched meanwhile), BLAS (at::mm) for long ones (prefill);
 // 3. per token, its k rows of y summed in expert order in fp32 (deterministic, no atomics): transformers'
 //    loop over experts adds `down(...) * weight` in that order, so fp32 results match it to GEMM rounding.
 // Everything between the input and the output is fp32 (one workspace): 16-bit x is widened once, 16-bit
@@ -247,10 +247,15 @@ at::Tensor experts_core(const at::Tensor& x, const at::Tensor& w_gate_up, const 
           at::from_blob(y + s * H, {n, H}, f32).copy_(at::mm(act, w2.t()));
           scale_rows();
         } else if (n <= kSkinnyRows) {
-          skinny_gemm(rows.data(), n, wgu_e, I2, H, pre_e, ldp, nullptr);
+          // each product prefetches what is read next: this expert's down projection, then the next expert's
+          // gate||up (this worker's next expert with pairs)
+          int64_t e_next = e + 1;
+          while (e_next < e1 && offs[e_next + 1] == offs[e_next]) ++e_next;
+          const scalar_t* wgu_next = e_next < e1 ? wgu_p + e_next * I2 * H : nullptr;
+          skinny_gemm(rows.data(), n, wgu_e, I2, H, pre_e, ldp, nullptr, wd_e);
           silu_mul_rows(pre_e, n, I, ldp);
           for (int64_t r = 0; r < n; ++r) rows[r] = pre_e + r * ldp;
-          skinny_gemm(rows.data(), n, wd_e, H, I, y + s * H, H, wsorted + s);
+          skinny_gemm(rows.data(), n, wd_e, H, I, y + s * H, H, wsorted + s, wgu_next);
         } else {
           // BLAS in fp32: a 16-bit expert's weights are widened first (its product costs far more)
           auto weight_f32 = [&](const scalar_t* p, int64_t r0, int64_t c0) {
