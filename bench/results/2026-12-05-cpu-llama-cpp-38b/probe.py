@@ -1,10 +1,16 @@
-"""Same-process probe: small MoE decode tok/s at batch B (ours), and optionally llama.cpp alternated."""
-import os, sys, time, json
-sys.path.insert(0, os.path.join(os.environ["PYTHONPATH"], "tests"))
-sys.path.insert(0, os.path.join(os.environ["PYTHONPATH"], "bench")) if False else None
+"""Same-process probe: the small MoE's decode tok/s at each batch, ours and (PEER: a llama-cpp-python site dir)
+llama.cpp alternated; run from a checkout with PYTHONPATH set to it. Usage: probe.py f32|f16 1,8 REPS
+(THREADS, NEW: threads and new tokens)."""
+import os
+import sys
+
 import torch
-from tiny_models import make_checkpoint
-from bench.bench_decode import MODELS, random_prompts, ours_greedy_decode
+
+sys.path.insert(0, os.path.join(os.environ["PYTHONPATH"], "tests"))
+from tiny_models import make_checkpoint  # noqa: E402
+
+from bench.bench_decode import MODELS, ours_greedy_decode, random_prompts  # noqa: E402
+
 
 def main():
     dtype = sys.argv[1] if len(sys.argv) > 1 else "f32"
@@ -28,21 +34,26 @@ def main():
         if not os.path.exists(g):
             export_gguf(path, g, dtype)
         peer = llamacpp_peer.LlamaCppPeer(g, threads, n_seq=64, n_ctx_per_seq=plen + new + 8, kv_f16=dtype == "f16")
-    res = {}
     for b in batches:
         prompts = random_prompts(b, plen, plen, 4096, seed=b)
-        toks, _ = ours_greedy_decode(llm, prompts, new)
-        if peer: peer.greedy(prompts, new)
+        ours_greedy_decode(llm, prompts, new)
+        if peer:
+            peer.greedy(prompts, new)
         ts, tp = [], []
         for _ in range(reps):
             ts.append(ours_greedy_decode(llm, prompts, new)[1])
-            if peer: tp.append(peer.greedy(prompts, new)[1])
-        ts.sort(); tp.sort()
+            if peer:
+                tp.append(peer.greedy(prompts, new)[1])
+        ts.sort()
+        tp.sort()
         n = b * (new - 1)
         line = f"{dtype} thr{threads} batch {b}: ours {n/ts[len(ts)//2]:.0f} tok/s ({1e3*ts[len(ts)//2]/(new-1):.3f} ms/step)"
-        if peer: line += f"  llama.cpp {n/tp[len(tp)//2]:.0f} tok/s  ratio {tp[len(tp)//2]/ts[len(ts)//2]:.3f}"
+        if peer:
+            line += f"  llama.cpp {n/tp[len(tp)//2]:.0f} tok/s  ratio {tp[len(tp)//2]/ts[len(ts)//2]:.3f}"
         print(line, "load", os.getloadavg()[0], flush=True)
     llm.close()
-    if peer: peer.close()
+    if peer:
+        peer.close()
+
 
 main()
