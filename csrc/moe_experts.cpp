@@ -7,10 +7,10 @@
 //
 // 0. (moe_forward) per token: softmax of the logits in fp32, the top_k experts, optional renormalisation;
 // 1. a stable counting sort of the (token, slot) pairs by expert (moe_sort.h, shared with moe_align);
-// 2. per expert with pairs, experts in parallel: gate||up = x_rows @ w_gate_up[e].T, act = SiLU(gate) * up
+// 2. per expert with pairs, those experts in parallel: gate||up = x_rows @ w_gate_up[e].T, act = SiLU(gate) * up
 //    in place, y = routing weight * (act @ w_down[e].T), on the expert's x rows gathered (widened) into the
-//    workspace; a skinny fp32 kernel for decode-sized segments (AVX2 where the CPU has it), BLAS (at::mm)
-//    for long ones (prefill);
+//    workspace; a skinny fp32 kernel for decode-sized segments (AVX2 where the CPU has it; each weight read once
+//    for all the expert's rows, the next weights prefetched meanwhile), BLAS (at::mm) for long ones (prefill);
 // 3. per token, its k rows of y summed in expert order in fp32 (deterministic, no atomics): transformers'
 //    loop over experts adds `down(...) * weight` in that order, so fp32 results match it to GEMM rounding.
 // Everything between the input and the output is fp32 (one workspace): 16-bit x is widened once, 16-bit
@@ -201,13 +201,17 @@ at::Tensor experts_core(const at::Tensor& x, const at::Tensor& w_gate_up, const 
     const scalar_t* wd_p = wd.data_ptr<scalar_t>();
     const auto f32 = at::TensorOptions().dtype(at::kFloat);
     // 2. experts in parallel; each writes only its own rows of xs, pre, y
-    at::parallel_for(0, E, 1, [&](int64_t e0, int64_t e1) {
+    // over the experts with pairs, so that the workers share a decode step's few experts evenly
+    std::vector<int64_t> used;
+    for (int64_t e = 0; e < E; ++e)
+      if (counts[e]) used.push_back(e);
+    const auto U = static_cast<int64_t>(used.size());
+    at::parallel_for(0, U, 1, [&](int64_t u0, int64_t u1) {
       // at::mm below is a plain kernel call: no autograd (its mode is thread-local, so set in every worker)
       at::AutoDispatchBelowADInplaceOrView below_autograd;
       std::vector<const float*> rows;
-      for (int64_t e = e0; e < e1; ++e) {
-        const int64_t s = offs[e], n = offs[e + 1] - s;
-        if (n == 0) continue;
+      for (int64_t u = u0; u < u1; ++u) {
+        const int64_t e = used[u], s = offs[e], n = offs[e + 1] - s;
         const scalar_t* wgu_e = wgu_p + e * I2 * H;
         const scalar_t* wd_e = wd_p + e * H * I;
         float* xs_e = xs + s * ldx;
@@ -247,10 +251,13 @@ at::Tensor experts_core(const at::Tensor& x, const at::Tensor& w_gate_up, const 
           at::from_blob(y + s * H, {n, H}, f32).copy_(at::mm(act, w2.t()));
           scale_rows();
         } else if (n <= kSkinnyRows) {
-          skinny_gemm(rows.data(), n, wgu_e, I2, H, pre_e, ldp, nullptr);
+          // each product prefetches what is read next: this expert's down projection, then this worker's next
+          // expert's gate||up
+          const scalar_t* wgu_next = u + 1 < u1 ? wgu_p + used[u + 1] * I2 * H : nullptr;
+          skinny_gemm(rows.data(), n, wgu_e, I2, H, pre_e, ldp, nullptr, wd_e);
           silu_mul_rows(pre_e, n, I, ldp);
           for (int64_t r = 0; r < n; ++r) rows[r] = pre_e + r * ldp;
-          skinny_gemm(rows.data(), n, wd_e, H, I, y + s * H, H, wsorted + s);
+          skinny_gemm(rows.data(), n, wd_e, H, I, y + s * H, H, wsorted + s, wgu_next);
         } else {
           // BLAS in fp32: a 16-bit expert's weights are widened first (its product costs far more)
           auto weight_f32 = [&](const scalar_t* p, int64_t r0, int64_t c0) {
