@@ -14,17 +14,24 @@
 #include <cmath>
 #include <cstdint>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "convert16.h"
 
 namespace {
 
-// 1 / sqrt(mean(x^2) + eps) of one fp32 row of n values
+// 1 / sqrt(mean(x^2) + eps) of one fp32 row of n values of dtype T. fp32 sums in SIMD order; a 16-bit row in index
+// order, as this op always summed it (the vectorised conversions left its bits, and so its greedy tokens, as they were)
+template <typename T>
 inline float inv_rms(const float* x, int64_t n, float eps) {
   float sum = 0.f;
+  if constexpr (std::is_same_v<T, c10::Half> || std::is_same_v<T, c10::BFloat16>) {
+    for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
+  } else {
 #pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
+    for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
+  }
   return 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
 }
 
@@ -32,7 +39,7 @@ inline float inv_rms(const float* x, int64_t n, float eps) {
 // and out hold values of T; out may be x)
 template <typename T>
 inline void norm_row(const float* x, const float* w, int64_t n, float eps, float* out) {
-  const float inv = inv_rms(x, n, eps);
+  const float inv = inv_rms<T>(x, n, eps);
   for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inv;
   livemoe_cvt::round_to(out, n, T{});
   for (int64_t i = 0; i < n; ++i) out[i] = w[i] * out[i];
