@@ -199,10 +199,10 @@ def test_decode_gpu(benchmark, bench_mode):
 # Greedy tokens are compared before anything is timed. Decode tok/s = batch x (new - 1) tokens over the steps after
 # every sequence has its first token, on both sides; ratios are medians of alternated runs.
 PEER_MODELS = {"committed student": None, "small MoE": MODELS["small MoE"]}
-PEER_CASES_FULL = [(b, dtype, 1) for dtype in ("f32", "f16") for b in (1, 8, 64)]
-# --benchmark-full: 2 threads as well (on a shared 2-core machine, OpenMP spin-waits make these minutes long)
-PEER_CASES_LONG = [(b, dtype, threads) for dtype in ("f32", "f16") for threads in (1, 2) for b in (1, 8, 64)]
-PEER_CASES_QUICK = [(1, "f32", 1)]
+# (batch, dtype) at each of --benchmark-threads (1 by default; 1 and 2 with --benchmark-full: on a shared 2-core
+# machine OpenMP spin-waits make the 2-thread cases long)
+PEER_CASES_FULL = [(b, dtype) for dtype in ("f32", "f16") for b in (1, 8, 64)]
+PEER_CASES_QUICK = [(1, "f32")]
 # f32: where llama.cpp's greedy token differs from ours, ours is at a near-tie: of its two top logits there, or of
 # an MoE router's k-th and (k+1)-th expert at that token or an earlier one (the two sides sum in other orders, so a
 # near-tied router picks other experts, and the continuations part). Random prompts on random weights meet one
@@ -263,12 +263,13 @@ def peer_checkpoint(model: str, tmp_path_factory) -> str:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU comparison with llama.cpp")
 @pytest.mark.skipif(llamacpp_peer.available() is not None, reason=str(llamacpp_peer.available()))
 @pytest.mark.parametrize("model", list(PEER_MODELS))
-def test_decode_vs_llama_cpp(benchmark, bench_mode, bench_long, tmp_path_factory, model):
+def test_decode_vs_llama_cpp(benchmark, bench_mode, bench_long, bench_threads, tmp_path_factory, model):
     from livemoe.engine.llm import LLM
     from livemoe.engine.model.gguf_export import export_gguf
 
     path = peer_checkpoint(model, tmp_path_factory)
-    cases = PEER_CASES_LONG if bench_long else PEER_CASES_FULL if bench_mode == "full" else PEER_CASES_QUICK
+    cases = [(b, dtype, threads) for b, dtype in (PEER_CASES_FULL if bench_mode == "full" else PEER_CASES_QUICK)
+             for threads in bench_threads]
     # --benchmark: 32 new tokens (~2 minutes for both models on 2 shared cores); --benchmark-full: 64
     new, prompt_len = (64 if bench_long else 32, 32) if bench_mode == "full" else (8, 16)
     reps = 3 if bench_mode == "full" else 1

@@ -22,6 +22,9 @@ def pytest_addoption(parser):
                      help="run the benchmark suites at full size (default: quick smoke mode)")
     parser.addoption("--benchmark-full", action="store_true", default=False,
                      help="--benchmark plus the long cases (e.g. llama.cpp at 2 threads)")
+    parser.addoption("--benchmark-threads", default=None, metavar="N[,N...]",
+                     help="the thread counts of the suites that take one (the llama.cpp comparison), e.g. 1,2 "
+                          "(default: 1; 1,2 with --benchmark-full)")
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects
@@ -52,6 +55,21 @@ def _mode(config) -> str:
 def bench_mode(request) -> str:
     """quick (plain `pytest bench/`) or full (--benchmark, and --benchmark-full)."""
     return "quick" if _mode(request.config) == "quick" else "full"
+
+
+@pytest.fixture(scope="session")
+def bench_threads(request) -> list[int]:
+    """--benchmark-threads as a list; a value that is not positive integers is refused, naming it."""
+    raw = request.config.getoption("--benchmark-threads")
+    if raw is None:
+        return [1, 2] if _mode(request.config) == "full+long" else [1]
+    try:
+        threads = [int(t) for t in raw.split(",")]
+    except ValueError:
+        threads = []
+    if not threads or min(threads) < 1:
+        raise pytest.UsageError(f"--benchmark-threads must be positive integers separated by commas, got {raw!r}")
+    return list(dict.fromkeys(threads))
 
 
 @pytest.fixture(scope="session")

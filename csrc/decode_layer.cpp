@@ -1,12 +1,18 @@
 // The decoder's CPU step from C++ (CPU, inference): the embedding, the rotary cos / sin, every Qwen3 decoder layer of a
 // paged step and the final norm in one call. A small model's decode step is bound by Python module calls and per-op
 // dispatch, not arithmetic; this call makes a step's ~25 torch calls per layer from C++ instead. It calls the very
-// same kernels in the same order as the modules (the livemoe ops, at::embedding, at::cos / sin, the linears by the
-// rule of linear.h, an fp32 add), so its hidden states are bitwise the Python path's (tested).
+// same kernels in the same order as the modules (the livemoe ops, at::cos / sin, the linears by the rule of
+// linear.h), and does the exact steps between them (the embedding's row copy, the rotary halves and rounding, the
+// residual adds, views) in plain loops, so its hidden states are bitwise the Python path's (tested).
 #include <torch/extension.h>
 
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "convert16.h"
 #include "linear.h"
 
 namespace {
@@ -66,19 +72,38 @@ at::Tensor lin(const at::Tensor& x, const at::Tensor& w) {
   return out.view(shape);
 }
 
-// a + b for same-shaped contiguous tensors: fp32 elementwise as at::add does it (an IEEE add is an IEEE add), without
+// a + b for same-shaped contiguous tensors: elementwise in fp32 and rounded once to their dtype, as at::add does it
+// (an IEEE add is an IEEE add, and a 16-bit sum computed in fp32 and rounded is the 16-bit sum), without
 // TensorIterator's set-up, which costs more than the add at a decode step's sizes
-at::Tensor add_fp32(const at::Tensor& a, const at::Tensor& b) {
-  if (a.scalar_type() != at::kFloat || b.scalar_type() != at::kFloat || !a.is_contiguous() || !b.is_contiguous() ||
-      a.sizes() != b.sizes())
+at::Tensor add_same(const at::Tensor& a, const at::Tensor& b) {
+  const auto dt = a.scalar_type();
+  if (b.scalar_type() != dt || !a.is_contiguous() || !b.is_contiguous() || a.sizes() != b.sizes() ||
+      (dt != at::kFloat && dt != at::kHalf && dt != at::kBFloat16))
     return at::add(a, b);
   auto out = at::empty_like(a);
-  const float* pa = a.data_ptr<float>();
-  const float* pb = b.data_ptr<float>();
-  float* po = out.data_ptr<float>();
   const int64_t n = a.numel();
+  if (dt == at::kFloat) {
+    const float* pa = a.data_ptr<float>();
+    const float* pb = b.data_ptr<float>();
+    float* po = out.data_ptr<float>();
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) po[i] = pa[i] + pb[i];
+    for (int64_t i = 0; i < n; ++i) po[i] = pa[i] + pb[i];
+    return out;
+  }
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(dt, "add_same", [&] {
+    constexpr int64_t kChunk = 256;  // on the stack: a decode step's rows are a few of these
+    float fa[kChunk], fb[kChunk];
+    const scalar_t* pa = a.data_ptr<scalar_t>();
+    const scalar_t* pb = b.data_ptr<scalar_t>();
+    scalar_t* po = out.data_ptr<scalar_t>();
+    for (int64_t i0 = 0; i0 < n; i0 += kChunk) {
+      const int64_t m = std::min(kChunk, n - i0);
+      livemoe_cvt::widen(pa + i0, fa, m);
+      livemoe_cvt::widen(pb + i0, fb, m);
+      for (int64_t i = 0; i < m; ++i) fa[i] += fb[i];
+      livemoe_cvt::narrow(fa, po + i0, m);
+    }
+  });
   return out;
 }
 
@@ -87,45 +112,86 @@ at::Tensor add_fp32(const at::Tensor& a, const at::Tensor& b) {
 // gate_proj, up_proj, down_proj
 enum { kInNorm, kQ, kK, kV, kO, kQNorm, kKNorm, kPostNorm, kMlp0, kMlp1, kMlp2, kNumWeights };
 
-// One decoder layer of a paged step: what DecoderLayer.forward does with a StepContext, op for op; w: its kNumWeights
-// weights in the order above
+// One decoder layer of a paged step: what DecoderLayer.forward does with a StepContext, op for op, on the step's
+// rows x [N, H] (the modules carry a leading 1: every kernel here works row by row, so the bits are the same);
+// w: its kNumWeights weights in the order above
 at::Tensor decode_layer(const at::Tensor& x, const at::Tensor* w, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& slot_mapping, const std::optional<at::Tensor>& cu_seqlens_q,
                         const at::Tensor& context_lens, const at::Tensor& block_tables, const at::Tensor& cos,
                         const at::Tensor& signed_sin, int64_t num_heads, int64_t num_kv_heads, double eps, double scale,
                         int64_t top_k, bool renormalize) {
-  const int64_t N = x.size(1);
+  const int64_t N = x.size(0);
   const int64_t d = w[kQNorm].size(0);
   // attention: the same calls as SelfAttention.forward and Attention.paged_forward
   auto h = rms_norm_op().call(x, w[kInNorm], eps);
-  auto q = lin(h, w[kQ]).view({1, N, num_heads, d});
-  auto k = lin(h, w[kK]).view({1, N, num_kv_heads, d});
-  auto v = lin(h, w[kV]).view({1, N, num_kv_heads, d});
+  auto q = lin(h, w[kQ]).view({N, num_heads, d});
+  auto k = lin(h, w[kK]).view({N, num_kv_heads, d});
+  auto v = lin(h, w[kV]).view({N, num_kv_heads, d});
   auto qk = qk_norm_rope_op().call(q, k, w[kQNorm], w[kKNorm], cos, signed_sin, eps);
-  auto q0 = std::get<0>(qk).select(0, 0);
-  auto k0 = std::get<1>(qk).select(0, 0);
-  store_kvcache_op().call(k0, v.select(0, 0), k_cache, v_cache, slot_mapping);
-  auto attn = paged_attention_op().call(q0, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale);
-  auto out = add_fp32(x, lin(attn.unsqueeze(0).reshape({1, N, -1}), w[kO]));
+  store_kvcache_op().call(std::get<1>(qk), v, k_cache, v_cache, slot_mapping);
+  auto attn = paged_attention_op().call(std::get<0>(qk), k_cache, v_cache, cu_seqlens_q, context_lens, block_tables,
+                                        scale);
+  auto out = add_same(x, lin(attn.view({N, -1}), w[kO]));
   // the MLP: SparseMoeBlock.forward (router, then the routed experts) or MLP.forward
   auto h2 = rms_norm_op().call(out, w[kPostNorm], eps);
   at::Tensor mlp;
   if (top_k > 0) {
-    auto flat = h2.reshape({-1, h2.size(-1)});
-    auto router_logits = lin(flat, w[kMlp0]);
-    mlp = moe_forward_op().call(flat, w[kMlp1], w[kMlp2], router_logits, top_k, renormalize).reshape(h2.sizes());
+    auto router_logits = lin(h2, w[kMlp0]);
+    mlp = moe_forward_op().call(h2, w[kMlp1], w[kMlp2], router_logits, top_k, renormalize);
   } else {
     mlp = lin(at::mul(at::silu(lin(h2, w[kMlp0])), lin(h2, w[kMlp1])), w[kMlp2]);
   }
-  return add_fp32(out, mlp);
+  return add_same(out, mlp);
 }
 
-
-// RotaryEmbedding.forward's plain path, op for op: cos / signed_sin [1, N, 1, D] of positions [1, N] in dtype dt
+// RotaryEmbedding.forward's plain path: cos / signed_sin [N, 1, D] of positions [N] in dtype dt. The frequencies
+// float(position) * inv_freq and their cos / sin are computed as there (an fp32 product, then ATen's cos and sin
+// over a tensor of the same shape); the halves, the negation and the rounding to dt, exact, in one loop each
+// instead of eight dispatched ops
 std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& positions, const at::Tensor& inv_freq, at::ScalarType dt) {
-  auto freqs = positions.unsqueeze(-1).unsqueeze(-1).to(at::kFloat) * inv_freq.to(at::kFloat);
+  const int64_t N = positions.numel(), half = inv_freq.numel();
+  auto inv = inv_freq.scalar_type() == at::kFloat && inv_freq.is_contiguous() ? inv_freq
+                                                                              : inv_freq.to(at::kFloat).contiguous();
+  auto pos = positions.scalar_type() == at::kLong && positions.is_contiguous() ? positions
+                                                                               : positions.to(at::kLong).contiguous();
+  auto freqs = at::empty({1, N, 1, half}, inv.options());
+  const float* f = inv.data_ptr<float>();
+  const int64_t* p = pos.data_ptr<int64_t>();
+  float* fr = freqs.data_ptr<float>();
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t j = 0; j < half; ++j) fr[n * half + j] = static_cast<float>(p[n]) * f[j];
   auto c = freqs.cos(), s = freqs.sin();
-  return {at::cat({c, c}, -1).to(dt), at::cat({s.neg(), s}, -1).to(dt)};
+  auto cos = at::empty({N, 1, 2 * half}, inv.options().dtype(dt));
+  auto sin = at::empty({N, 1, 2 * half}, inv.options().dtype(dt));
+  std::vector<float> row(2 * half);
+  const float* cp = c.data_ptr<float>();
+  const float* sp = s.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dt, "rotary", [&] {
+    for (int64_t n = 0; n < N; ++n) {
+      for (int64_t j = 0; j < half; ++j) row[j] = row[half + j] = cp[n * half + j];
+      livemoe_cvt::narrow(row.data(), cos.data_ptr<scalar_t>() + n * 2 * half, 2 * half);
+      for (int64_t j = 0; j < half; ++j) row[j] = -sp[n * half + j], row[half + j] = sp[n * half + j];
+      livemoe_cvt::narrow(row.data(), sin.data_ptr<scalar_t>() + n * 2 * half, 2 * half);
+    }
+  });
+  return {cos, sin};
+}
+
+// at::embedding's rows (an index_select: a copy) of ids [N] -> [N, H]
+at::Tensor embed_rows(const at::Tensor& embed, const at::Tensor& ids) {
+  if (!embed.is_contiguous() || embed.dim() != 2 || ids.scalar_type() != at::kLong || !ids.is_contiguous())
+    return at::embedding(embed, ids.reshape({-1}));
+  const int64_t N = ids.numel(), V = embed.size(0), H = embed.size(1), bytes = H * embed.element_size();
+  auto out = at::empty({N, H}, embed.options());
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const char* src = static_cast<const char*>(embed.data_ptr());
+  char* dst = static_cast<char*>(out.data_ptr());
+  for (int64_t n = 0; n < N; ++n) {
+    TORCH_CHECK(id[n] >= 0 && id[n] < V, "decode_step: token id ", id[n], " is out of the embedding's range [0, ", V,
+                ")");
+    std::memcpy(dst + n * bytes, src + id[n] * bytes, bytes);
+  }
+  return out;
 }
 
 // Qwen3ForCausalLM.forward_hidden of a paged step: input_ids and positions [1, N] -> the final hidden states
@@ -144,14 +210,14 @@ at::Tensor decode_step_cpu(const at::Tensor& input_ids, const at::Tensor& positi
   TORCH_CHECK(input_ids.dim() == 2 && input_ids.size(0) == 1 && positions.sizes() == input_ids.sizes(),
               "decode_step: input_ids and positions must be one flattened row [1, N], got ", input_ids.sizes(), " and ",
               positions.sizes());
-  auto x = at::embedding(embed, input_ids);
+  auto x = embed_rows(embed, input_ids);
   auto [cos, sin] = rotary(positions, inv_freq, x.scalar_type());
   for (int64_t l = 0; l < L; ++l) {
     x = decode_layer(x, weights.data() + l * kNumWeights, kv_caches[2 * l], kv_caches[2 * l + 1], slot_mapping,
                      cu_seqlens_q, context_lens, block_tables, cos, sin, num_heads, num_kv_heads, eps, scale, top_k[l],
                      renormalize);
   }
-  return rms_norm_op().call(x, final_norm, eps);
+  return rms_norm_op().call(x, final_norm, eps).unsqueeze(0);
 }
 
 }  // namespace

@@ -14,30 +14,56 @@
 #include <cmath>
 #include <cstdint>
 #include <tuple>
+#include <type_traits>
 #include <vector>
+
+#include "convert16.h"
 
 namespace {
 
-// 1 / sqrt(mean(x^2) + eps) of one row of n values, in fp32
-template <typename scalar_t>
-inline float inv_rms(const scalar_t* x, int64_t n, float eps) {
+// 1 / sqrt(mean(x^2) + eps) of one fp32 row of n values of dtype T. fp32 sums in SIMD order; a 16-bit row in index
+// order, as this op always summed it (the vectorised conversions left its bits, and so its greedy tokens, as they were)
+template <typename T>
+inline float inv_rms(const float* x, int64_t n, float eps) {
   float sum = 0.f;
+  if constexpr (std::is_same_v<T, c10::Half> || std::is_same_v<T, c10::BFloat16>) {
+    for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
+  } else {
 #pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = static_cast<float>(x[i]);
-    sum += v * v;
+    for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
   }
   return 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
 }
 
-// out[i] = weight[i] * dtype(x[i] * inv), transformers' RMSNorm of one row
-template <typename scalar_t>
-inline void norm_row(const scalar_t* x, const scalar_t* weight, int64_t n, float eps, scalar_t* out) {
-  const float inv = inv_rms(x, n, eps);
-  for (int64_t i = 0; i < n; ++i) {
-    const scalar_t y = static_cast<scalar_t>(static_cast<float>(x[i]) * inv);
-    out[i] = static_cast<scalar_t>(static_cast<float>(weight[i]) * static_cast<float>(y));
-  }
+// out[i] = T(w[i] * T(x[i] * inv)), transformers' RMSNorm of one row in dtype T, computed and kept in fp32 (x, w
+// and out hold values of T; out may be x)
+template <typename T>
+inline void norm_row(const float* x, const float* w, int64_t n, float eps, float* out) {
+  const float inv = inv_rms<T>(x, n, eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inv;
+  livemoe_cvt::round_to(out, n, T{});
+  for (int64_t i = 0; i < n; ++i) out[i] = w[i] * out[i];
+  livemoe_cvt::round_to(out, n, T{});
+}
+
+// n values of p as fp32: p itself for fp32, else widened into buf
+inline const float* as_f32(const float* p, float*, int64_t) { return p; }
+template <typename T>
+inline const float* as_f32(const T* p, float* buf, int64_t n) {
+  livemoe_cvt::widen(p, buf, n);
+  return buf;
+}
+
+// where a row of dst is computed: dst itself for fp32, else buf (then narrowed into dst)
+inline float* out_f32(float* dst, float*) { return dst; }
+template <typename T>
+inline float* out_f32(T*, float* buf) { return buf; }
+
+// this thread's fp32 scratch of at least n floats (no allocation per call once grown)
+inline float* scratch(int64_t n) {
+  thread_local std::vector<float> buf;
+  if (buf.size() < static_cast<size_t>(n)) buf.resize(n);
+  return buf.data();
 }
 
 void check_norm_args(const char* op, const at::Tensor& x, const at::Tensor& weight) {
@@ -58,29 +84,33 @@ at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double ep
   const int64_t d = x.size(-1), rows = d ? xc.numel() / d : 0;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
     const scalar_t* src = xc.data_ptr<scalar_t>();
-    const scalar_t* w = wc.data_ptr<scalar_t>();
     scalar_t* dst = out.data_ptr<scalar_t>();
-    for (int64_t r = 0; r < rows; ++r) norm_row(src + r * d, w, d, static_cast<float>(eps), dst + r * d);
+    float* buf = scratch(3 * d);
+    const float* w = as_f32(wc.data_ptr<scalar_t>(), buf, d);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* o = out_f32(dst + r * d, buf + 2 * d);
+      norm_row<scalar_t>(as_f32(src + r * d, buf + d, d), w, d, static_cast<float>(eps), o);
+      livemoe_cvt::narrow(o, dst + r * d, d);
+    }
   });
   return out;
 }
 
-// One head row: RMSNorm, then out = x * cos + rotate_half(x) * signed_sin, where signed_sin has its first half
-// negated (livemoe.engine.model.layers.RotaryEmbedding), so rotate_half(x)[i] * sin[i] == x[(i + d/2) % d] * signed_sin[i].
-template <typename scalar_t>
-inline void norm_rope_row(const scalar_t* x, const scalar_t* weight, const scalar_t* cos, const scalar_t* sin,
-                          int64_t d, float eps, scalar_t* normed, scalar_t* out) {
-  norm_row(x, weight, d, eps, normed);
+// One head row: RMSNorm, then out = T(T(x * cos) + T(rotate_half(x) * signed_sin)), where signed_sin has its first
+// half negated (livemoe.engine.model.layers.RotaryEmbedding), so rotate_half(x)[i] * sin[i] == x[(i + d/2) % d] *
+// signed_sin[i]. All rows fp32 holding values of T; normed and rot: d floats of scratch.
+template <typename T>
+inline void norm_rope_row(const float* x, const float* weight, const float* cos, const float* sin, int64_t d,
+                          float eps, float* normed, float* rot, float* out) {
+  norm_row<T>(x, weight, d, eps, normed);
   const int64_t half = d / 2;
-  auto rotate = [&](int64_t from, int64_t to, int64_t shift) {  // two loops: no modulo, so they vectorise
-    for (int64_t i = from; i < to; ++i) {
-      const scalar_t a = static_cast<scalar_t>(static_cast<float>(normed[i]) * static_cast<float>(cos[i]));
-      const scalar_t b = static_cast<scalar_t>(static_cast<float>(normed[i + shift]) * static_cast<float>(sin[i]));
-      out[i] = static_cast<scalar_t>(static_cast<float>(a) + static_cast<float>(b));
-    }
-  };
-  rotate(0, half, half);
-  rotate(half, d, -half);
+  for (int64_t i = 0; i < d; ++i) out[i] = normed[i] * cos[i];
+  for (int64_t i = 0; i < half; ++i) rot[i] = normed[i + half] * sin[i];  // two loops: no modulo, so they vectorise
+  for (int64_t i = half; i < d; ++i) rot[i] = normed[i - half] * sin[i];
+  livemoe_cvt::round_to(out, d, T{});
+  livemoe_cvt::round_to(rot, d, T{});
+  for (int64_t i = 0; i < d; ++i) out[i] = out[i] + rot[i];
+  livemoe_cvt::round_to(out, d, T{});
 }
 
 // q [..., Hq, D] and k [..., Hkv, D] (the same leading dims; any strides between tokens and heads), the norms'
@@ -129,22 +159,33 @@ std::tuple<at::Tensor, at::Tensor> qk_norm_rope_cpu(const at::Tensor& q_in, cons
   auto q_out = at::empty(q_in.sizes(), q_in.options());
   auto k_out = at::empty(k_in.sizes(), k_in.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "qk_norm_rope", [&] {
-    std::vector<scalar_t> normed(d);
     const scalar_t* cos_p = cc.data_ptr<scalar_t>();
     const scalar_t* sin_p = sc.data_ptr<scalar_t>();
+    // fp32 scratch: the two weights, a token's cos and sin, a head row in and out, normed, rotated
+    float* buf = scratch(8 * d);
+    const float* qwf = as_f32(qw.data_ptr<scalar_t>(), buf, d);
+    const float* kwf = as_f32(kw.data_ptr<scalar_t>(), buf + d, d);
+    float *xb = buf + 4 * d, *ob = buf + 5 * d, *normed = buf + 6 * d, *rot = buf + 7 * d;
     // src: [n, heads, d] with unit stride in d (as_is: contiguous, whatever its leading dims)
-    auto rotate = [&](const at::Tensor& src, int64_t heads, const at::Tensor& w, at::Tensor& dst) {
+    auto rotate = [&](const at::Tensor& src, int64_t heads, const float* wf, const float* cf, const float* sf,
+                      int64_t t, at::Tensor& dst) {
       const scalar_t* s = src.data_ptr<scalar_t>();
-      const scalar_t* wp = w.data_ptr<scalar_t>();
       scalar_t* o = dst.data_ptr<scalar_t>();
       const int64_t st = as_is ? heads * d : src.stride(0), sh = as_is ? d : src.stride(1);
-      for (int64_t t = 0; t < n; ++t)
-        for (int64_t h = 0; h < heads; ++h)
-          norm_rope_row(s + t * st + h * sh, wp, cos_p + t * d, sin_p + t * d, d,
-                        static_cast<float>(eps), normed.data(), o + (t * heads + h) * d);
+      for (int64_t h = 0; h < heads; ++h) {
+        scalar_t* orow = o + (t * heads + h) * d;
+        float* of = out_f32(orow, ob);
+        norm_rope_row<scalar_t>(as_f32(s + t * st + h * sh, xb, d), wf, cf, sf, d, static_cast<float>(eps), normed,
+                                rot, of);
+        livemoe_cvt::narrow(of, orow, d);
+      }
     };
-    rotate(qc, hq, qw, q_out);
-    rotate(kc, hkv, kw, k_out);
+    for (int64_t t = 0; t < n; ++t) {
+      const float* cf = as_f32(cos_p + t * d, buf + 2 * d, d);
+      const float* sf = as_f32(sin_p + t * d, buf + 3 * d, d);
+      rotate(qc, hq, qwf, cf, sf, t, q_out);
+      rotate(kc, hkv, kwf, cf, sf, t, k_out);
+    }
   });
   return {q_out, k_out};
 }

@@ -1,6 +1,7 @@
 """The CPU step's one-C++-call-per-layer path (livemoe.engine.model.fused_decode) against the module path it stands
 in for: the same kernels in the same order, so greedy tokens and logprobs are equal (asserted equal, not close), on
-the committed student and two random MoEs and a dense model, over prefill chunks and batched decode steps."""
+the committed student and two random MoEs and a dense model, in fp32, fp16 and bf16, over prefill chunks and batched
+decode steps."""
 import os
 
 import pytest
@@ -40,10 +41,11 @@ def run(llm, prompts, params):
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
 
-def test_fused_layers_equal_the_modules(checkpoint, monkeypatch):
-    # long enough prompts for chunked prefill (max_num_batched_tokens 32) mixed with decode steps
-    llm = LLM(checkpoint, dtype=torch.float32, device="cpu", max_num_batched_tokens=32, block_size=4,
-              use_tqdm=False)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_fused_layers_equal_the_modules(checkpoint, dtype, monkeypatch):
+    # long enough prompts for chunked prefill (max_num_batched_tokens 32) mixed with decode steps; 16-bit too: the
+    # step's own loops (embedding rows, rotary halves, residual adds, conversions) give the modules' ATen bits
+    llm = LLM(checkpoint, dtype=dtype, device="cpu", max_num_batched_tokens=32, block_size=4, use_tqdm=False)
     vocab = llm.model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (1, 7, 19, 40)]

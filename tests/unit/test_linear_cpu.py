@@ -58,3 +58,25 @@ def test_linear_takes_the_op_up_to_its_rows(dtype, rows):
             x = torch.randn(n, 72, generator=g).to(dtype)
             want = torch.ops.livemoe.linear(x, w) if n <= rows else torch.nn.functional.linear(x, w)
             assert torch.equal(linear(x, w), want), n
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16bit_widening_and_rounding_are_torchs(dtype):
+    """The op widens x and rounds its fp32 sums with csrc/convert16.h (F16C for fp16, bit arithmetic for bf16), not
+    c10's per-element conversions: the same bits as torch's .float() / .to(dtype), asserted equal. x @ [1, 1] sums
+    two 16-bit values in fp32 (one add on both sides), so the outputs probe the rounding itself: ties to even,
+    subnormals, overflow to inf, over enough rows (33, past the 8-wide vector loop) to take both code paths."""
+    g = torch.Generator().manual_seed(7)
+    finfo = torch.finfo(dtype)
+    mant = torch.rand(4096, 2, generator=g) * 2 - 1
+    expo = torch.randint(-30 if dtype == torch.float16 else -130, 16 if dtype == torch.float16 else 127,
+                         (4096, 2), generator=g).float()
+    x = (mant * torch.exp2(expo)).clamp(-finfo.max, finfo.max).to(dtype)
+    x[:64, 1] = x[:64, 0] * (2 ** -11 if dtype == torch.float16 else 2 ** -8)  # sums at or near a tie
+    x[64:72] = finfo.max  # overflow to inf
+    w = torch.ones(1, 2, dtype=dtype)
+    with torch.inference_mode():
+        for rows in (x[:33], x):
+            got = torch.ops.livemoe.linear(rows, w)[:, 0]
+            want = (rows.float()[:, 0] + rows.float()[:, 1]).to(dtype)
+            assert torch.equal(got, want)  # (the sign of a zero sum may differ: the kernel adds +0 lanes)

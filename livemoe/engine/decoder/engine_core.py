@@ -37,7 +37,7 @@ from livemoe.engine.decoder.weight_update import WeightUpdate
 from livemoe.engine.multimodal.layout import MediaLayout
 from livemoe.engine.outputs import RequestOutput
 from livemoe.engine.sampling.params import SamplingParams
-from livemoe.engine.sampling.sampler import SampleResult, Sampler
+from livemoe.engine.sampling.sampler import SampleResult, Sampler, argmax_only, greedy_tokens
 from livemoe.kernels.batch_invariant import batch_invariant_mode, unavailable_reason
 
 log = logging.getLogger(__name__)
@@ -307,17 +307,24 @@ class EngineCore:
         seqs = [out.seqs[i] for i in sampling]
         # a sequence verifying drafts has 1 + num_draft_tokens consecutive rows; the others one
         starts = list(accumulate((1 + seq.num_draft_tokens for seq in seqs), initial=0))
-        self._fail_nonfinite_rows([seq for seq in seqs for _ in range(1 + seq.num_draft_tokens)], logits)
+        # a greedy step on the CPU takes its tokens and the non-finite check's max in one pass (greedy_tokens)
+        plain = [i for i, seq in enumerate(seqs) if not seq.num_draft_tokens]
+        greedy = None
+        if seqs and len(plain) == len(seqs) and logits.device.type == "cpu" and argmax_only([s.params for s in seqs]):
+            greedy = greedy_tokens(logits)
+        self._fail_nonfinite_rows([seq for seq in seqs for _ in range(1 + seq.num_draft_tokens)], logits,
+                                  None if greedy is None else greedy[1])
         for seq in seqs:
             if seq.generator is None and seq.seed is not None:
                 try:
                     seq.generator = torch.Generator(device=logits.device).manual_seed(seq.seed)
                 except Exception as e:  # noqa: BLE001 (one request's seed: fail it alone)
                     self._fail(seq.request_id, f"its generator could not be seeded with {seq.seed}: {e!r}")
-        plain = [i for i, seq in enumerate(seqs) if not seq.num_draft_tokens]
         touched: dict[str, Request] = {}
         if plain:
-            if len(plain) < len(seqs):
+            if greedy is not None and all(seq.request_id in self.requests for seq in seqs):
+                kept, result = seqs, SampleResult(greedy[0], [None] * len(seqs))
+            elif len(plain) < len(seqs):
                 kept, result = self._sample(logits[[starts[i] for i in plain]], [seqs[i] for i in plain])
             else:
                 kept, result = self._sample(logits, seqs)
@@ -405,14 +412,16 @@ class EngineCore:
 
     # -- faults of one request ----------------------------------------------------------------------
 
-    def _fail_nonfinite_rows(self, row_seqs: list[Sequence], logits: torch.Tensor) -> None:
+    def _fail_nonfinite_rows(self, row_seqs: list[Sequence], logits: torch.Tensor,
+                             batch_max: float | None = None) -> None:
         """Fails the requests whose logits hold NaN or +inf (sampling them would pick garbage) and counts
         the step (`stats()["last_logits_finite"]`: /health reports a model that produces them). A max
-        propagates NaN and shows +inf: one over the batch on the hot path (~2 us), per row only if it fails.
-        row_seqs: each logits row's sequence. The rows stay: sampling skips the failed requests' rows."""
+        propagates NaN and shows +inf: one over the batch on the hot path (batch_max where the caller has it
+        already, else logits.amax()), per row only if it fails. row_seqs: each logits row's sequence. The rows
+        stay: sampling skips the failed requests' rows."""
         if not row_seqs:
             return
-        self.last_logits_finite = math.isfinite(logits.amax().item())
+        self.last_logits_finite = math.isfinite(logits.amax().item() if batch_max is None else batch_max)
         if self.last_logits_finite:
             return
         bad = (~torch.isfinite(logits.amax(-1))).nonzero()[:, 0].tolist()

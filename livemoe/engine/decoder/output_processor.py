@@ -86,23 +86,33 @@ class OutputProcessor:
                              req.prompt_logprobs)
 
     def metrics(self, req: Request) -> RequestMetrics:
-        firsts = [s.first_token_time for s in req.seqs if s.first_token_time is not None]
-        n_out = sum(s.num_output_tokens for s in req.seqs)
+        # one pass over the samples (this runs for every request at every step that streams its output)
+        n_out = cached = preemptions = drafted = accepted = spec_steps = span_n = 0
+        span_t = 0.0
+        first = None
+        for s in req.seqs:
+            n = s.num_output_tokens
+            n_out += n
+            cached = max(cached, s.num_cached_prompt_tokens)
+            preemptions += s.num_preemptions
+            drafted += s.num_drafted_tokens
+            accepted += s.num_accepted_tokens
+            spec_steps += s.num_spec_steps
+            t0, t1 = s.first_token_time, s.last_token_time
+            if t0 is not None:
+                first = t0 if first is None else min(first, t0)
+                if t1 is not None and n > 1:
+                    span_t += t1 - t0
+                    span_n += n - 1
         m = RequestMetrics(arrival_time=req.arrival_time, finish_time=req.finish_time,
-                           num_prompt_tokens=len(req.prompt_ids), num_output_tokens=n_out,
-                           num_cached_tokens=max(s.num_cached_prompt_tokens for s in req.seqs),
-                           num_preemptions=sum(s.num_preemptions for s in req.seqs),
-                           decode_flops=self.flops_per_token * n_out,
-                           num_draft_tokens=sum(s.num_drafted_tokens for s in req.seqs),
-                           num_accepted_tokens=sum(s.num_accepted_tokens for s in req.seqs),
-                           num_spec_steps=sum(s.num_spec_steps for s in req.seqs))
-        if firsts:
-            m.first_token_time = min(firsts)
-            m.ttft = m.first_token_time - req.arrival_time
-            spans = [(s.last_token_time - s.first_token_time, s.num_output_tokens - 1) for s in req.seqs
-                     if s.first_token_time is not None and s.last_token_time is not None and s.num_output_tokens > 1]
-            if spans:
-                m.tpot = sum(t for t, _ in spans) / sum(n for _, n in spans)
+                           num_prompt_tokens=len(req.prompt_ids), num_output_tokens=n_out, num_cached_tokens=cached,
+                           num_preemptions=preemptions, decode_flops=self.flops_per_token * n_out,
+                           num_draft_tokens=drafted, num_accepted_tokens=accepted, num_spec_steps=spec_steps)
+        if first is not None:
+            m.first_token_time = first
+            m.ttft = first - req.arrival_time
+            if span_n:
+                m.tpot = span_t / span_n
         return m
 
 
