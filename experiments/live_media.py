@@ -18,8 +18,7 @@ Arms, each an MA-MSFT run of `python -m train.live` on the same sessions (half s
 held-out sessions (each both ways), greedy through a LiveSession:
   text-only   the committed student, the sessions' audio and video removed (a text checkpoint refuses them);
   multimodal  a tiny Qwen3-Omni-MoE thinker: random audio and vision encoders made by transformers (frozen; the
-              audio tower's convolutions re-drawn with Kaiming's init and its rows scaled to the token embeddings'
-              norm, see make_thinker) beside the student's
+              audio tower's convolutions re-drawn with Kaiming's init, see make_thinker) beside the student's
               language model (the same weights as the text arm's start; the seven media tokens' rows new), its
               projectors trained (--train_projector).
 """
@@ -47,9 +46,8 @@ MEDIA_SPECIALS = ["<|audio_pad|>", "<|image_pad|>", "<|video_pad|>", "<|audio_st
 
 # ------------------------------------------------------------------------------------------ the thinker
 def make_thinker(student: str, path: str, seed: int) -> str:
-    """A Qwen3-Omni-MoE thinker checkpoint: transformers' own random init of tiny audio and vision encoders (the audio
-    tower's convolutions re-drawn and its output scaled to the token embeddings', see the note below), the student's
-    language model (its shape and weights) and tokenizer with the media tokens added."""
+    """A Qwen3-Omni-MoE thinker checkpoint: transformers' own random init of tiny audio and vision encoders, the
+    student's language model (its shape and weights) and tokenizer with the media tokens added."""
     import torch
     from transformers import (AutoTokenizer, Qwen3OmniMoeThinkerConfig,
                               Qwen3OmniMoeThinkerForConditionalGeneration)
@@ -96,36 +94,15 @@ def make_thinker(student: str, path: str, seed: int) -> str:
         for name, value in source.items():
             rows = min(value.shape[0], state[name].shape[0])
             state[name][:rows].copy_(value[:rows])  # embed / lm_head: the media tokens' rows stay transformers' init
-        match_audio_scale(thinker, state)
     save_model(thinker, path, tokenizer=tok)
     return path
-
-
-def match_audio_scale(thinker, state: dict) -> float:
-    """Scales the audio tower's output projection (proj2, in `state`) so that its rows have the token embeddings'
-    mean norm; -> the factor. The rows are measured on a chime over noise."""
-    import torch
-
-    from livemoe.train.live.omni import media_processor
-
-    wave = chime(4.0) + np.random.default_rng(0).normal(0, 0.05, 64000).astype(np.float32)
-    item = media_processor(thinker).audio_waveform(wave, "calibration")
-    with torch.no_grad():
-        rows = thinker.encode_audio(item.data).embeds
-        target = state["model.embed_tokens.weight"].norm(dim=-1).mean()
-        factor = float(target / rows.norm(dim=-1).mean())
-        state["audio_tower.proj2.weight"].mul_(factor)
-        state["audio_tower.proj2.bias"].mul_(factor)
-    return factor
 
 
 # Why make_thinker re-draws the audio tower's convolutions: with transformers' init (std 0.02, zero biases) three 3x3
 # convolutions and the output projection shrink the log-mel input by orders of magnitude, and the sinusoidal position
 # table added after them is all that is left: the tower's rows do not depend on the clip, and nothing after it can
 # hear (docs/multimodal.md has the measurement). Kaiming's fan-in init keeps the input's scale, as a trained encoder
-# passes its input on; the vision encoder's patch embedding (fan-in 1536) already does. The audio rows are then still
-# far smaller than a token's embedding, so from the first layer on the residual stream at an audio token is mostly
-# what attention wrote there: match_audio_scale gives them a token's weight (docs/multimodal.md, the measurement).
+# passes its input on; the vision encoder's patch embedding (fan-in 1536) already does.
 
 
 # ------------------------------------------------------------------------------------------ the world
