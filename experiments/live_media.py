@@ -18,7 +18,8 @@ Arms, each an MA-MSFT run of `python -m train.live` on the same sessions (half s
 held-out sessions (each both ways), greedy through a LiveSession:
   text-only   the committed student, the sessions' audio and video removed (a text checkpoint refuses them);
   multimodal  a tiny Qwen3-Omni-MoE thinker: random audio and vision encoders made by transformers (frozen; the
-              audio tower's convolutions re-drawn with Kaiming's init, see make_thinker) beside the student's
+              audio tower's convolutions re-drawn with Kaiming's init, both encoders' output rows scaled to a
+              token embedding's norm, see make_thinker) beside the student's
               language model (the same weights as the text arm's start; the seven media tokens' rows new), its
               projectors trained (--train_projector).
 """
@@ -46,7 +47,8 @@ MEDIA_SPECIALS = ["<|audio_pad|>", "<|image_pad|>", "<|video_pad|>", "<|audio_st
 
 # ------------------------------------------------------------------------------------------ the thinker
 def make_thinker(student: str, path: str, seed: int) -> str:
-    """A Qwen3-Omni-MoE thinker checkpoint: transformers' own random init of tiny audio and vision encoders, the
+    """A Qwen3-Omni-MoE thinker checkpoint: transformers' own random init of tiny audio and vision encoders (the audio
+    tower's convolutions re-drawn, both encoders' output rows scaled to a token embedding's norm: the note below), the
     student's language model (its shape and weights) and tokenizer with the media tokens added."""
     import torch
     from transformers import (AutoTokenizer, Qwen3OmniMoeThinkerConfig,
@@ -127,6 +129,8 @@ def match_media_scale(thinker, state: dict) -> dict:
 # table added after them is all that is left: the tower's rows do not depend on the clip, and nothing after it can
 # hear (docs/multimodal.md has the measurement). Kaiming's fan-in init keeps the input's scale, as a trained encoder
 # passes its input on; the vision encoder's patch embedding (fan-in 1536) already does.
+# Why match_media_scale: the random encoders' output rows come out far smaller than a token's embedding, and media
+# rows that small in context cost the policy its in-context copy of a viewer's name (docs/multimodal.md, measured).
 
 
 # ------------------------------------------------------------------------------------------ the world
