@@ -221,15 +221,12 @@ def rate(outcomes: list, mask: list) -> tuple:
     return (100.0 * sum(xs) / len(xs) if xs else "-"), len(xs)
 
 
-def run(args: ExperimentArgs) -> str:
+def write_sessions(args: ExperimentArgs, size: dict) -> tuple[list, list, dict]:
+    """The training and held-out sessions (the held-out ones said, then the same shown), rendered and saved:
+    -> (training sessions, held-out sessions, {train_media, heldout_media, train_text, heldout_text: JSONL path})."""
     from livemoe.train.live.data import save_sessions
-    from livemoe.train.live.judge import paired_margin
     from livemoe.train.live.world import LiveWorldConfig, make_sessions
 
-    if shutil.which("espeak-ng") is None:
-        raise RuntimeError("live_media speaks the host's lines with espeak-ng, which is not installed "
-                           "(apt-get install espeak-ng)")
-    size = TINY if args.tiny else FULL
     data = os.path.join(args.work_dir, "data")
     cache = os.path.join(args.work_dir, "media")
     os.makedirs(data, exist_ok=True)
@@ -243,31 +240,59 @@ def run(args: ExperimentArgs) -> str:
                            ("heldout_text", list(map(text_only, held)))):
         files[name] = os.path.join(data, name + ".jsonl")
         save_sessions(sessions, files[name])
-    thinker = make_thinker(args.model, os.path.join(args.work_dir, "thinker"), args.seed)
-    shared = ["--stage", "sft", "--sft_steps", str(size["steps"]), "--max_len", "2048"]
-    media_arm = run_live(args, "multimodal", ["--model", thinker, "--data", files["train_media"],
-                                              "--eval_data", files["heldout_media"], "--train_projector", *shared])
-    text_arm = run_live(args, "text_only", ["--model", args.model, "--data", files["train_text"],
-                                            "--eval_data", files["heldout_text"], *shared])
+    return train, held, files
+
+
+def media_arm_flags(thinker: str, files: dict, size: dict) -> list:
+    return ["--model", thinker, "--data", files["train_media"], "--eval_data", files["heldout_media"],
+            "--train_projector", *shared_flags(size)]
+
+
+def shared_flags(size: dict) -> list:
+    return ["--stage", "sft", "--sft_steps", str(size["steps"]), "--max_len", "2048"]
+
+
+def mode_rows(result: dict, held: list) -> list:
+    """Per stage and mode of an arm's result: [stage, "<mode> only", state acc at changes, n, elsewhere, n,
+    recipient acc, task acc]."""
     # per held-out interval (the said sessions, then the same sessions shown): the mode, and whether a change is in it
+    modes = [s["media_mode"] for s in held for _ in s["intervals"]]
+    change = [bool(iv["changes"]) for s in held for iv in s["intervals"]]
+    rows = []
+    for stage, r in result["rows"].items():
+        o = r["outcomes"]
+        for mode in ("said", "shown"):
+            at, n_at = rate(o["state"], [m == mode and c for m, c in zip(modes, change)])
+            off, n_off = rate(o["state"], [m == mode and not c for m, c in zip(modes, change)])
+            ans = [m == mode for m, s in zip(modes, held_gold_ans(held)) if s]
+            rows.append([stage, f"{mode} only", at, n_at, off, n_off, rate(o["recipient"], ans)[0],
+                         rate(o["task"], ans)[0]])
+    return rows
+
+
+def run(args: ExperimentArgs) -> str:
+    from livemoe.train.live.judge import paired_margin
+
+    if shutil.which("espeak-ng") is None:
+        raise RuntimeError("live_media speaks the host's lines with espeak-ng, which is not installed "
+                           "(apt-get install espeak-ng)")
+    size = TINY if args.tiny else FULL
+    train, held, files = write_sessions(args, size)
+    thinker = make_thinker(args.model, os.path.join(args.work_dir, "thinker"), args.seed)
+    media_arm = run_live(args, "multimodal", media_arm_flags(thinker, files, size))
+    text_arm = run_live(args, "text_only", ["--model", args.model, "--data", files["train_text"],
+                                            "--eval_data", files["heldout_text"], *shared_flags(size)])
     modes = [s["media_mode"] for s in held for _ in s["intervals"]]
     change = [bool(iv["changes"]) for s in held for iv in s["intervals"]]
     rows, margins = [], {}
     for arm_name, arm in (("text-only (student)", text_arm), ("multimodal (thinker)", media_arm)):
-        for stage, r in arm.result["rows"].items():
-            o = r["outcomes"]
-            for mode in ("said", "shown"):
-                at, n_at = rate(o["state"], [m == mode and c for m, c in zip(modes, change)])
-                off, n_off = rate(o["state"], [m == mode and not c for m, c in zip(modes, change)])
-                ans = [m == mode for m, s in zip(modes, held_gold_ans(held)) if s]
-                rows.append([f"{arm_name}, {stage}", f"{mode} only", at, n_at, off, n_off,
-                             rate(o["recipient"], ans)[0], rate(o["task"], ans)[0]])
+        rows += [[f"{arm_name}, {r[0]}", *r[1:]] for r in mode_rows(arm.result, held)]
     for mode in ("said", "shown"):
         mask = [m == mode and c for m, c in zip(modes, change)]
         a = [x for x, m in zip(text_arm.result["rows"]["MA-MSFT"]["outcomes"]["state"], mask) if m]
         b = [x for x, m in zip(media_arm.result["rows"]["MA-MSFT"]["outcomes"]["state"], mask) if m]
         margins[mode] = paired_margin(a, b) if a else (0.0, 0.0)
-    notes = NOTES.format(doc=__doc__.split("\n\n", 1)[1].strip(), train=len(train), eval=len(held_base),
+    notes = NOTES.format(doc=__doc__.split("\n\n", 1)[1].strip(), train=len(train), eval=len(held) // 2,
                          intervals=size["intervals"], steps=size["steps"], **{
                              f"{m}_{k}": v for m, (d, se) in margins.items() for k, v in (("d", d), ("se", se))})
     return write_report(args, TITLE, COLUMNS, rows, notes, [text_arm, media_arm],
