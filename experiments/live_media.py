@@ -18,7 +18,8 @@ Arms, each an MA-MSFT run of `python -m train.live` on the same sessions (half s
 held-out sessions (each both ways), greedy through a LiveSession:
   text-only   the committed student, the sessions' audio and video removed (a text checkpoint refuses them);
   multimodal  a tiny Qwen3-Omni-MoE thinker: random audio and vision encoders made by transformers (frozen; the
-              audio tower's convolutions re-drawn with Kaiming's init, see make_thinker) beside the student's
+              audio tower's convolutions re-drawn with Kaiming's init, both encoders' output rows scaled to a
+              token embedding's norm, see make_thinker) beside the student's
               language model (the same weights as the text arm's start; the seven media tokens' rows new), its
               projectors trained (--train_projector).
 """
@@ -46,7 +47,8 @@ MEDIA_SPECIALS = ["<|audio_pad|>", "<|image_pad|>", "<|video_pad|>", "<|audio_st
 
 # ------------------------------------------------------------------------------------------ the thinker
 def make_thinker(student: str, path: str, seed: int) -> str:
-    """A Qwen3-Omni-MoE thinker checkpoint: transformers' own random init of tiny audio and vision encoders, the
+    """A Qwen3-Omni-MoE thinker checkpoint: transformers' own random init of tiny audio and vision encoders (the audio
+    tower's convolutions re-drawn, both encoders' output rows scaled to a token embedding's norm: the note below), the
     student's language model (its shape and weights) and tokenizer with the media tokens added."""
     import torch
     from transformers import (AutoTokenizer, Qwen3OmniMoeThinkerConfig,
@@ -94,8 +96,32 @@ def make_thinker(student: str, path: str, seed: int) -> str:
         for name, value in source.items():
             rows = min(value.shape[0], state[name].shape[0])
             state[name][:rows].copy_(value[:rows])  # embed / lm_head: the media tokens' rows stay transformers' init
+        match_media_scale(thinker, state)
     save_model(thinker, path, tokenizer=tok)
     return path
+
+
+def match_media_scale(thinker, state: dict) -> dict:
+    """Scales the audio tower's and the vision merger's last projections (in `state`) so that their rows have the
+    token embeddings' mean norm; -> the factors. Measured on a chime over noise and two frames of noise."""
+    import torch
+
+    from livemoe.train.live.omni import media_processor
+
+    rng = np.random.default_rng(0)
+    processor = media_processor(thinker)
+    wave = chime(4.0) + rng.normal(0, 0.05, 64000).astype(np.float32)
+    frames = [rng.integers(0, 256, (256, 320, 3), dtype=np.uint8) for _ in range(2)]
+    audio, video = processor.audio_waveform(wave, "calibration"), processor.video_frames(frames, "calibration")
+    factors = {}
+    with torch.no_grad():
+        target = state["model.embed_tokens.weight"].norm(dim=-1).mean()
+        for name, rows in (("audio_tower.proj2", thinker.encode_audio(audio.data).embeds),
+                           ("visual.merger.mlp.2", thinker.encode_vision(video.data, video.grid_thw).embeds)):
+            factors[name] = float(target / rows.norm(dim=-1).mean())
+            state[name + ".weight"].mul_(factors[name])
+            state[name + ".bias"].mul_(factors[name])
+    return factors
 
 
 # Why make_thinker re-draws the audio tower's convolutions: with transformers' init (std 0.02, zero biases) three 3x3
@@ -103,6 +129,8 @@ def make_thinker(student: str, path: str, seed: int) -> str:
 # table added after them is all that is left: the tower's rows do not depend on the clip, and nothing after it can
 # hear (docs/multimodal.md has the measurement). Kaiming's fan-in init keeps the input's scale, as a trained encoder
 # passes its input on; the vision encoder's patch embedding (fan-in 1536) already does.
+# Why match_media_scale: the random encoders' output rows come out far smaller than a token's embedding, and media
+# rows that small in context cost the policy its in-context copy of a viewer's name (docs/multimodal.md, measured).
 
 
 # ------------------------------------------------------------------------------------------ the world
@@ -193,15 +221,12 @@ def rate(outcomes: list, mask: list) -> tuple:
     return (100.0 * sum(xs) / len(xs) if xs else "-"), len(xs)
 
 
-def run(args: ExperimentArgs) -> str:
+def write_sessions(args: ExperimentArgs, size: dict) -> tuple[list, list, dict]:
+    """The training and held-out sessions (the held-out ones said, then the same shown), rendered and saved:
+    -> (training sessions, held-out sessions, {train_media, heldout_media, train_text, heldout_text: JSONL path})."""
     from livemoe.train.live.data import save_sessions
-    from livemoe.train.live.judge import paired_margin
     from livemoe.train.live.world import LiveWorldConfig, make_sessions
 
-    if shutil.which("espeak-ng") is None:
-        raise RuntimeError("live_media speaks the host's lines with espeak-ng, which is not installed "
-                           "(apt-get install espeak-ng)")
-    size = TINY if args.tiny else FULL
     data = os.path.join(args.work_dir, "data")
     cache = os.path.join(args.work_dir, "media")
     os.makedirs(data, exist_ok=True)
@@ -215,31 +240,59 @@ def run(args: ExperimentArgs) -> str:
                            ("heldout_text", list(map(text_only, held)))):
         files[name] = os.path.join(data, name + ".jsonl")
         save_sessions(sessions, files[name])
-    thinker = make_thinker(args.model, os.path.join(args.work_dir, "thinker"), args.seed)
-    shared = ["--stage", "sft", "--sft_steps", str(size["steps"]), "--max_len", "2048"]
-    text_arm = run_live(args, "text_only", ["--model", args.model, "--data", files["train_text"],
-                                            "--eval_data", files["heldout_text"], *shared])
-    media_arm = run_live(args, "multimodal", ["--model", thinker, "--data", files["train_media"],
-                                              "--eval_data", files["heldout_media"], "--train_projector", *shared])
+    return train, held, files
+
+
+def media_arm_flags(thinker: str, files: dict, size: dict) -> list:
+    return ["--model", thinker, "--data", files["train_media"], "--eval_data", files["heldout_media"],
+            "--train_projector", *shared_flags(size)]
+
+
+def shared_flags(size: dict) -> list:
+    return ["--stage", "sft", "--sft_steps", str(size["steps"]), "--max_len", "2048"]
+
+
+def mode_rows(result: dict, held: list) -> list:
+    """Per stage and mode of an arm's result: [stage, "<mode> only", state acc at changes, n, elsewhere, n,
+    recipient acc, task acc]."""
     # per held-out interval (the said sessions, then the same sessions shown): the mode, and whether a change is in it
+    modes = [s["media_mode"] for s in held for _ in s["intervals"]]
+    change = [bool(iv["changes"]) for s in held for iv in s["intervals"]]
+    rows = []
+    for stage, r in result["rows"].items():
+        o = r["outcomes"]
+        for mode in ("said", "shown"):
+            at, n_at = rate(o["state"], [m == mode and c for m, c in zip(modes, change)])
+            off, n_off = rate(o["state"], [m == mode and not c for m, c in zip(modes, change)])
+            ans = [m == mode for m, s in zip(modes, held_gold_ans(held)) if s]
+            rows.append([stage, f"{mode} only", at, n_at, off, n_off, rate(o["recipient"], ans)[0],
+                         rate(o["task"], ans)[0]])
+    return rows
+
+
+def run(args: ExperimentArgs) -> str:
+    from livemoe.train.live.judge import paired_margin
+
+    if shutil.which("espeak-ng") is None:
+        raise RuntimeError("live_media speaks the host's lines with espeak-ng, which is not installed "
+                           "(apt-get install espeak-ng)")
+    size = TINY if args.tiny else FULL
+    train, held, files = write_sessions(args, size)
+    thinker = make_thinker(args.model, os.path.join(args.work_dir, "thinker"), args.seed)
+    media_arm = run_live(args, "multimodal", media_arm_flags(thinker, files, size))
+    text_arm = run_live(args, "text_only", ["--model", args.model, "--data", files["train_text"],
+                                            "--eval_data", files["heldout_text"], *shared_flags(size)])
     modes = [s["media_mode"] for s in held for _ in s["intervals"]]
     change = [bool(iv["changes"]) for s in held for iv in s["intervals"]]
     rows, margins = [], {}
     for arm_name, arm in (("text-only (student)", text_arm), ("multimodal (thinker)", media_arm)):
-        for stage, r in arm.result["rows"].items():
-            o = r["outcomes"]
-            for mode in ("said", "shown"):
-                at, n_at = rate(o["state"], [m == mode and c for m, c in zip(modes, change)])
-                off, n_off = rate(o["state"], [m == mode and not c for m, c in zip(modes, change)])
-                ans = [m == mode for m, s in zip(modes, held_gold_ans(held)) if s]
-                rows.append([f"{arm_name}, {stage}", f"{mode} only", at, n_at, off, n_off,
-                             rate(o["recipient"], ans)[0], rate(o["task"], ans)[0]])
+        rows += [[f"{arm_name}, {r[0]}", *r[1:]] for r in mode_rows(arm.result, held)]
     for mode in ("said", "shown"):
         mask = [m == mode and c for m, c in zip(modes, change)]
         a = [x for x, m in zip(text_arm.result["rows"]["MA-MSFT"]["outcomes"]["state"], mask) if m]
         b = [x for x, m in zip(media_arm.result["rows"]["MA-MSFT"]["outcomes"]["state"], mask) if m]
         margins[mode] = paired_margin(a, b) if a else (0.0, 0.0)
-    notes = NOTES.format(doc=__doc__.split("\n\n", 1)[1].strip(), train=len(train), eval=len(held_base),
+    notes = NOTES.format(doc=__doc__.split("\n\n", 1)[1].strip(), train=len(train), eval=len(held) // 2,
                          intervals=size["intervals"], steps=size["steps"], **{
                              f"{m}_{k}": v for m, (d, se) in margins.items() for k, v in (("d", d), ("se", se))})
     return write_report(args, TITLE, COLUMNS, rows, notes, [text_arm, media_arm],

@@ -6,11 +6,14 @@ import math
 import shutil
 
 import pytest
+import torch
 
 from test_rollout import make_student
 from experiments import EXPERIMENTS, length_sweep, moe_vs_dense, reward_ablation, rollout_mismatch
 from experiments.__main__ import main
+from livemoe.engine import load_model
 from livemoe.train.config import DEFAULT_STUDENT
+from livemoe.train.live.omni import media_processor
 from livemoe.train.metrics import read_metrics
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/fixtures.py: tiny matmuls, shared CPU
@@ -145,3 +148,16 @@ def test_live_media_text_only_against_multimodal(tmp_path):
             assert len(media) == 1 and media[0]["type"] == ("audio" if s["media_mode"] == "said" else "video")
             assert tv["events"] == [e for e in iv["events"] if e not in media]  # the text arm: the same, no media
             assert not any(e.get("text", "").startswith("news! ") for e in iv["events"])
+    # the random encoders' rows weigh about as much as a token's embedding (make_thinker's match_media_scale, measured
+    # on noise; a clip or a card differs from that by less than the bounds)
+    thinker = load_model(str(work / "thinker"))
+    processor, embed = media_processor(thinker), float(thinker.model.embed_tokens.weight.detach().norm(dim=-1).mean())
+    for kind in ("audio", "video"):
+        path = next(e["path"] for s in heard for iv in s["intervals"] for e in iv["events"] if e["type"] == kind)
+        with open(path, "rb") as f:
+            item = getattr(processor, kind)(f.read(), path)
+        with torch.no_grad():
+            rows = (thinker.encode_audio(item.data) if kind == "audio" else
+                    thinker.encode_vision(item.data, item.grid_thw)).embeds
+        ratio = float(rows.norm(dim=-1).mean()) / embed
+        assert 0.6 < ratio < 1.6, (kind, ratio)  # unscaled, the rows were a ninth (audio) and a half (video)

@@ -16,7 +16,7 @@ Events are one interval's list of {"type", "user", "text"} dicts, one line each:
     meta: viewers 120.
 Audio and video enter as text (transcript from ASR, frame captions), or, on a Qwen3-Omni-MoE thinker, as themselves:
 `audio` and `video` events (livemoe.engine.live.media) put a line in the text and their placeholder tokens between
-the interval's text and its <|im_end|> (interval_segments' two halves).
+the interval's user header and its text (interval_segments' two halves).
 """
 from livemoe.engine.errors import RequestError
 
@@ -80,8 +80,10 @@ def interval_segment(events_text: str, after_decision: bool) -> str:
 
 
 def interval_segments(events_text: str, after_decision: bool) -> tuple[str, str]:
-    """interval_segment cut where an interval's media go: after its text, before its <|im_end|>."""
-    return ("\n" if after_decision else "") + f"<|im_start|>user\n{events_text}", "<|im_end|>\n<|im_start|>assistant\n"
+    """interval_segment cut where an interval's media go: after its user header, before its text. The text stays
+    next to the decision: media between a viewer's comment and the assistant header push the name the decision
+    copies dozens of tokens away (docs/multimodal.md, the recipient accuracy it cost)."""
+    return ("\n" if after_decision else "") + "<|im_start|>user\n", f"{events_text}<|im_end|>\n<|im_start|>assistant\n"
 
 
 def encode(tokenizer, text: str) -> list:

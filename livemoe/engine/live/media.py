@@ -6,7 +6,7 @@
     {"type": "video", "data": "<base64 animated image>"} | {"type": "video", "path": "..."}
 
 Each becomes a line of the interval's text ("audio: 4.0 s", "video: 8 frames", kept by a compaction, which drops
-the media themselves) and its placeholder tokens after the interval's text.
+the media themselves) and its placeholder tokens before the interval's text.
 """
 import numpy as np
 
@@ -42,7 +42,8 @@ def media_events(events, processor, local_root: str | None) -> tuple:
 
 def interval_ids(tokenizer, processor, text: str, after_decision: bool, items: list, start: int) -> tuple[list, list]:
     """An interval's token ids, to follow `start` tokens of context, and its items placed in the whole context
-    (PlacedMedia offsets from its first token): the text, each item's placeholders, then the assistant header."""
+    (PlacedMedia offsets from its first token): the user header, each item's placeholders, then the text and the
+    assistant header."""
     if not items:
         return encode(tokenizer, interval_segment(text, after_decision)), []
     before, after = interval_segments(text, after_decision)
