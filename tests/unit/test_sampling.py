@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from livemoe.engine.sampling.sampler import Sampler, filter_logits
+from livemoe.engine.sampling.sampler import Sampler, argmax_tokens, filter_logits
 from livemoe.engine.sampling.params import SamplingParams
 from livemoe.engine.errors import RequestError
 
@@ -136,6 +136,28 @@ def test_greedy_and_temperature_scaling():
     assert Sampler()(logits, [SamplingParams(temperature=0)], [None]).token_ids == [1]
     # a tiny temperature makes sampling effectively greedy
     assert Sampler()(logits, [SamplingParams(temperature=1e-4)], [None]).token_ids == [1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_argmax_tokens_is_torch_argmax(dtype, rows):
+    """The one greedy path: torch's argmax (ties to the first maximum, a NaN row to its NaN) and, for CPU fp32
+    logits, the batch's max as logits.amax() gives it (NaN and +inf included); the Sampler's greedy rows take it."""
+    g = torch.Generator().manual_seed(rows)
+    logits = torch.randint(-3, 4, (rows, 50), generator=g).to(dtype)  # many tied maxima
+    if rows > 1:
+        logits[1, 7] = float("nan")
+        logits[2, 3] = float("inf")
+    tokens, batch_max = argmax_tokens(logits)
+    assert tokens == logits.argmax(-1).tolist()
+    if dtype == torch.float32:
+        assert batch_max is not None
+        expected = logits.amax().item()
+        assert (math.isnan(batch_max) and math.isnan(expected)) or batch_max == expected
+    else:
+        assert batch_max is None
+    params = [SamplingParams(temperature=0)] * rows
+    assert Sampler()(logits, params, [None] * rows).token_ids == tokens
 
 
 def test_logprobs_raw_and_processed():

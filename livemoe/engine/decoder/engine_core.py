@@ -37,7 +37,7 @@ from livemoe.engine.decoder.weight_update import WeightUpdate
 from livemoe.engine.multimodal.layout import MediaLayout
 from livemoe.engine.outputs import RequestOutput
 from livemoe.engine.sampling.params import SamplingParams
-from livemoe.engine.sampling.sampler import SampleResult, Sampler, argmax_only, greedy_tokens
+from livemoe.engine.sampling.sampler import SampleResult, Sampler, argmax_only, argmax_tokens
 from livemoe.kernels.batch_invariant import batch_invariant_mode, unavailable_reason
 
 log = logging.getLogger(__name__)
@@ -307,11 +307,12 @@ class EngineCore:
         seqs = [out.seqs[i] for i in sampling]
         # a sequence verifying drafts has 1 + num_draft_tokens consecutive rows; the others one
         starts = list(accumulate((1 + seq.num_draft_tokens for seq in seqs), initial=0))
-        # a greedy step on the CPU takes its tokens and the non-finite check's max in one pass (greedy_tokens)
+        # a greedy step takes its tokens from the sampler's argmax path before the non-finite check, which reuses the
+        # batch's max where that path has it (CPU fp32: one numpy pass for both)
         plain = [i for i, seq in enumerate(seqs) if not seq.num_draft_tokens]
         greedy = None
-        if seqs and len(plain) == len(seqs) and logits.device.type == "cpu" and argmax_only([s.params for s in seqs]):
-            greedy = greedy_tokens(logits)
+        if seqs and len(plain) == len(seqs) and argmax_only([s.params for s in seqs]):
+            greedy = argmax_tokens(logits)
         self._fail_nonfinite_rows([seq for seq in seqs for _ in range(1 + seq.num_draft_tokens)], logits,
                                   None if greedy is None else greedy[1])
         for seq in seqs:

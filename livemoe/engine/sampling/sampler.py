@@ -52,11 +52,14 @@ def argmax_only(params: list[SamplingParams]) -> bool:
     return all(p.greedy and p.logprobs is None and not p.processes_logits for p in params)
 
 
-def greedy_tokens(logits: torch.Tensor) -> tuple[list[int], float]:
-    """CPU fp32 logits [B, V] -> (each row's argmax, the largest logit of the batch), read through numpy: a step at
-    batch 1 pays ~1-2 us per numpy call against several per torch op. The tokens are torch's argmax (the first
-    maximum of a row); a row holding NaN picks a NaN, as torch's does, and the max propagates it, so the second is
-    non-finite exactly when logits.amax() is (what the engine's non-finite check reads)."""
+def argmax_tokens(logits: torch.Tensor) -> tuple[list[int], float | None]:
+    """logits [B, V] -> (each row's argmax, the largest logit of the batch where it comes free, else None): the one
+    greedy path, for the Sampler and for the engine's greedy steps. The tokens are torch's argmax (a row's first
+    maximum; a row holding NaN picks a NaN). CPU fp32 logits are read through numpy: a step at batch 1 pays ~1-2 us
+    per numpy call against several per torch op, and the max of the picked logits comes with it; it propagates NaN,
+    so it is non-finite exactly when logits.amax() is (what the engine's non-finite check reads)."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.requires_grad:
+        return logits.argmax(-1).tolist(), None
     a = logits.numpy()
     if a.shape[0] == 1:
         i = int(a[0].argmax())
@@ -84,7 +87,7 @@ class Sampler:
         B, V = logits.shape
         assert len(params) == B == len(generators)
         if argmax_only(params):  # nothing else asked
-            return SampleResult(logits.argmax(-1).tolist(), [None] * B)
+            return SampleResult(argmax_tokens(logits)[0], [None] * B)
         d = self.distributions(logits, params, seqs)
         sample_rows = [i for i in range(B) if not params[i].greedy]
         every_row = len(sample_rows) == B  # a rollout batch: skip the row indexing
