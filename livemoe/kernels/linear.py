@@ -23,5 +23,5 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     rows = SKINNY_ROWS.get(weight.dtype)
     if (_BUILT and rows is not None and x.dtype == weight.dtype and x.numel() <= rows * x.shape[-1]
             and _ext.cpu_inference(x, weight)):
-        return torch.ops.livemoe.linear(x, weight)
+        return torch.ops.livemoe.linear.default(x, weight)  # the overload itself: ~5 us less than the packet
     return F.linear(x, weight)

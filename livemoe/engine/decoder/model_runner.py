@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from livemoe.engine.decoder.config import EngineConfig
+from livemoe.engine.decoder.host_inputs import HostInputs
 from livemoe.engine.decoder.scheduler import SchedulerOutput
 from livemoe.engine.decoder.step_plan import StepPlan
 from livemoe.engine.decoder.weight_update import WeightUpdate, stage_update
@@ -84,6 +85,7 @@ class ModelRunner:
         self.encoder_cache = EncoderCache(config.encoder_cache_bytes)  # media encoder outputs
         self.receiver: Any = None  # this rank's end of a trainer's weight-update group (join_weight_group)
         self.plan_cache = PlanCache()  # the fused CPU step's plan of self.model, kept while it holds
+        self.host_inputs = HostInputs() if self.device.type == "cpu" else None  # step inputs, kept buffers
 
     # -- weights ------------------------------------------------------------------------------------
 
@@ -246,14 +248,18 @@ class ModelRunner:
     def step_inputs(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, StepContext]:
         """(input_ids [N], positions [N], StepContext) on the device."""
         S, N, width = plan.num_seqs, plan.num_tokens, plan.width
-        # one tensor per dtype (a host-to-device copy each); the step's tensors are views of them
-        longs = self._to_device(plan.longs, torch.long)
-        ints = self._to_device(plan.ints, torch.int32)
-        ctx = StepContext(kv_caches=self.layer_caches, slot_mapping=longs[2 * N:], context_lens=ints[:S],
-                          cu_seqlens_q=ints[S:2 * S + 1], block_tables=ints[2 * S + 1:].view(S, width),
-                          max_seqlen_q=plan.max_seqlen_q, is_decode=plan.is_decode, backend=self.backend,
-                          max_context_len=plan.max_context_len, plan_cache=self.plan_cache)
-        return longs[:N], longs[N:2 * N], ctx
+        if self.host_inputs is not None:  # the CPU: views of buffers kept across steps
+            input_ids, positions, slot_mapping, context_lens, cu_seqlens_q, block_tables = self.host_inputs.views(plan)
+        else:  # one tensor per dtype (a host-to-device copy each); the step's tensors are views of them
+            longs = self._to_device(plan.longs, torch.long)
+            ints = self._to_device(plan.ints, torch.int32)
+            input_ids, positions, slot_mapping = longs[:N], longs[N:2 * N], longs[2 * N:]
+            context_lens, cu_seqlens_q, block_tables = ints[:S], ints[S:2 * S + 1], ints[2 * S + 1:].view(S, width)
+        ctx = StepContext(kv_caches=self.layer_caches, slot_mapping=slot_mapping, context_lens=context_lens,
+                          cu_seqlens_q=cu_seqlens_q, block_tables=block_tables, max_seqlen_q=plan.max_seqlen_q,
+                          is_decode=plan.is_decode, backend=self.backend, max_context_len=plan.max_context_len,
+                          plan_cache=self.plan_cache)
+        return input_ids, positions, ctx
 
     def _to_device(self, data: array.array, dtype: torch.dtype) -> torch.Tensor:
         assert data.typecode == _ARRAY_TYPECODE[dtype], (data.typecode, dtype)
