@@ -218,9 +218,11 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, c
     }
     for (int64_t t0 = 0; t0 < q_len; t0 += kQueryTile) tasks.push_back({s, 0, hkv, t0, std::min(q_len, t0 + kQueryTile)});
   }
-  // all kv heads per task reads each cache block front to back once; split the heads over tasks only when
-  // there are too few (sequence, query tile) tasks to keep the threads busy (a long decode at small batch)
-  if (hkv > 1 && static_cast<int64_t>(tasks.size()) < 4 * at::get_num_threads()) {
+  // all kv heads per task reads each cache block front to back once (a token's rows of all heads are
+  // adjacent); split the heads over tasks only when there are too few (sequence, query tile) tasks to keep
+  // several threads busy (a long decode at small batch). One thread: never, the split only adds strided reads.
+  const int64_t threads = at::get_num_threads();
+  if (hkv > 1 && threads > 1 && static_cast<int64_t>(tasks.size()) < 4 * threads) {
     std::vector<Task> split;
     for (const Task& t : tasks)
       for (int64_t h = 0; h < hkv; ++h) split.push_back({t.seq, h, h + 1, t.t0, t.t1});
