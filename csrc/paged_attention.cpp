@@ -5,7 +5,8 @@
 // context_len - q_len + i and sees the cached positions <= its own (causal, bottom-right aligned). K/V are
 // read in place from the paged cache [num_blocks, block_size, Hkv, D] through block_tables [S, W]: no
 // gathered copy. One task = (sequence, tile of queries, kv heads: all, or one when tasks are too few for
-// the threads); the GQA group's query heads are rows of the task, so one pass over K/V serves the group.
+// several threads); the GQA group's query heads and the tile's tokens are rows of the task, so one pass over
+// K/V serves them all (a verification's k + 1 tokens too).
 // A task walks its keys in chunks (the whole context of a short decode): all scores of a chunk, then the
 // softmax with one rescale per chunk (online softmax across chunks, in fp32), then probabilities x V; the
 // kernels are in attention_cpu.h (AVX2 + FMA where the CPU has it and D % 8 == 0, else portable C++).
