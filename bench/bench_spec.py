@@ -17,6 +17,7 @@ Goal (issue 37): >= 2x tokens/s at batch 1 on the demo answers; never below 0.95
 On a GPU (bench/gpu_check.sh) the same suites run there (fp32), decode and verification steps on CUDA graphs (the
 rows' extra says how many verification steps replayed one).
 """
+
 import statistics
 
 import pytest
@@ -43,8 +44,12 @@ def _generate(llm, prompts, params):
     tokens = sum(len(o.token_ids) for o in outs)
     verifications = after.get("spec_num_verifications", 0) - before.get("spec_num_verifications", 0)
     accepted = after.get("spec_accepted_tokens", 0) - before.get("spec_accepted_tokens", 0)
-    return dt, (tokens, [o.token_ids for o in outs], (accepted + verifications) / verifications if verifications
-                else None, cpu)
+    return dt, (
+        tokens,
+        [o.token_ids for o in outs],
+        (accepted + verifications) / verifications if verifications else None,
+        cpu,
+    )
 
 
 BATCH_ONE = [False]
@@ -60,7 +65,7 @@ def _compare(case, base, spec, prompt_sets, params, warm):
     for batch, sets in prompt_sets.items():
         BATCH_ONE[0] = batch == 1
         for llm in (spec, base):
-            _generate(llm, (warm * batch)[:len(sets[0])], params)
+            _generate(llm, (warm * batch)[: len(sets[0])], params)
         todo, current = iter(sets), [None]
         cpu: tuple[list, list] = ([], [])
 
@@ -74,18 +79,31 @@ def _compare(case, base, spec, prompt_sets, params, warm):
             return timed(spec, 0)
 
         t_spec, (n_spec, ids_spec, accept, _), t_base, (n_base, ids_base, _, _) = median_pair(
-            ours, lambda: timed(base, 1), len(sets))
+            ours, lambda: timed(base, 1), len(sets)
+        )
         # greedy: the same tokens (speculation is exact), so the same count on both sides
         assert n_spec == n_base, (n_spec, n_base)
         same = ids_spec == ids_base
-        record(suite=SUITE, case=f"{case}, batch {batch}", metric="tok/s", ours=n_spec / t_spec,
-               baseline=n_base / t_base, baseline_name="no speculation", higher_is_better=True,
-               extra={"ms_per_token": 1e3 * t_spec / n_spec * batch, "baseline_ms_per_token":
-                      1e3 * t_base / n_base * batch, "mean_acceptance_length": accept, "output_tokens": n_spec,
-                      "same_tokens": same, "requests": len(current[0]),
-                      # CPU seconds of this process (the engine runs in it), less moved by other load than wall time
-                      "cpu_time_speedup": statistics.median(cpu[1]) / statistics.median(cpu[0]),
-                      "verify_graph_replays": spec.stats()["num_verify_graph_replays"]})
+        record(
+            suite=SUITE,
+            case=f"{case}, batch {batch}",
+            metric="tok/s",
+            ours=n_spec / t_spec,
+            baseline=n_base / t_base,
+            baseline_name="no speculation",
+            higher_is_better=True,
+            extra={
+                "ms_per_token": 1e3 * t_spec / n_spec * batch,
+                "baseline_ms_per_token": 1e3 * t_base / n_base * batch,
+                "mean_acceptance_length": accept,
+                "output_tokens": n_spec,
+                "same_tokens": same,
+                "requests": len(current[0]),
+                # CPU seconds of this process (the engine runs in it), less moved by other load than wall time
+                "cpu_time_speedup": statistics.median(cpu[1]) / statistics.median(cpu[0]),
+                "verify_graph_replays": spec.stats()["num_verify_graph_replays"],
+            },
+        )
 
 
 def _split(prompts: list, reps: int) -> dict:
@@ -93,7 +111,7 @@ def _split(prompts: list, reps: int) -> dict:
     out, i = {}, 0
     for batch in BATCHES:
         n = BATCH_ONE_REQUESTS if batch == 1 else batch
-        out[batch] = [prompts[i + r * n:i + (r + 1) * n] for r in range(reps)]
+        out[batch] = [prompts[i + r * n : i + (r + 1) * n] for r in range(reps)]
         i += reps * n
     assert i <= len(prompts)
     return out
@@ -109,7 +127,11 @@ def test_demo_answers(bench_mode, one_thread):
     reps = 5 if bench_mode == "full" else 1
     opts = dict(num_kv_blocks=4096, use_tqdm=False, dtype=torch.float32, device=DEVICE)
     base = LLM(DEFAULT_STUDENT, **opts)
-    configs = {", lookup from 2 tokens": NGRAM | {"prompt_lookup_min": 2}, "": NGRAM, ", recent outputs": NGRAM | RECENT}
+    configs = {
+        ", lookup from 2 tokens": NGRAM | {"prompt_lookup_min": 2},
+        "": NGRAM,
+        ", recent outputs": NGRAM | RECENT,
+    }
     if bench_mode != "full":  # the smoke run: one configuration
         configs = {", recent outputs": NGRAM | RECENT}
     specs = {name: LLM(DEFAULT_STUDENT, speculative_config=c, **opts) for name, c in configs.items()}
@@ -118,9 +140,10 @@ def test_demo_answers(bench_mode, one_thread):
     prompts = [build_prompt(r, base.tokenizer) for r in rooms]
     params = SamplingParams(temperature=0, max_tokens=64)
     for i, (name, spec) in enumerate(specs.items()):  # each its own prompts: the baseline's prefix cache is shared
-        mine = prompts[warm + i * reps * per_rep:warm + (i + 1) * reps * per_rep]
-        _compare(f"demo answers (committed student, greedy{name})", base, spec, _split(mine, reps), params,
-                 prompts[:warm])
+        mine = prompts[warm + i * reps * per_rep : warm + (i + 1) * reps * per_rep]
+        _compare(
+            f"demo answers (committed student, greedy{name})", base, spec, _split(mine, reps), params, prompts[:warm]
+        )
 
 
 def _time_steps(llm, totals: dict) -> None:
@@ -131,8 +154,7 @@ def _time_steps(llm, totals: dict) -> None:
     run = runner.run
 
     def timed_run(out):
-        kind = ("verify" if any(s.num_draft_tokens for s in out.seqs) else "decode" if out.is_decode_only
-                else "prefill")
+        kind = "verify" if any(s.num_draft_tokens for s in out.seqs) else "decode" if out.is_decode_only else "prefill"
         t0 = time.process_time()
         result = run(out)
         totals[kind] = totals.get(kind, 0.0) + time.process_time() - t0
@@ -168,8 +190,8 @@ def test_demo_step_costs(bench_mode, one_thread):
         _time_steps(llm, totals[side])
     tokens = [0, 0]
     for r in range(reps):
-        todo = prompts[8 + r * BATCH_ONE_REQUESTS:8 + (r + 1) * BATCH_ONE_REQUESTS]
-        for side in ((0, 1) if r % 2 == 0 else (1, 0)):
+        todo = prompts[8 + r * BATCH_ONE_REQUESTS : 8 + (r + 1) * BATCH_ONE_REQUESTS]
+        for side in (0, 1) if r % 2 == 0 else (1, 0):
             t0 = time.process_time()
             for p in todo:
                 tokens[side] += len((base, spec)[side].generate([p], params)[0].token_ids)
@@ -180,27 +202,37 @@ def test_demo_step_costs(bench_mode, one_thread):
         forward = sum(side.get(k, 0.0) for k in ("prefill", "decode", "verify"))
         side["rest of the engine"] = side["request"] - forward
     for kind in ("prefill", "decode", "verify", "rest of the engine", "request"):
-        record(suite=SUITE, case=f"demo answers, batch 1, CPU time per request: {kind}", metric="ms",
-               ours=1e3 * totals[1].get(kind, 0.0) / n, baseline=1e3 * totals[0].get(kind, 0.0) / n,
-               baseline_name="no speculation", higher_is_better=False,
-               extra={"requests": n, "ours": "ngram from 1-token matches, recent outputs"})
+        record(
+            suite=SUITE,
+            case=f"demo answers, batch 1, CPU time per request: {kind}",
+            metric="ms",
+            ours=1e3 * totals[1].get(kind, 0.0) / n,
+            baseline=1e3 * totals[0].get(kind, 0.0) / n,
+            baseline_name="no speculation",
+            higher_is_better=False,
+            extra={"requests": n, "ours": "ngram from 1-token matches, recent outputs"},
+        )
     # tokens per CPU second over the whole request (prefill included), and over decoding only (TPOT-based, as
     # llama.cpp's TG figure: the output tokens after the first, over the request's CPU time less its prefill step)
     whole = [tokens[s] / totals[s]["request"] for s in (0, 1)]
     decode = [(tokens[s] - n) / (totals[s]["request"] - totals[s]["prefill"]) for s in (0, 1)]
     for case, (b, o) in (("whole request", whole), ("decode only (TPOT)", decode)):
-        record(suite=SUITE, case=f"demo answers, batch 1, tok/s per CPU second, {case}", metric="tok/s", ours=o,
-               baseline=b, baseline_name="no speculation", higher_is_better=True,
-               extra={"requests": n, "output_tokens": tokens[1], "ours": "ngram from 1-token matches, recent outputs"})
+        record(
+            suite=SUITE,
+            case=f"demo answers, batch 1, tok/s per CPU second, {case}",
+            metric="tok/s",
+            ours=o,
+            baseline=b,
+            baseline_name="no speculation",
+            higher_is_better=True,
+            extra={"requests": n, "output_tokens": tokens[1], "ours": "ngram from 1-token matches, recent outputs"},
+        )
 
 
-def test_verify_forward_cost(bench_mode, one_thread):
-    """A 5-token verification forward against a 1-token decode forward of the committed student on the demo's
-    prompts, both the one-call CPU step (livemoe::decode_step) at ~210 tokens of context, replayed in isolation
-    (the engine's own calls, caught in a run), alternated, CPU time; and the paged attention inside them alone, the
-    one op whose cost grows with the query rows most. The ratio is what a verification costs in decode steps."""
-    import time
-
+def caught_steps() -> dict:
+    """{query rows: (call, input_ids, positions, step)}: the first one-call CPU step (livemoe::decode_step) of each
+    row count the engine ran while answering 4 demo questions with ngram speculation (1-token decode steps and
+    5-token verifications among them), to be replayed alone with fused_decode.run_step."""
     from livemoe.engine import LLM
     from livemoe.engine.model import fused_decode
     from livemoe.engine.sampling.params import SamplingParams
@@ -208,11 +240,10 @@ def test_verify_forward_cost(bench_mode, one_thread):
     from livemoe.train.data import build_prompt
     from livemoe.train.synthetic.world import make_rooms
 
-    if DEVICE != "cpu" or not fused_decode.BUILT:
-        pytest.skip("the one-call CPU step (livemoe._C on the CPU)")
-    spec = LLM(DEFAULT_STUDENT, speculative_config=NGRAM, num_kv_blocks=4096, use_tqdm=False, dtype=torch.float32,
-               device="cpu")
-    caught = {}
+    spec = LLM(
+        DEFAULT_STUDENT, speculative_config=NGRAM, num_kv_blocks=4096, use_tqdm=False, dtype=torch.float32, device="cpu"
+    )
+    caught: dict = {}
     real = fused_decode.run_step
 
     def catch(call, input_ids, positions, step):
@@ -226,6 +257,22 @@ def test_verify_forward_cost(bench_mode, one_thread):
     finally:
         fused_decode.run_step = real
     assert 1 in caught and 5 in caught, sorted(caught)
+    return caught
+
+
+def test_verify_forward_cost(bench_mode, one_thread):
+    """A 5-token verification forward against a 1-token decode forward of the committed student on the demo's
+    prompts, both the one-call CPU step (livemoe::decode_step) at ~210 tokens of context, replayed in isolation
+    (the engine's own calls, caught in a run), alternated, CPU time; and the paged attention inside them alone, the
+    one op whose cost grows with the query rows most. The ratio is what a verification costs in decode steps."""
+    import time
+
+    from livemoe.engine.model import fused_decode
+
+    if DEVICE != "cpu" or not fused_decode.BUILT:
+        pytest.skip("the one-call CPU step (livemoe._C on the CPU)")
+    caught = caught_steps()
+    real = fused_decode.run_step
     calls = 200 if bench_mode == "full" else 20
 
     def timer(fn):
@@ -234,6 +281,7 @@ def test_verify_forward_cost(bench_mode, one_thread):
             for _ in range(calls):
                 fn()
             return (time.process_time() - t0) / calls, None
+
         return timed
 
     def step_of(n):
@@ -244,17 +292,24 @@ def test_verify_forward_cost(bench_mode, one_thread):
         call, _, _, step = caught[n]
         k_cache, v_cache = step.kv_caches[call.cache_index[0]]
         q = torch.randn(n, call.num_heads, k_cache.shape[-1])
-        return lambda: torch.ops.livemoe.paged_attention(q, k_cache, v_cache, None if n == 1 else step.cu_seqlens_q,
-                                                         step.context_lens, step.block_tables, call.scale)
+        return lambda: torch.ops.livemoe.paged_attention(
+            q, k_cache, v_cache, None if n == 1 else step.cu_seqlens_q, step.context_lens, step.block_tables, call.scale
+        )
 
     reps = 7 if bench_mode == "full" else 1
     with torch.inference_mode():
         for what, make in (("forward (decode_step)", step_of), ("paged attention, one layer", attention_of)):
             t5, _, t1, _ = median_pair(timer(make(5)), timer(make(1)), reps)
-            record(suite=SUITE, case=f"verification of 4 drafts against a decode step: {what}", metric="us",
-                   ours=t5 * 1e6, baseline=t1 * 1e6, baseline_name="decode step (1 token)", higher_is_better=False,
-                   extra={"context_tokens": int(caught[5][3].context_lens[0]), "calls": calls,
-                          "ratio": t5 / t1})
+            record(
+                suite=SUITE,
+                case=f"verification of 4 drafts against a decode step: {what}",
+                metric="us",
+                ours=t5 * 1e6,
+                baseline=t1 * 1e6,
+                baseline_name="decode step (1 token)",
+                higher_is_better=False,
+                extra={"context_tokens": int(caught[5][3].context_lens[0]), "calls": calls, "ratio": t5 / t1},
+            )
 
 
 def test_random_control(bench_mode, one_thread, tmp_path_factory):
@@ -269,8 +324,14 @@ def test_random_control(bench_mode, one_thread, tmp_path_factory):
     base, spec = LLM(path, **opts), LLM(path, speculative_config=NGRAM | RECENT, **opts)
     prompts = random_prompts(8 + reps * (BATCH_ONE_REQUESTS + sum(BATCHES[1:])), 16, 48, 131, seed=3)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    _compare("random control (tiny MoE, random prompts, recent outputs)", base, spec, _split(prompts[8:], reps),
-             params, prompts[:8])
+    _compare(
+        "random control (tiny MoE, random prompts, recent outputs)",
+        base,
+        spec,
+        _split(prompts[8:], reps),
+        params,
+        prompts[:8],
+    )
 
 
 @pytest.mark.parametrize("num_sessions", [1, 8])
@@ -285,10 +346,39 @@ def test_live_session(bench_mode, one_thread, tmp_path_factory, num_sessions):
     base, spec = LLM(path, **opts), LLM(path, speculative_config=NGRAM, **opts)
     warm, timed = (6, 4) if bench_mode == "full" else (2, 1)
     t_spec, (_, _, out), t_base, (_, _, out_base) = median_pair(
-        lambda: _play(spec, num_sessions, warm, timed), lambda: _play(base, num_sessions, warm, timed),
-        3 if bench_mode == "full" else 1)
+        lambda: _play(spec, num_sessions, warm, timed),
+        lambda: _play(base, num_sessions, warm, timed),
+        3 if bench_mode == "full" else 1,
+    )
     s = spec.stats()
-    record(suite=SUITE, case=f"live session, {num_sessions} session(s)", metric="ms per interval",
-           ours=t_spec * 1e3, baseline=t_base * 1e3, baseline_name="no speculation",
-           extra={"completion_tokens": out, "baseline_completion_tokens": out_base,
-                  "mean_acceptance_length": s["spec_mean_acceptance_length"]})
+    record(
+        suite=SUITE,
+        case=f"live session, {num_sessions} session(s)",
+        metric="ms per interval",
+        ours=t_spec * 1e3,
+        baseline=t_base * 1e3,
+        baseline_name="no speculation",
+        extra={
+            "completion_tokens": out,
+            "baseline_completion_tokens": out_base,
+            "mean_acceptance_length": s["spec_mean_acceptance_length"],
+        },
+    )
+
+
+if __name__ == "__main__":
+    # `perf record python -m bench.bench_spec ROWS CALLS`: replays the caught step of ROWS query rows (1: a decode
+    # step, 5: a verification of 4 drafts) CALLS times, one thread, so a profile of each can be compared
+    import sys
+    import time
+
+    from livemoe.engine.model import fused_decode
+
+    torch.set_num_threads(1)
+    rows, calls = int(sys.argv[1]), int(sys.argv[2])
+    call, ids, pos, step = caught_steps()[rows]
+    with torch.inference_mode():
+        t0 = time.process_time()
+        for _ in range(calls):
+            fused_decode.run_step(call, ids, pos, step)
+        print(f"{rows} rows: {(time.process_time() - t0) / calls * 1e6:.1f} us CPU per step")

@@ -5,7 +5,8 @@
 // context_len - q_len + i and sees the cached positions <= its own (causal, bottom-right aligned). K/V are
 // read in place from the paged cache [num_blocks, block_size, Hkv, D] through block_tables [S, W]: no
 // gathered copy. One task = (sequence, tile of queries, kv heads: all, or one when tasks are too few for
-// the threads); the GQA group's query heads are rows of the task, so one pass over K/V serves the group.
+// several threads); the GQA group's query heads and the tile's tokens are rows of the task, so one pass over
+// K/V serves them all (a verification's k + 1 tokens too).
 // A task walks its keys in chunks (the whole context of a short decode): all scores of a chunk, then the
 // softmax with one rescale per chunk (online softmax across chunks, in fp32), then probabilities x V; the
 // kernels are in attention_cpu.h (AVX2 + FMA where the CPU has it and D % 8 == 0, else portable C++).
@@ -218,9 +219,11 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, c
     }
     for (int64_t t0 = 0; t0 < q_len; t0 += kQueryTile) tasks.push_back({s, 0, hkv, t0, std::min(q_len, t0 + kQueryTile)});
   }
-  // all kv heads per task reads each cache block front to back once; split the heads over tasks only when
-  // there are too few (sequence, query tile) tasks to keep the threads busy (a long decode at small batch)
-  if (hkv > 1 && static_cast<int64_t>(tasks.size()) < 4 * at::get_num_threads()) {
+  // all kv heads per task reads each cache block front to back once (a token's rows of all heads are
+  // adjacent); split the heads over tasks only when there are too few (sequence, query tile) tasks to keep
+  // several threads busy (a long decode at small batch). One thread: never, the split only adds strided reads.
+  const int64_t threads = at::get_num_threads();
+  if (hkv > 1 && threads > 1 && static_cast<int64_t>(tasks.size()) < 4 * threads) {
     std::vector<Task> split;
     for (const Task& t : tasks)
       for (int64_t h = 0; h < hkv; ++h) split.push_back({t.seq, h, h + 1, t.t0, t.t1});
