@@ -4,13 +4,14 @@ change arrives only *said* (audio) or only *shown* (a video frame).
 The world: livemoe.train.live.world's sessions and gold decisions (MEM at each announced change), heard and seen
 through livemoe.train.live.media_world's renderers, with every interval given exactly one medium of one shape, so the
 text lines a session writes for its media ("audio: 4.0 s", "video: 2 frames") say nothing:
-  said   each interval has one 4.0 s clip (padded or cut): at a change, a chime and the host's spoken announcement;
-         elsewhere the host's other line of the interval, or a stock phrase, spoken;
+  said   each interval has one 4.0 s clip (padded or cut): at a change, the host's spoken announcement over a hiss
+         (CUE, white noise about 6 dB over the speech); elsewhere the host's other line of the interval, or a stock
+         phrase, spoken;
   shown  each interval has one product card: at a change, the changed product's card under a red "NEW PRICE" /
          "SOLD OUT" banner; elsewhere a plain card of the product held up (or of a product drawn at random).
 The announcement's text ("news! ...") is in neither; every other event stays text. What the multimodal policy can
-pick up is that a chime was heard or a banner seen: cues chosen so that a tiny encoder and projector could learn
-them in minutes (docs/multimodal.md says which one it did). It cannot
+pick up is that the hiss was heard or a banner seen: cues chosen so that a tiny encoder and projector could learn
+them in minutes (docs/multimodal.md says how each was chosen and measured). It cannot
 read the new price off the card or hear it in the speech (the MEM note's content): the table's claim is the
 decision to write the note at the change, not what the note says.
 
