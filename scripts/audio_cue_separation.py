@@ -51,6 +51,7 @@ def main(argv=None) -> None:
     from experiments import live_media
     from experiments.common import ExperimentArgs
     from livemoe.engine import load_model
+    from livemoe.engine.multimodal.decode import decode_wav
     from livemoe.train.live.omni import media_processor
     from livemoe.train.live.world import LiveWorldConfig, make_sessions
 
@@ -72,8 +73,6 @@ def main(argv=None) -> None:
             for iv in live_media.cue_session(s, cache, "said", cue)["intervals"]:
                 path = next(e["path"] for e in iv["events"] if e["type"] == "audio")
                 with open(path, "rb") as f:
-                    from livemoe.engine.multimodal.decode import decode_wav
-
                     wave = decode_wav(f.read(), path, 16000, 60.0)
                 item = processor.audio_waveform(wave, path)
                 for k, rows in enumerate(stage_rows(thinker, item.data)):
