@@ -4,13 +4,14 @@ change arrives only *said* (audio) or only *shown* (a video frame).
 The world: livemoe.train.live.world's sessions and gold decisions (MEM at each announced change), heard and seen
 through livemoe.train.live.media_world's renderers, with every interval given exactly one medium of one shape, so the
 text lines a session writes for its media ("audio: 4.0 s", "video: 2 frames") say nothing:
-  said   each interval has one 4.0 s clip (padded or cut): at a change, a chime and the host's spoken announcement;
-         elsewhere the host's other line of the interval, or a stock phrase, spoken;
+  said   each interval has one 4.0 s clip (padded or cut): at a change, the host's spoken announcement over a hiss
+         (CUE, white noise about 6 dB over the speech); elsewhere the host's other line of the interval, or a stock
+         phrase, spoken;
   shown  each interval has one product card: at a change, the changed product's card under a red "NEW PRICE" /
          "SOLD OUT" banner; elsewhere a plain card of the product held up (or of a product drawn at random).
 The announcement's text ("news! ...") is in neither; every other event stays text. What the multimodal policy can
-pick up is that a chime was heard or a banner seen: cues chosen so that a tiny encoder and projector could learn
-them in minutes (docs/multimodal.md says which one it did). It cannot
+pick up is that the hiss was heard or a banner seen: cues chosen so that a tiny encoder and projector could learn
+them in minutes (docs/multimodal.md says how each was chosen and measured). It cannot
 read the new price off the card or hear it in the speech (the MEM note's content): the table's claim is the
 decision to write the note at the change, not what the note says.
 
@@ -140,25 +141,64 @@ def chime(seconds: float = 1.0, rate: int = 16000) -> np.ndarray:
     return (0.4 * np.exp(-4 * t) * (np.sin(2 * np.pi * 880 * t) + np.sin(2 * np.pi * 1320 * t))).astype(np.float32)
 
 
-def clip(text: str, cache_dir: str, with_chime: bool) -> str:
-    """A CLIP_SECONDS WAV of `text` spoken (after a chime), padded with silence or cut (cached)."""
+def tone(seconds: float, hz: float, amplitude: float, rate: int = 16000) -> np.ndarray:
+    """A steady sine."""
+    return (amplitude * np.sin(2 * np.pi * hz * np.arange(int(seconds * rate)) / rate)).astype(np.float32)
+
+
+def under(speech: np.ndarray, bed: np.ndarray) -> np.ndarray:
+    """The speech with `bed` playing under it from the clip's start (the bed's length: the clip's)."""
+    n = int(CLIP_SECONDS * 16000)
+    x = np.pad(speech[:n], (0, max(0, n - len(speech))))
+    return x + np.resize(bed, n)
+
+
+# What a change's clip sounds like, by name (`clip`'s `cue`): the speech of the announcement -> the clip's waveform.
+# The audio tower cuts a clip into 1 s chunks, each convolved on its own with positions restarting, so a cue heard
+# in every second reaches all of the clip's rows, one before the speech only the first second's.
+CUES = {
+    "chime": lambda speech: np.concatenate([chime(), speech]),
+    "loud_chime": lambda speech: np.concatenate([np.clip(2.5 * chime(), -1, 1), speech]),
+    "double_chime": lambda speech: np.concatenate([chime(), chime(), speech]),
+    "beep": lambda speech: np.concatenate([tone(1.0, 2000, 0.5), speech]),
+    "spoken_twice": lambda speech: np.concatenate([chime(), speech, speech]),
+    "chime_each_second": lambda speech: under(speech, chime()),
+    "tone_bed": lambda speech: under(speech, tone(1.0, 2000, 0.2)),
+    "hiss": lambda speech: under(speech, hiss()),
+}
+CUE = "hiss"  # the experiment's: scripts/audio_cue_separation.py measured how far each sets a change's clip apart
+
+
+def hiss(amplitude: float = 0.2, rate: int = 16000) -> np.ndarray:
+    """CLIP_SECONDS of white noise (the same every time): a crowd's hiss under an announcement, about 6 dB over the
+    speech."""
+    return np.random.default_rng(0).normal(0, amplitude, int(CLIP_SECONDS * rate)).astype(np.float32)
+
+
+def clip(text: str, cache_dir: str, cue: str | None) -> str:
+    """A CLIP_SECONDS WAV of `text` spoken (with the named cue of CUES, or plain for None), padded with silence or
+    cut (cached)."""
     import hashlib
 
     from livemoe.engine.multimodal.decode import decode_wav
     from livemoe.train.live.media_world import SAMPLE_RATE, speak, write_wav
 
-    path = os.path.join(cache_dir, "clip-" + hashlib.sha256(f"{with_chime}|{text}".encode()).hexdigest()[:20] + ".wav")
+    if cue is not None and cue not in CUES:
+        raise ValueError(f"cue {cue!r}: not one of {sorted(CUES)}")
+    key = "True" if cue == "chime" else cue or "False"  # the committed run's cache keys (with_chime) stay valid
+    path = os.path.join(cache_dir, "clip-" + hashlib.sha256(f"{key}|{text}".encode()).hexdigest()[:20] + ".wav")
     if not os.path.exists(path):
         with open(speak(text, cache_dir), "rb") as f:
             speech = decode_wav(f.read(), text, SAMPLE_RATE, 60.0)
-        x = np.concatenate([chime(), speech]) if with_chime else speech
+        x = CUES[cue](speech) if cue else speech
         n = int(CLIP_SECONDS * SAMPLE_RATE)
         write_wav(path, np.pad(x[:n], (0, max(0, n - len(x)))))
     return path
 
 
-def cue_session(session: dict, cache_dir: str, mode: str) -> dict:
-    """The session heard ("said") or seen ("shown") as the module doc says; decisions, facts and changes kept."""
+def cue_session(session: dict, cache_dir: str, mode: str, cue: str = CUE) -> dict:
+    """The session heard ("said", a change's clip with the named cue of CUES) or seen ("shown") as the module doc
+    says; decisions, facts and changes kept."""
     import random
 
     from livemoe.train.live.media_world import card
@@ -175,7 +215,7 @@ def cue_session(session: dict, cache_dir: str, mode: str) -> dict:
         if mode == "said":
             other = [e["text"] for e in events if e["type"] == "transcript"]
             line = news[0]["text"] if news else (other[0] if other else rng.choice(FILLERS))
-            events.append({"type": "audio", "path": clip(line, cache_dir, with_chime=bool(news))})
+            events.append({"type": "audio", "path": clip(line, cache_dir, cue if news else None)})
         else:
             if iv["changes"]:
                 change = iv["changes"][0]
@@ -221,7 +261,7 @@ def rate(outcomes: list, mask: list) -> tuple:
     return (100.0 * sum(xs) / len(xs) if xs else "-"), len(xs)
 
 
-def write_sessions(args: ExperimentArgs, size: dict) -> tuple[list, list, dict]:
+def write_sessions(args: ExperimentArgs, size: dict, cue: str = CUE) -> tuple[list, list, dict]:
     """The training and held-out sessions (the held-out ones said, then the same shown), rendered and saved:
     -> (training sessions, held-out sessions, {train_media, heldout_media, train_text, heldout_text: JSONL path})."""
     from livemoe.train.live.data import save_sessions
@@ -231,10 +271,10 @@ def write_sessions(args: ExperimentArgs, size: dict) -> tuple[list, list, dict]:
     cache = os.path.join(args.work_dir, "media")
     os.makedirs(data, exist_ok=True)
     world = LiveWorldConfig(num_intervals=size["intervals"])
-    train = [cue_session(s, cache, "said" if i % 2 == 0 else "shown")
+    train = [cue_session(s, cache, "said" if i % 2 == 0 else "shown", cue)
              for i, s in enumerate(make_sessions(size["train"], args.seed, world, "train"))]
     held_base = make_sessions(size["eval"], args.seed + 10_000, world, "heldout")
-    held = [cue_session(s, cache, mode) for mode in ("said", "shown") for s in held_base]
+    held = [cue_session(s, cache, mode, cue) for mode in ("said", "shown") for s in held_base]
     files = {}
     for name, sessions in (("train_media", train), ("heldout_media", held), ("train_text", list(map(text_only, train))),
                            ("heldout_text", list(map(text_only, held)))):
