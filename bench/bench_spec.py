@@ -18,6 +18,7 @@ On a GPU (bench/gpu_check.sh) the same suites run there (fp32), decode and verif
 rows' extra says how many verification steps replayed one).
 """
 
+import dataclasses
 import statistics
 
 import pytest
@@ -229,6 +230,9 @@ def test_demo_step_costs(bench_mode, one_thread):
         )
 
 
+_STEP_TENSORS = ("slot_mapping", "context_lens", "block_tables", "cu_seqlens_q")
+
+
 def caught_steps() -> dict:
     """{query rows: (call, input_ids, positions, step)}: the first one-call CPU step (livemoe::decode_step) of each
     row count the engine ran while answering 4 demo questions with ngram speculation (1-token decode steps and
@@ -247,7 +251,9 @@ def caught_steps() -> dict:
     real = fused_decode.run_step
 
     def catch(call, input_ids, positions, step):
-        caught.setdefault(input_ids.shape[1], (call, input_ids.clone(), positions.clone(), step))
+        if input_ids.shape[1] not in caught:  # the CPU runner's step inputs are views of buffers the next step reuses
+            kept = dataclasses.replace(step, **{n: t.clone() for n in _STEP_TENSORS if (t := getattr(step, n)) is not None})
+            caught[input_ids.shape[1]] = (call, input_ids.clone(), positions.clone(), kept)
         return real(call, input_ids, positions, step)
 
     fused_decode.run_step = catch

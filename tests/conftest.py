@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 # test file's name is unique across them.
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE] + [os.path.join(HERE, d) for d in ("unit", "integration", "gpu")]
-from fixtures import apply_device_markers, one_thread  # noqa: E402,F401  (shared fixture)
+from fixtures import apply_device_markers, one_thread, row_invariant_interpreter_dot  # noqa: E402,F401  (shared fixtures)
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
 

@@ -22,6 +22,36 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+@pytest.fixture(scope="module")
+def row_invariant_interpreter_dot():
+    """Under TRITON_INTERPRET=1 tl.dot is numpy's matmul, and its BLAS kernel may round a row by the row's place in
+    the block (OpenBLAS' Haswell sgemm: rows 6 and up of a block differ from rows 0-5 in the last bit), which a GPU's
+    dot instruction does not. The tests of the exact mode's row invariance run the interpreter with a dot that
+    treats every row alike (products accumulated over k in order, in the accumulator's dtype), so they test our
+    kernels and not the host's BLAS. Nothing changes on a GPU or with the interpreter off; fp8 and integer dots keep
+    the interpreter's own."""
+    if os.environ.get("TRITON_INTERPRET") != "1" or torch.cuda.is_available():
+        yield
+        return
+    from triton.runtime import interpreter
+
+    real = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        acc = d.data.dtype
+        if a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8 or acc.kind != "f":
+            return real(self, a, b, d, input_precision, max_num_imprecise_acc)
+        x, y = a.data.astype(acc), b.data.astype(acc)
+        out = d.data.copy()
+        for k in range(x.shape[-1]):
+            out += x[..., k:k + 1] * y[..., k:k + 1, :]
+        return interpreter.TensorHandle(out, d.dtype.scalar)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+        yield
+
+
 def apply_device_markers(items, folder: str) -> None:
     """The markers of pyproject.toml that say what a test needs, for the collected tests under `folder` (each conftest
     passes its own, tests/ and bench/: with both collected, each hook sees every item): a test under tests/gpu/ is

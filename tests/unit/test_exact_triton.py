@@ -1,7 +1,9 @@
 """Issue 32, item 5 on the GPU: the exact mode's Triton kernels (livemoe/kernels/batch_invariant/*.py).
 
 Here under TRITON_INTERPRET=1 (tests/conftest.py) in fp32 and fp16 (the interpreter's tl.dot on bf16 is not
-bf16's), on a GPU compiled (bench/gpu_check.sh selects the `triton` marker):
+bf16's; its tl.dot is
+numpy's matmul, made row-invariant by the row_invariant_interpreter_dot fixture, since some hosts' BLAS round a row
+by its place in a block), on a GPU compiled (bench/gpu_check.sh selects the `triton` marker):
 
 - each op's rows computed alone, in a batch of 7 and in a batch of 64 are equal bit for bit (torch.equal: the
   op's whole point), and close to the plain fp32 PyTorch formula. Tolerances: fp32 1e-5 (another summation
@@ -33,7 +35,7 @@ from livemoe.kernels.moe.reference import experts_reference
 from livemoe.kernels.norm import rms_norm_reference
 from tiny_models import make_checkpoint
 
-pytestmark = [pytest.mark.triton, pytest.mark.usefixtures("one_thread")]
+pytestmark = [pytest.mark.triton, pytest.mark.usefixtures("one_thread", "row_invariant_interpreter_dot")]
 
 DTYPES = [torch.float32, torch.float16]
 
