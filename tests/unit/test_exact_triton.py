@@ -1,9 +1,8 @@
 """Issue 32, item 5 on the GPU: the exact mode's Triton kernels (livemoe/kernels/batch_invariant/*.py).
 
 Here under TRITON_INTERPRET=1 (tests/conftest.py) in fp32 and fp16 (the interpreter's tl.dot on bf16 is not
-bf16's; its tl.dot is
-numpy's matmul, made row-invariant by the row_invariant_interpreter_dot fixture, since some hosts' BLAS round a row
-by its place in a block), on a GPU compiled (bench/gpu_check.sh selects the `triton` marker):
+bf16's; its tl.dot is numpy's matmul, made row-invariant by the row_invariant_interpreter_dot fixture, as some hosts'
+BLAS round a row by its place in a block), on a GPU compiled (bench/gpu_check.sh selects the `triton` marker):
 
 - each op's rows computed alone, in a batch of 7 and in a batch of 64 are equal bit for bit (torch.equal: the
   op's whole point), and close to the plain fp32 PyTorch formula. Tolerances: fp32 1e-5 (another summation
