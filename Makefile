@@ -39,7 +39,7 @@ demo: setup
 	$(PY) -m train.grpo --threads $(DEMO_THREADS)
 
 test: setup
-	@echo "== the whole suite, tests/ and bench/ in quick mode: about 12 minutes on 2 cores (gpu tests skip without a GPU)"
+	@echo "== the whole suite, tests/ and bench/ in quick mode: about 18-26 minutes on 2 cores (gpu tests skip without a GPU)"
 	$(PY) -m pytest tests bench -q
 
 # markers in pyproject.toml: slow (10 s or more each on 2 cores) and gpu (needs a CUDA GPU) left out
