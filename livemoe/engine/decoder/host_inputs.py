@@ -31,13 +31,10 @@ class HostInputs:
             self._grow(n_longs, n_ints)
         self._longs_np[:n_longs] = np.frombuffer(plan.longs, dtype=np.int64)
         self._ints_np[:n_ints] = np.frombuffer(plan.ints, dtype=np.int32)
-        S, N, width = plan.num_seqs, plan.num_tokens, plan.width
-        key = (S, width)
+        key = (plan.num_seqs, plan.width)
         if plan.is_decode and (kept := self._views.get(key)) is not None:
             return kept
-        longs, ints = self.longs, self.ints
-        views = (longs[:N], longs[N:2 * N], longs[2 * N:3 * N], ints[:S], ints[S:2 * S + 1],
-                 ints[2 * S + 1:2 * S + 1 + S * width].view(S, width))
+        views = plan.split(self.longs[:n_longs], self.ints[:n_ints])
         if plan.is_decode:  # N == S: the views depend on (S, width) alone
             if len(self._views) >= _MAX_SHAPES:
                 self._views.clear()

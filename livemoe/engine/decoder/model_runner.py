@@ -247,14 +247,11 @@ class ModelRunner:
 
     def step_inputs(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, StepContext]:
         """(input_ids [N], positions [N], StepContext) on the device."""
-        S, N, width = plan.num_seqs, plan.num_tokens, plan.width
         if self.host_inputs is not None:  # the CPU: views of buffers kept across steps
-            input_ids, positions, slot_mapping, context_lens, cu_seqlens_q, block_tables = self.host_inputs.views(plan)
+            views = self.host_inputs.views(plan)
         else:  # one tensor per dtype (a host-to-device copy each); the step's tensors are views of them
-            longs = self._to_device(plan.longs, torch.long)
-            ints = self._to_device(plan.ints, torch.int32)
-            input_ids, positions, slot_mapping = longs[:N], longs[N:2 * N], longs[2 * N:]
-            context_lens, cu_seqlens_q, block_tables = ints[:S], ints[S:2 * S + 1], ints[2 * S + 1:].view(S, width)
+            views = plan.split(self._to_device(plan.longs, torch.long), self._to_device(plan.ints, torch.int32))
+        input_ids, positions, slot_mapping, context_lens, cu_seqlens_q, block_tables = views
         ctx = StepContext(kv_caches=self.layer_caches, slot_mapping=slot_mapping, context_lens=context_lens,
                           cu_seqlens_q=cu_seqlens_q, block_tables=block_tables, max_seqlen_q=plan.max_seqlen_q,
                           is_decode=plan.is_decode, backend=self.backend, max_context_len=plan.max_context_len,

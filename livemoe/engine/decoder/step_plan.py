@@ -29,6 +29,14 @@ class StepPlan:
     def num_tokens(self) -> int:
         return len(self.longs) // 3
 
+    def split(self, longs, ints) -> tuple:
+        """The step's tensors as views of `longs` and `ints` (tensors holding this plan's two arrays, in order):
+        (input_ids [N], positions [N], slot_mapping [N], context_lens [S], cu_seqlens_q [S + 1], block_tables
+        [S, width])."""
+        S, N = self.num_seqs, self.num_tokens
+        return (longs[:N], longs[N:2 * N], longs[2 * N:], ints[:S], ints[S:2 * S + 1],
+                ints[2 * S + 1:].view(S, self.width))
+
     def frames(self) -> list[bytes]:
         header = _HEADER.pack(self.num_seqs, self.width, self.max_seqlen_q, int(self.is_decode),
                               self.max_context_len, len(self.longs), len(self.ints))
